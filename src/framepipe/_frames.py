@@ -1,0 +1,263 @@
+"""What both cores share that is not on the hot path: the wire constants, the error messages,
+object (de)serialisation with out-of-band buffers, and the hand-off to the exception layer.
+
+Neither core knows which implementation runs; both call these helpers with the same arguments,
+so the two raise the same errors with the same text.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from typing import Any
+
+from .errors import FrameError, ReadTimeout, WriterDied
+
+CHECK = b"\x00\x00"  # a data frame
+TIMEOUT = b"\x01\x01"  # reference writers' timeout sentinel, alone at a frame boundary
+DEAD = b"\x02\x02"  # + u64 status: the writer died
+ERROR = b"\x03\x03"  # a serialized exception (framepipe.remote)
+OBJECT = b"\x04\x04"  # a pickle whose large buffers follow as BUFFER frames
+BUFFER = b"\x05\x05"  # one out-of-band buffer of the OBJECT frame before it
+
+KIND_DATA, KIND_TIMEOUT, KIND_DEAD, KIND_ERROR, KIND_OBJECT, KIND_BUFFER = 0, 1, 2, 3, 4, 5
+KIND_BY_CHECK = {CHECK: 0, TIMEOUT: 1, DEAD: 2, ERROR: 3, OBJECT: 4, BUFFER: 5}
+CHECK_BY_KIND = {v: k for k, v in KIND_BY_CHECK.items()}
+FRAMED_KINDS = (KIND_DATA, KIND_ERROR, KIND_OBJECT, KIND_BUFFER)
+
+LENGTH = struct.Struct("Q")
+HEADER_SIZE = 2 + LENGTH.size + 2
+DEAD_SIZE = 2 + LENGTH.size
+OOB_THRESHOLD = 64 * 1024  # buffers at least this large travel out of band
+_META = struct.Struct("QQ")  # (length, flags) of each out-of-band buffer
+FLAG_BYTES = 1  # the buffer is rebuilt as an immutable bytes object
+
+
+def header(kind: int, length: int) -> bytes:
+    check = CHECK_BY_KIND[kind]
+    return check + LENGTH.pack(length) + check
+
+
+def dead_status(data: bytes) -> int:
+    """Exit status carried by a DEAD sentinel: a code, or 128 + signum for a signal."""
+    return int(LENGTH.unpack(data)[0])
+
+
+# --- errors, built in one place so both cores say the same thing -------------------------
+
+
+def bad_check(seen: bytes, offset: int, where: str) -> FrameError:
+    return FrameError(
+        f"bad check bytes {seen.hex(' ')} {where} at stream offset {offset:,} (expected 00 00 "
+        "or a known sentinel); the stream is out of sync and this connection is now broken: "
+        "was the other end written by something other than a framepipe writer, or by two "
+        "unsynchronised writers?"
+    )
+
+
+def mismatched_checks(first: bytes, second: bytes, offset: int) -> FrameError:
+    return FrameError(
+        f"frame header at stream offset {offset:,} opens with {first.hex(' ')} but its second "
+        f"check bytes are {second.hex(' ')}; the stream is out of sync and this connection is "
+        "now broken"
+    )
+
+
+def too_large(length: int, max_size: int, offset: int) -> FrameError:
+    return FrameError(
+        f"frame at stream offset {offset:,} announces {length:,} bytes, over this connection's "
+        f"max_size of {max_size:,}; nothing was allocated and the connection is now broken "
+        "(raise max_size if such frames are expected)"
+    )
+
+
+def truncated(got: int, expected: int) -> FrameError:
+    return FrameError(
+        f"got end of file during message: the writer closed the connection after {got:,} of "
+        f"the {expected:,} bytes of a frame (header included)"
+    )
+
+
+def broken(reason: BaseException) -> FrameError:
+    return FrameError(f"connection is broken by an earlier protocol error: {reason}")
+
+
+def timeout_error(timeout: float | None) -> ReadTimeout:
+    return ReadTimeout(
+        f"no complete frame arrived within {timeout} s; nothing was lost (a partially "
+        "received frame is kept and the next read returns it whole)"
+    )
+
+
+def sentinel_timeout() -> ReadTimeout:
+    return ReadTimeout("the writer sent a TIMEOUT sentinel: its read deadline expired")
+
+
+def dead_error(status: int, liveness: Any) -> WriterDied:
+    if liveness is not None:
+        return liveness.error()  # type: ignore[no-any-return]
+    return WriterDied(None, status if status < 128 else -(status - 128))
+
+
+def writer_died(liveness: Any, lost: int, expected: int | None) -> WriterDied:
+    return liveness.error(lost_bytes=lost, expected_bytes=expected)  # type: ignore[no-any-return]
+
+
+def check_send_args(view_len: int, offset: int, size: int | None) -> int:
+    """The stdlib's argument checks for send_bytes; returns the size to send."""
+    if offset < 0:
+        raise ValueError("offset is negative")
+    if view_len < offset:
+        raise ValueError("buffer length < offset")
+    if size is None:
+        size = view_len - offset
+    elif size < 0:
+        raise ValueError("size is negative")
+    elif offset + size > view_len:
+        raise ValueError("buffer length < offset + size")
+    return size
+
+
+# --- objects --------------------------------------------------------------------------------
+
+
+def _as_bytes(buf: Any) -> bytes:
+    return buf if type(buf) is bytes else bytes(buf)
+
+
+class _Reduced:
+    """Wraps a large top-level bytes object so its memory travels out of band."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        return (_as_bytes, (pickle.PickleBuffer(self.data),))
+
+
+def dumps(obj: Any) -> list[Any]:
+    """The frames that carry ``obj``, as a list of buffers to write in one go.
+
+    Small objects are one data frame of an in-band pickle (what a reference writer sends).
+    Objects holding buffers of 64 KiB or more become an OBJECT frame (the pickle, then a table
+    of buffer sizes) followed by one BUFFER frame per buffer, written from the buffer's own
+    memory.
+    """
+    buffers: list[pickle.PickleBuffer] = []
+
+    def keep(pb: pickle.PickleBuffer) -> bool:
+        with pb.raw() as m:
+            if m.nbytes < OOB_THRESHOLD:
+                return True  # in band
+        buffers.append(pb)
+        return False
+
+    target = _Reduced(obj) if type(obj) is bytes and len(obj) >= OOB_THRESHOLD else obj
+    data = pickle.dumps(target, protocol=5, buffer_callback=keep)
+    if not buffers:
+        return [header(KIND_DATA, len(data)), data]
+    raws = [pb.raw() for pb in buffers]
+    table = b"".join(
+        _META.pack(m.nbytes, FLAG_BYTES if m.readonly else 0) for m in raws
+    )
+    head = LENGTH.pack(len(raws))
+    parts: list[Any] = [header(KIND_OBJECT, len(head) + len(table) + len(data)), head, table, data]
+    for m in raws:
+        parts.append(header(KIND_BUFFER, m.nbytes))
+        parts.append(m)
+    return parts
+
+
+def parse_object(payload: bytes) -> tuple[bytes, list[tuple[int, int]]]:
+    """Split an OBJECT frame into its pickle and the (length, flags) of each buffer."""
+    (n,) = LENGTH.unpack_from(payload, 0)
+    end = LENGTH.size + n * _META.size
+    if end > len(payload):
+        raise FrameError(
+            f"object frame lists {n:,} out-of-band buffers but is only {len(payload):,} bytes"
+        )
+    table = [_META.unpack_from(payload, LENGTH.size + i * _META.size) for i in range(n)]
+    return payload[end:], table
+
+
+def dumps_inband(obj: Any) -> bytes:
+    """``obj`` as one in-band pickle (what ``recv_bytes`` returns for an object frame)."""
+    return pickle.dumps(obj, protocol=5)
+
+
+def missing_buffer(kind: int, got: int, expected: int | None) -> FrameError:
+    if expected is None:
+        return FrameError(
+            f"a frame of kind {CHECK_BY_KIND.get(kind, b'??').hex(' ')} ({got:,} bytes) arrived "
+            "where a message was expected; the stream is out of sync and this connection is "
+            "now broken"
+        )
+    return FrameError(
+        f"an object's out-of-band buffer of {expected:,} bytes was expected but a frame of kind "
+        f"{CHECK_BY_KIND.get(kind, b'??').hex(' ')} ({got:,} bytes) arrived; this connection "
+        "is now broken"
+    )
+
+
+def loads(data: Any, buffers: list[Any] | None = None) -> Any:
+    return pickle.loads(data, buffers=buffers)
+
+
+def raise_remote(payload: bytes) -> None:
+    """Raise the exception an ERROR frame carries (framepipe.remote revives it)."""
+    from .remote import loads_exception
+
+    raise loads_exception(payload)
+
+
+# --- liveness --------------------------------------------------------------------------------
+
+
+class _Default:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<the pipe's timeout>"
+
+
+USE_DEFAULT: Any = _Default()
+
+
+def start_watch(target: Any, peer: Any) -> tuple[Any, Any]:
+    """Watch the writer ``target``; returns ``(liveness, watcher_handle)``.
+
+    ``peer`` is a weak reference to the Connection of this process that holds the write end
+    feeding the watched reader, or None. When there is one, the process-wide watcher writes a
+    DEAD sentinel through it once the writer's death is confirmed, so a thread blocked in
+    ``select()`` or ``multiprocessing.connection.wait()`` on the read end wakes up.
+    """
+    from .watch import Liveness, dead_status_word, watcher
+
+    liveness = Liveness(target)
+    handle = None
+    if peer is not None and peer() is not None:
+
+        def on_death(liv: Any) -> None:
+            conn = peer()
+            if conn is None or conn.closed:
+                return
+            exitcode, _ = liv.status()
+            word = dead_status_word(exitcode) if exitcode is not None else 255
+            try:
+                conn._write_sentinel(DEAD + LENGTH.pack(word))
+            except OSError:
+                pass  # the reader is gone or the pipe is full: readers still see the pidfd
+
+        handle = watcher().register(liveness, on_death)
+    return liveness, handle
+
+
+def stop_watch(liveness: Any, handle: Any) -> None:
+    if handle is not None:
+        from .watch import watcher
+
+        watcher().unregister(handle)
+    if liveness is not None:
+        liveness.close()

@@ -1,0 +1,707 @@
+"""The pure-Python core: the executable specification of framepipe's compiled core.
+
+Same classes, names, parameters, errors and bytes on the wire as ``framepipe._core``. It runs
+where the extension is not built, and under ``FRAMEPIPE_NO_EXTENSIONS=1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import select
+import socket
+import stat
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+from . import _frames as F
+from .errors import BufferTooShort, MessageTooLong
+
+__all__ = ["Connection", "Pipe", "pipe"]
+
+_READ_CHUNK = 64 * 1024  # read-ahead buffer: many small frames per read()
+_DIRECT_MIN = 16 * 1024  # a remainder at least this large is read straight into its frame
+_DEATH_GRACE = 0.1  # after EOF, how long to wait for a watched writer's death to show
+_IOV_MAX = 1024
+_LIVENESS_SLICE = 0.01  # without a pidfd, a dead writer is noticed within this many seconds
+_POLLIN = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
+
+
+def _deadline(timeout: float | None) -> float | None:
+    if timeout is None:
+        return None
+    return time.monotonic() + max(float(timeout), 0.0)
+
+
+class _Dead(Exception):
+    """Internal: the watched writer's pidfd fired and no data is left to read."""
+
+
+class _Expired(Exception):
+    """Internal: the read's deadline passed; the public method says which timeout."""
+
+
+class Connection:
+    """A framed, bidirectional or one-way connection over a pipe or socket fd.
+
+    A drop-in for ``multiprocessing.connection.Connection`` (same methods, same errors), plus
+    per-read timeouts, writer liveness (:meth:`watch`), error frames and asyncio reads.
+    """
+
+    def __init__(
+        self,
+        handle: int,
+        readable: bool = True,
+        writable: bool = True,
+        *,
+        max_size: int | None = None,
+        closefd: bool = True,
+    ) -> None:
+        handle = handle.__index__()
+        if handle < 0:
+            raise ValueError("invalid handle")
+        if not readable and not writable:
+            raise ValueError("at least one of `readable` and `writable` must be True")
+        if max_size is not None and max_size < 0:
+            raise ValueError("max_size must be None or a non-negative number of bytes")
+        self._fd = handle
+        self._readable = bool(readable)
+        self._writable = bool(writable)
+        self._max_size = max_size
+        self._closefd = closefd
+        self._is_socket = stat.S_ISSOCK(os.fstat(handle).st_mode)
+        self._rlock = threading.Lock()
+        self._wlock = threading.Lock()
+        self._buf = bytearray()
+        self._bstart = 0
+        self._consumed = 0
+        self._pkind = -1  # kind of the frame being received, -1 between frames
+        self._plen = 0
+        self._pgot = 0
+        self._pdest: Any = None  # bytearray, or the caller's memoryview
+        self._pexternal = False
+        self._pdiscard = False
+        self._object: Any = None  # (pickle, table, buffers) of an object being received
+        self._broken: BaseException | None = None
+        self._liveness: Any = None
+        self._watch_handle: Any = None
+        self._dead = False
+        self._peer: Any = None
+        self._poller: Any = None
+        self._sentinel_sent = 0
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """True if the connection is closed."""
+        return self._fd < 0
+
+    @property
+    def readable(self) -> bool:
+        """True if the connection is readable."""
+        return self._readable
+
+    @property
+    def writable(self) -> bool:
+        """True if the connection is writable."""
+        return self._writable
+
+    @property
+    def max_size(self) -> int | None:
+        """Largest frame payload this connection accepts, or None for no limit."""
+        return self._max_size
+
+    def fileno(self) -> int:
+        """File descriptor or handle of the connection."""
+        self._check_closed()
+        return self._fd
+
+    def close(self) -> None:
+        """Close the connection (its fd once, if it owns it) and stop watching the writer."""
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            F.stop_watch(self._liveness, self._watch_handle)
+            self._liveness = self._watch_handle = None
+            if self._closefd:
+                os.close(fd)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._fd < 0 else f"fd={self._fd}"
+        mode = ("r" if self._readable else "") + ("w" if self._writable else "")
+        return f"<framepipe.Connection {state} {mode} python>"
+
+    def _check_closed(self) -> None:
+        if self._fd < 0:
+            raise OSError("handle is closed")
+
+    def _check_readable(self) -> None:
+        if not self._readable:
+            raise OSError("connection is write-only")
+
+    def _check_writable(self) -> None:
+        if not self._writable:
+            raise OSError("connection is read-only")
+
+    # -- liveness ----------------------------------------------------------------------------
+
+    def watch(self, target: Any) -> Connection:
+        """Watch the process that writes to this connection.
+
+        ``target`` is a pid, a started ``multiprocessing.Process`` or a ``subprocess.Popen``.
+        While reading, the writer's death (any exit code, or a signal) raises
+        :class:`framepipe.WriterDied` once the frames it wrote before dying are delivered.
+        Returns the connection. ``watch(None)`` stops watching.
+        """
+        self._check_closed()
+        F.stop_watch(self._liveness, self._watch_handle)
+        self._liveness = self._watch_handle = None
+        self._dead = False
+        self._poller = None
+        if target is not None:
+            self._liveness, self._watch_handle = F.start_watch(target, self._peer)
+        return self
+
+    def _write_sentinel(self, data: bytes) -> None:
+        if self._fd < 0:
+            return
+        with self._wlock:
+            os.write(self._fd, data)
+            self._sentinel_sent += len(data)
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def _write_parts(self, parts: list[Any]) -> None:
+        views = [memoryview(p).cast("B") for p in parts]
+        with self._wlock:
+            fd = self._fd
+            if fd < 0:
+                raise OSError("handle is closed")
+            while views:
+                n = os.writev(fd, views[:_IOV_MAX])
+                while views and n >= views[0].nbytes:
+                    n -= views[0].nbytes
+                    views.pop(0)
+                if n:
+                    views[0] = views[0][n:]
+
+    def send_bytes(self, buf: Any, offset: int = 0, size: int | None = None) -> None:
+        """Send the bytes of ``buf[offset:offset+size]`` (a bytes-like object) as one frame."""
+        self._check_closed()
+        self._check_writable()
+        m = memoryview(buf)
+        if m.itemsize > 1:
+            m = m.cast("B")
+        size = F.check_send_args(m.nbytes, offset, size)
+        self._write_parts([F.header(F.KIND_DATA, size), m[offset : offset + size]])
+
+    def send(self, obj: Any) -> None:
+        """Send a picklable object (pickle protocol 5; buffers of 64 KiB or more out of band)."""
+        self._check_closed()
+        self._check_writable()
+        self._write_parts(F.dumps(obj))
+
+    def send_exception(self, exc: BaseException) -> None:
+        """Send ``exc`` as an error frame: the reader's ``recv`` or ``recv_bytes`` raises it."""
+        from .remote import dumps_exception
+
+        self._check_closed()
+        self._check_writable()
+        payload = dumps_exception(exc)
+        self._write_parts([F.header(F.KIND_ERROR, len(payload)), payload])
+
+    # -- reading: the state machine ----------------------------------------------------------
+
+    def _poll_once(self, deadline: float | None) -> bool:
+        """Wait until the fd is readable: True if so, False if the deadline passed.
+        Raises _Dead when the watched writer died and the fd has nothing left to read."""
+        live = self._liveness
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self._fd, _POLLIN)
+            if live is not None and live.fd is not None:
+                self._poller.register(live.fd, select.POLLIN)
+        while True:
+            wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            if self._dead:
+                wait = 0.0
+            elif live is not None and live.fd is None:
+                wait = _LIVENESS_SLICE if wait is None else min(wait, _LIVENESS_SLICE)
+            ready = self._poller.poll(None if wait is None else wait * 1000.0)
+            if any(fd == self._fd for fd, _ in ready):
+                return True
+            if live is not None and not self._dead and (ready or live.fd is None):
+                if live.poll_dead():
+                    self._dead = True
+                    continue  # drain what the writer wrote before dying
+            if self._dead:
+                raise _Dead
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+
+    def _read_into(self, view: memoryview | None, deadline: float | None) -> Any:
+        """One read(): into ``view`` (the byte count, 0 at end of file), or when ``view`` is
+        None, up to a read-ahead chunk (bytes, empty at end of file). Raises _Expired on the
+        deadline and WriterDied when the watched writer died with nothing left to read."""
+        while True:
+            if deadline is not None or self._liveness is not None:
+                try:
+                    if not self._poll_once(deadline):
+                        raise _Expired
+                except _Dead:
+                    lost, expected = self._lost()
+                    raise F.writer_died(self._liveness, lost, expected) from None
+            try:
+                if view is None:
+                    return os.read(self._fd, _READ_CHUNK)
+                return os.readv(self._fd, [view])
+            except BlockingIOError:
+                continue
+
+    def _fill(self, deadline: float | None) -> None:
+        """Read more bytes into the read-ahead buffer."""
+        if self._bstart:
+            del self._buf[: self._bstart]
+            self._bstart = 0
+        data = self._read_into(None, deadline)
+        if not data:
+            self._at_eof()
+        self._buf += data
+
+    def _lost(self) -> tuple[int, int | None]:
+        avail = len(self._buf) - self._bstart
+        if self._pkind < 0:
+            lost, expected = avail, None
+        else:
+            lost, expected = F.HEADER_SIZE + self._pgot + avail, F.HEADER_SIZE + self._plen
+        return max(lost - self._sentinel_seen(), 0), expected
+
+    def _sentinel_seen(self) -> int:
+        peer = self._peer() if self._peer is not None else None
+        return peer._sentinel_sent if peer is not None else 0
+
+    def _writer_is_dead(self) -> bool:
+        live = self._liveness
+        if live is None:
+            return False
+        if self._dead:
+            return True
+        end = time.monotonic() + _DEATH_GRACE
+        while True:
+            if live.poll_dead():
+                self._dead = True
+                return True
+            if time.monotonic() >= end:
+                return False
+            if live.fd is not None:
+                select.select([live.fd], [], [], max(end - time.monotonic(), 0.0))
+            else:
+                time.sleep(0.002)
+
+    def _at_eof(self) -> None:
+        avail = len(self._buf) - self._bstart
+        in_frame = self._pkind >= 0 or avail > 0
+        if self._writer_is_dead():
+            lost, expected = self._lost()
+            raise F.writer_died(self._liveness, lost, expected)
+        if in_frame:
+            lost, expected = self._lost()
+            raise F.truncated(lost, expected if expected is not None else F.HEADER_SIZE)
+        raise EOFError
+
+    def _consume(self, n: int) -> bytes:
+        s = self._bstart
+        data = bytes(self._buf[s : s + n])
+        self._bstart = s + n
+        self._consumed += n
+        return data
+
+    def _break(self, exc: BaseException) -> BaseException:
+        self._broken = exc
+        return exc
+
+    def _read_header(self, deadline: float | None) -> None:
+        while True:
+            avail = len(self._buf) - self._bstart
+            if avail >= 2:
+                s = self._bstart
+                check = bytes(self._buf[s : s + 2])
+                kind = F.KIND_BY_CHECK.get(check)
+                if kind is None:
+                    raise self._break(F.bad_check(check, self._consumed, "at a frame boundary"))
+                if kind == F.KIND_TIMEOUT:
+                    self._consume(2)
+                    raise F.sentinel_timeout()
+                if kind == F.KIND_DEAD and avail >= F.DEAD_SIZE:
+                    data = self._consume(F.DEAD_SIZE)
+                    self._dead = True
+                    raise F.dead_error(F.dead_status(data[2:]), self._liveness)
+                if kind != F.KIND_DEAD and avail >= F.HEADER_SIZE:
+                    second = bytes(self._buf[s + 10 : s + 12])
+                    if second != check:
+                        raise self._break(F.mismatched_checks(check, second, self._consumed))
+                    (length,) = F.LENGTH.unpack_from(self._buf, s + 2)
+                    if self._max_size is not None and length > self._max_size:
+                        raise self._break(F.too_large(length, self._max_size, self._consumed))
+                    self._consume(F.HEADER_SIZE)
+                    self._pkind, self._plen, self._pgot = kind, length, 0
+                    return
+            self._fill(deadline)
+
+    def _pump(self, deadline: float | None) -> None:
+        """Fill the pending frame's destination until it is complete."""
+        n = self._plen
+        while self._pgot < n:
+            got = self._pgot
+            avail = len(self._buf) - self._bstart
+            if avail:
+                take = min(avail, n - got)
+                if not self._pdiscard:
+                    s = self._bstart
+                    self._pdest[got : got + take] = self._buf[s : s + take]
+                self._bstart += take
+                self._consumed += take
+                self._pgot = got + take
+            elif n - got >= _DIRECT_MIN and not self._pdiscard:
+                k = self._read_into(memoryview(self._pdest)[got:n], deadline)
+                if k == 0:
+                    self._at_eof()
+                self._pgot = got + k
+                self._consumed += k
+            else:
+                self._fill(deadline)
+
+    def _read_frame(
+        self,
+        deadline: float | None,
+        maxlength: int | None = None,
+        into: memoryview | None = None,
+        mutable: bool = False,
+    ) -> tuple[int, Any]:
+        """Read one whole frame: ``(kind, payload)``. The payload is bytes (a bytearray when
+        ``mutable``), or the byte count when it was read into ``into``."""
+        if self._broken is not None:
+            raise F.broken(self._broken)
+        if self._pkind < 0:
+            self._read_header(deadline)
+            n = self._plen
+            self._pexternal = self._pdiscard = False
+            if maxlength is not None and n > maxlength and self._pkind == F.KIND_DATA:
+                self._pdiscard = True
+                self._pdest = maxlength
+            elif into is not None and self._pkind == F.KIND_DATA and n <= into.nbytes:
+                self._pdest, self._pexternal = into, True
+            else:
+                self._pdest = bytearray(n)
+        try:
+            self._pump(deadline)
+        except BaseException:
+            if self._pexternal:  # keep what arrived; the caller's buffer is theirs again
+                own = bytearray(self._plen)
+                own[: self._pgot] = self._pdest[: self._pgot]
+                self._pdest, self._pexternal = own, False
+            raise
+        kind, dest, n = self._pkind, self._pdest, self._plen
+        self._pkind, self._pdest = -1, None
+        if self._pdiscard:
+            raise MessageTooLong(n, dest)
+        if self._pexternal:
+            return kind, n
+        if into is not None and kind == F.KIND_DATA and n <= into.nbytes:
+            into[:n] = dest
+            return kind, n
+        return kind, (dest if mutable else bytes(dest))
+
+    def _locked(self, timeout: float | None, read: Callable[[float | None], Any]) -> Any:
+        """Run ``read(deadline)`` holding the read lock (readers queue, never interleave)."""
+        deadline = _deadline(timeout)
+        try:
+            if deadline is None:
+                self._rlock.acquire()
+            elif not self._rlock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+                raise _Expired
+            try:
+                return read(deadline)
+            finally:
+                self._rlock.release()
+        except _Expired:
+            raise F.timeout_error(timeout) from None
+
+    def _read_message(self, deadline: float | None, raw: bool) -> Any:
+        """The next message: bytes (``raw``) or an object. Error frames raise."""
+        if self._object is None:
+            kind, payload = self._read_frame(deadline)
+            if kind == F.KIND_DATA:
+                return payload if raw else F.loads(payload)
+            self._start_object(kind, payload)
+        pickled, table, buffers = self._object
+        while len(buffers) < len(table):
+            length, flags = table[len(buffers)]
+            kind, payload = self._read_frame(deadline, mutable=not flags & F.FLAG_BYTES)
+            if kind != F.KIND_BUFFER or len(payload) != length:
+                raise self._break(F.missing_buffer(kind, len(payload), length))
+            buffers.append(payload)
+        self._object = None
+        obj = F.loads(pickled, buffers)
+        return F.dumps_inband(obj) if raw else obj
+
+    def _start_object(self, kind: int, payload: Any) -> None:
+        if kind == F.KIND_ERROR:
+            F.raise_remote(payload)
+        if kind != F.KIND_OBJECT:
+            raise self._break(F.missing_buffer(kind, len(payload), None))
+        pickled, table = F.parse_object(payload)
+        self._object = (pickled, table, [])
+
+    # -- reading: the public API -------------------------------------------------------------
+
+    def recv_bytes(self, maxlength: int | None = None, *, timeout: float | None = None) -> bytes:
+        """Receive one message as bytes.
+
+        Raises EOFError at end of file (:class:`WriterDied` if the watched writer died),
+        :class:`ReadTimeout` when ``timeout`` seconds pass (nothing is lost), and
+        :class:`MessageTooLong` (an OSError) when the message exceeds ``maxlength``; unlike
+        the stdlib the message is then discarded and the connection stays usable. An error
+        frame raises the exception it carries.
+        """
+        self._check_closed()
+        self._check_readable()
+        if maxlength is None:
+            return self._locked(timeout, lambda d: self._read_message(d, True))  # type: ignore[no-any-return]
+        if maxlength < 0:
+            raise ValueError("negative maxlength")
+
+        def read(deadline: float | None) -> bytes:
+            if self._object is None:
+                kind, payload = self._read_frame(deadline, maxlength)
+                if kind == F.KIND_DATA:
+                    return payload  # type: ignore[no-any-return]
+                self._start_object(kind, payload)
+            data = self._read_message(deadline, True)
+            if len(data) > maxlength:
+                raise MessageTooLong(len(data), maxlength)
+            return data  # type: ignore[no-any-return]
+
+        return self._locked(timeout, read)  # type: ignore[no-any-return]
+
+    def recv_bytes_into(self, buf: Any, offset: int = 0, *, timeout: float | None = None) -> int:
+        """Receive one message into ``buf`` at byte ``offset``; returns its size in bytes.
+
+        Raises ``BufferTooShort`` (carrying the whole message as ``args[0]``) if it does not
+        fit; the connection stays usable.
+        """
+        self._check_closed()
+        self._check_readable()
+        with memoryview(buf) as m:
+            nbytes = m.nbytes
+            if offset < 0:
+                raise ValueError("negative offset")
+            if offset > nbytes:
+                raise ValueError("offset too large")
+            flat = m.cast("B") if m.ndim != 1 or m.format != "B" else m
+            if flat.readonly:
+                raise TypeError("recv_bytes_into() argument must be a writable buffer")
+            into = flat[offset:]
+
+            def read(deadline: float | None) -> Any:
+                if self._object is None:
+                    kind, payload = self._read_frame(deadline, into=into)
+                    if kind == F.KIND_DATA:
+                        return payload
+                    self._start_object(kind, payload)
+                return self._read_message(deadline, True)
+
+            result = self._locked(timeout, read)
+            if isinstance(result, int):
+                return result
+            if len(result) > into.nbytes:
+                raise BufferTooShort(result)
+            into[: len(result)] = result
+            return len(result)
+
+    def recv(self, *, timeout: float | None = None) -> Any:
+        """Receive an object sent by :meth:`send` (or an in-band pickle from a reference
+        writer). An error frame raises the exception it carries."""
+        self._check_closed()
+        self._check_readable()
+        return self._locked(timeout, lambda d: self._read_message(d, False))
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        """Whether there is data to read (or end of file), waiting up to ``timeout`` seconds
+        (None: forever)."""
+        self._check_closed()
+        self._check_readable()
+        if len(self._buf) > self._bstart:
+            return True
+        try:
+            return self._poll_once(_deadline(timeout))
+        except _Dead:
+            return True
+
+    def _has_buffered(self) -> bool:
+        return self._fd >= 0 and len(self._buf) > self._bstart
+
+    # -- pickling to a child process ---------------------------------------------------------
+
+    def __reduce__(self) -> Any:
+        from .connection import _reduce_connection
+
+        return _reduce_connection(self)
+
+    # -- asyncio -----------------------------------------------------------------------------
+
+    async def recv_bytes_async(
+        self, maxlength: int | None = None, *, timeout: float | None = None
+    ) -> bytes:
+        """``recv_bytes`` on the running event loop's reader callbacks (no thread)."""
+        from ._aio import recv_async
+
+        return await recv_async(self, lambda t: self.recv_bytes(maxlength, timeout=t), timeout)
+
+    async def recv_async(self, *, timeout: float | None = None) -> Any:
+        """``recv`` on the running event loop's reader callbacks (no thread)."""
+        from ._aio import recv_async
+
+        return await recv_async(self, lambda t: self.recv(timeout=t), timeout)
+
+    async def send_bytes_async(self, buf: Any, offset: int = 0, size: int | None = None) -> None:
+        """``send_bytes`` that waits on the event loop while the pipe is full."""
+        from ._aio import send_async
+
+        await send_async(self, lambda: self.send_bytes(buf, offset, size))
+
+    async def send_async(self, obj: Any) -> None:
+        """``send`` that waits on the event loop while the pipe is full."""
+        from ._aio import send_async
+
+        await send_async(self, lambda: self.send(obj))
+
+
+def _pipe_size(fd: int) -> None:
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, 1031, 1 << 20)  # F_SETPIPE_SZ: fewer wake-ups for large frames
+    except (OSError, ImportError, AttributeError):
+        pass
+
+
+def pipe(duplex: bool = True) -> tuple[Connection, Connection]:
+    """A pair of connected Connections, like ``multiprocessing.Pipe``: a socketpair when
+    ``duplex``, else ``(reader, writer)`` over ``os.pipe()``."""
+    if duplex:
+        s1, s2 = socket.socketpair()
+        for s in (s1, s2):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        c1, c2 = Connection(s1.detach()), Connection(s2.detach())
+    else:
+        r, w = os.pipe()
+        _pipe_size(w)
+        c1, c2 = Connection(r, writable=False), Connection(w, readable=False)
+    c1._peer = weakref.ref(c2)
+    if duplex:
+        c2._peer = weakref.ref(c1)
+    return c1, c2
+
+
+class Pipe:
+    """A one-way framed pipe with timed reads and writer liveness.
+
+    Made for code written against the reference ``subprocess_rpc.Pipe``: constructed owning a
+    new ``os.pipe()`` or from given read/write handles; ``read()`` returns the next message as
+    bytes and ``write(bytes)`` sends one, of any size. ``timeout`` (seconds) bounds every read
+    unless ``read(timeout=...)`` says otherwise; ``timeout_callback`` runs before
+    :class:`ReadTimeout` is raised. With ``writer_pid`` set, the writer's death raises
+    :class:`WriterDied` instead of hanging.
+    """
+
+    def __init__(
+        self,
+        writer_pid: int | None = None,
+        read_handle: int | None = None,
+        write_handle: int | None = None,
+        timeout: float | None = None,
+        timeout_callback: Callable[[], Any] = lambda: None,
+    ) -> None:
+        self._owns_pipe = read_handle is None and write_handle is None
+        if self._owns_pipe:
+            self.read_fd, self.write_fd = os.pipe()
+            _pipe_size(self.write_fd)
+        else:
+            self.read_fd, self.write_fd = read_handle, write_handle
+        self.read_handle, self.write_handle = self.read_fd, self.write_fd
+        self.timeout = timeout
+        self.timeout_callback = timeout_callback
+        own = self._owns_pipe
+        self._reader = None if self.read_fd is None else Connection(
+            self.read_fd, writable=False, closefd=own)
+        self._writer = None if self.write_fd is None else Connection(
+            self.write_fd, readable=False, closefd=own)
+        if self._reader is not None and self._writer is not None:
+            self._reader._peer = weakref.ref(self._writer)
+        self._writer_pid: int | None = None
+        if writer_pid is not None:
+            self.set_writer_pid(writer_pid)
+
+    def read(self, timeout: float | None = F.USE_DEFAULT) -> bytes:
+        """The next message. ``timeout`` defaults to the pipe's ``timeout``."""
+        if self._reader is None:
+            raise OSError("cannot read: this Pipe was made without a read handle")
+        if timeout is F.USE_DEFAULT:
+            timeout = self.timeout
+        try:
+            return self._reader.recv_bytes(timeout=timeout)
+        except TimeoutError:
+            self.timeout_callback()
+            raise
+
+    def write(self, msg: bytes) -> None:
+        """Send ``msg`` (bytes-like) as one frame."""
+        if self._writer is None:
+            raise OSError("cannot write: this Pipe was made without a write handle")
+        self._writer.send_bytes(msg)
+
+    def get_writer_pid(self) -> int:
+        if self._writer_pid is None:
+            raise ValueError("this Pipe has no writer pid; pass writer_pid= or set_writer_pid()")
+        return self._writer_pid
+
+    def set_writer_pid(self, writer_pid: int) -> None:
+        if self._reader is None:
+            raise OSError("cannot watch a writer: this Pipe was made without a read handle")
+        self._reader.watch(writer_pid)
+        self._writer_pid = writer_pid
+
+    def close(self) -> None:
+        """Close the fds this Pipe owns (once)."""
+        for conn in (self._reader, self._writer):
+            if conn is not None:
+                conn.close()
+
+    def __enter__(self) -> Pipe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,143 @@
+"""The exceptions framepipe raises.
+
+Each class is also the stdlib class that existing code already catches: a read timeout is a
+``TimeoutError``, a protocol error an ``OSError``, a dead writer an ``EOFError`` (what
+``multiprocessing.connection`` raises at end of file) and an ``OSError`` (what the reference
+``Pipe`` raised).
+"""
+
+from __future__ import annotations
+
+import signal as _signal
+from multiprocessing import BufferTooShort
+
+__all__ = [
+    "FramepipeError",
+    "FrameError",
+    "MessageTooLong",
+    "ReadTimeout",
+    "WriterDied",
+    "BufferTooShort",
+    "signal_name",
+]
+
+
+class FramepipeError(Exception):
+    """Base class of every error framepipe defines."""
+
+
+class FrameError(FramepipeError, OSError):
+    """The bytes on the wire are not a valid frame (wrong check bytes, a length over
+    ``max_size``, or end of file inside a frame)."""
+
+
+class MessageTooLong(FrameError):
+    """A frame was longer than the ``maxlength`` given to ``recv_bytes``.
+
+    Unlike ``multiprocessing.connection``, the frame's body has been read and discarded, so the
+    connection stays usable: the next read returns the next frame.
+    """
+
+    def __init__(self, length: int, maxlength: int) -> None:
+        self.length = length
+        self.maxlength = maxlength
+        super().__init__(
+            f"bad message length: a frame of {length:,} bytes exceeds maxlength={maxlength:,}; "
+            "the frame was discarded and the connection is still usable "
+            "(pass a larger maxlength to receive such frames)"
+        )
+
+    def __reduce__(self):  # type: ignore[override]
+        return (type(self), (self.length, self.maxlength))
+
+
+class ReadTimeout(FramepipeError, TimeoutError):
+    """A read did not complete before its deadline. Nothing is lost: bytes of a frame that had
+    started to arrive are kept, and the next read returns the whole frame."""
+
+
+def signal_name(signum: int) -> str:
+    """``SIGKILL`` for 9; ``SIG<n>`` for a number the platform does not name."""
+    try:
+        return _signal.Signals(signum).name
+    except (ValueError, TypeError):
+        return f"SIG{signum}"
+
+
+class WriterDied(FramepipeError, EOFError, OSError):
+    """The process writing to this connection died (any exit code, 0 included, or a signal).
+
+    Frames it wrote before dying have been delivered by earlier reads. Attributes:
+
+    ``pid``, ``exitcode`` (negative for a signal, as ``subprocess.Popen`` reports it; ``None``
+    when the exit status could not be read), ``signal_name``, ``core_dumped``, ``lost_bytes``
+    (bytes of a partial frame that had arrived), ``expected_bytes`` (the size of that frame,
+    header included, when known), ``oom_killed`` (``True`` when the cgroup's OOM-kill counter
+    rose while the writer lived, ``None`` when unknown) and ``native_traceback`` (the
+    faulthandler dump of a worker run under :func:`framepipe.guard`, when it crashed in C code).
+    """
+
+    def __init__(
+        self,
+        pid: int | None,
+        exitcode: int | None = None,
+        *,
+        core_dumped: bool = False,
+        lost_bytes: int = 0,
+        expected_bytes: int | None = None,
+        oom_killed: bool | None = None,
+        native_traceback: str | None = None,
+        label: str = "worker",
+    ) -> None:
+        self.pid = pid
+        self.exitcode = exitcode
+        self.core_dumped = core_dumped
+        self.lost_bytes = lost_bytes
+        self.expected_bytes = expected_bytes
+        self.oom_killed = oom_killed
+        self.native_traceback = native_traceback
+        self.label = label
+        self.signal_name = signal_name(-exitcode) if exitcode is not None and exitcode < 0 else None
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        who = f"{self.label} {self.pid}" if self.pid is not None else f"the {self.label}"
+        if self.exitcode is None:
+            how = "died (its exit status could not be read)"
+        elif self.exitcode < 0:
+            how = f"was killed by signal {self.signal_name} ({-self.exitcode})"
+            if self.core_dumped:
+                how += ", core dumped"
+        else:
+            how = f"exited with code {self.exitcode}"
+        if self.lost_bytes:
+            if self.expected_bytes is not None:
+                when = (
+                    f" while a frame was being read ({self.lost_bytes:,} of "
+                    f"{self.expected_bytes:,} bytes had arrived)"
+                )
+            else:
+                when = f" while a frame was being read ({self.lost_bytes:,} bytes had arrived)"
+        else:
+            when = " before writing another frame"
+        msg = f"{who} {how}{when}"
+        if self.oom_killed:
+            msg += "; likely killed by the OOM killer (the cgroup's oom_kill counter rose)"
+        if self.native_traceback:
+            msg += "\n\nNative traceback of the worker:\n" + self.native_traceback.rstrip()
+        return msg
+
+    def __reduce__(self):  # type: ignore[override]
+        kwargs = dict(
+            core_dumped=self.core_dumped,
+            lost_bytes=self.lost_bytes,
+            expected_bytes=self.expected_bytes,
+            oom_killed=self.oom_killed,
+            native_traceback=self.native_traceback,
+            label=self.label,
+        )
+        return (_rebuild_writer_died, (self.pid, self.exitcode, kwargs))
+
+
+def _rebuild_writer_died(pid, exitcode, kwargs):  # type: ignore[no-untyped-def]
+    return WriterDied(pid, exitcode, **kwargs)
