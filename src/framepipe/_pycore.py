@@ -10,14 +10,13 @@ import asyncio
 import errno
 import os
 import select
-import socket
 import stat
 import threading
 import time
-import weakref
 from typing import Any, Callable
 
 from . import _frames as F
+from ._api import build_api
 from .errors import BufferTooShort, MessageTooLong
 
 __all__ = ["Connection", "Pipe", "pipe"]
@@ -592,116 +591,4 @@ class Connection:
         await send_async(self, lambda: self.send(obj))
 
 
-def _pipe_size(fd: int) -> None:
-    try:
-        import fcntl
-
-        fcntl.fcntl(fd, 1031, 1 << 20)  # F_SETPIPE_SZ: fewer wake-ups for large frames
-    except (OSError, ImportError, AttributeError):
-        pass
-
-
-def pipe(duplex: bool = True) -> tuple[Connection, Connection]:
-    """A pair of connected Connections, like ``multiprocessing.Pipe``: a socketpair when
-    ``duplex``, else ``(reader, writer)`` over ``os.pipe()``."""
-    if duplex:
-        s1, s2 = socket.socketpair()
-        for s in (s1, s2):
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
-        c1, c2 = Connection(s1.detach()), Connection(s2.detach())
-    else:
-        r, w = os.pipe()
-        _pipe_size(w)
-        c1, c2 = Connection(r, writable=False), Connection(w, readable=False)
-    c1._peer = weakref.ref(c2)
-    if duplex:
-        c2._peer = weakref.ref(c1)
-    return c1, c2
-
-
-class Pipe:
-    """A one-way framed pipe with timed reads and writer liveness.
-
-    Made for code written against the reference ``subprocess_rpc.Pipe``: constructed owning a
-    new ``os.pipe()`` or from given read/write handles; ``read()`` returns the next message as
-    bytes and ``write(bytes)`` sends one, of any size. ``timeout`` (seconds) bounds every read
-    unless ``read(timeout=...)`` says otherwise; ``timeout_callback`` runs before
-    :class:`ReadTimeout` is raised. With ``writer_pid`` set, the writer's death raises
-    :class:`WriterDied` instead of hanging.
-    """
-
-    def __init__(
-        self,
-        writer_pid: int | None = None,
-        read_handle: int | None = None,
-        write_handle: int | None = None,
-        timeout: float | None = None,
-        timeout_callback: Callable[[], Any] = lambda: None,
-    ) -> None:
-        self._owns_pipe = read_handle is None and write_handle is None
-        if self._owns_pipe:
-            self.read_fd, self.write_fd = os.pipe()
-            _pipe_size(self.write_fd)
-        else:
-            self.read_fd, self.write_fd = read_handle, write_handle
-        self.read_handle, self.write_handle = self.read_fd, self.write_fd
-        self.timeout = timeout
-        self.timeout_callback = timeout_callback
-        own = self._owns_pipe
-        self._reader = None if self.read_fd is None else Connection(
-            self.read_fd, writable=False, closefd=own)
-        self._writer = None if self.write_fd is None else Connection(
-            self.write_fd, readable=False, closefd=own)
-        if self._reader is not None and self._writer is not None:
-            self._reader._peer = weakref.ref(self._writer)
-        self._writer_pid: int | None = None
-        if writer_pid is not None:
-            self.set_writer_pid(writer_pid)
-
-    def read(self, timeout: float | None = F.USE_DEFAULT) -> bytes:
-        """The next message. ``timeout`` defaults to the pipe's ``timeout``."""
-        if self._reader is None:
-            raise OSError("cannot read: this Pipe was made without a read handle")
-        if timeout is F.USE_DEFAULT:
-            timeout = self.timeout
-        try:
-            return self._reader.recv_bytes(timeout=timeout)
-        except TimeoutError:
-            self.timeout_callback()
-            raise
-
-    def write(self, msg: bytes) -> None:
-        """Send ``msg`` (bytes-like) as one frame."""
-        if self._writer is None:
-            raise OSError("cannot write: this Pipe was made without a write handle")
-        self._writer.send_bytes(msg)
-
-    def get_writer_pid(self) -> int:
-        if self._writer_pid is None:
-            raise ValueError("this Pipe has no writer pid; pass writer_pid= or set_writer_pid()")
-        return self._writer_pid
-
-    def set_writer_pid(self, writer_pid: int) -> None:
-        if self._reader is None:
-            raise OSError("cannot watch a writer: this Pipe was made without a read handle")
-        self._reader.watch(writer_pid)
-        self._writer_pid = writer_pid
-
-    def close(self) -> None:
-        """Close the fds this Pipe owns (once)."""
-        for conn in (self._reader, self._writer):
-            if conn is not None:
-                conn.close()
-
-    def __enter__(self) -> Pipe:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+pipe, Pipe = build_api(Connection)

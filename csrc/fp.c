@@ -1,0 +1,149 @@
+/* framepipe's C core. See fp.h for the contract of each function.
+ *
+ * Why each piece is the way it is:
+ *
+ * - Deadlines are absolute monotonic times, so a read interrupted by a signal and retried by
+ *   the caller waits only for what is left of its timeout, never the whole timeout again.
+ * - A frame is written with one writev() per call, header and payload together, so a frame is
+ *   never split by a concatenation copy; short writes (a full pipe) continue where they stopped.
+ * - Reads that must not block use per-call flags (MSG_DONTWAIT, RWF_NOWAIT) instead of
+ *   O_NONBLOCK, because O_NONBLOCK lives on the open file description, which is shared with
+ *   every process that inherited the fd: setting it here would break a child's blocking reads.
+ */
+#define _GNU_SOURCE
+#include "fp.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <poll.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifndef RWF_NOWAIT
+#define RWF_NOWAIT 0x00000008
+#endif
+
+double fp_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+void fp_header_encode(unsigned char *out, unsigned char check, uint64_t length)
+{
+    out[0] = out[1] = check;
+    memcpy(out + 2, &length, sizeof length); /* native byte order, like struct "Q" */
+    out[10] = out[11] = check;
+}
+
+/* Milliseconds for poll() until the deadline, rounded up so that a wait never ends before
+ * the deadline (which would cost a second, useless wake-up); -1 without a deadline. */
+static int timeout_ms(double deadline)
+{
+    double left;
+    if (deadline < 0)
+        return -1;
+    left = deadline - fp_now();
+    if (left <= 0)
+        return 0;
+    if (left > (double)INT_MAX / 1000.0)
+        return INT_MAX;
+    return (int)(left * 1000.0 + 0.999);
+}
+
+static int wait_for(int fd, short events, int liveness_fd, double deadline)
+{
+    struct pollfd fds[2];
+    nfds_t n = 1;
+    int rc;
+
+    fds[0].fd = fd;
+    fds[0].events = events;
+    fds[0].revents = 0;
+    if (liveness_fd >= 0) {
+        fds[1].fd = liveness_fd;
+        fds[1].events = POLLIN;
+        fds[1].revents = 0;
+        n = 2;
+    }
+    for (;;) {
+        rc = poll(fds, n, timeout_ms(deadline));
+        if (rc < 0)
+            return -1; /* EINTR included: the caller handles signals */
+        /* The data fd wins over the liveness fd: frames written before the writer died are
+         * delivered first. POLLHUP/POLLERR count as readable: the read reports them. */
+        if (fds[0].revents)
+            return FP_OK;
+        if (n == 2 && fds[1].revents)
+            return FP_LIVENESS;
+        if (deadline >= 0 && fp_now() >= deadline)
+            return FP_TIMEOUT;
+        /* poll() returned early (rounding or a spurious wake-up): wait for the rest. */
+    }
+}
+
+int fp_wait_readable(int fd, int liveness_fd, double deadline)
+{
+    return wait_for(fd, POLLIN | POLLPRI, liveness_fd, deadline);
+}
+
+int fp_wait_writable(int fd, double deadline)
+{
+    return wait_for(fd, POLLOUT, -1, deadline);
+}
+
+ssize_t fp_read(int fd, void *buf, size_t n, int mode)
+{
+    if (n > SSIZE_MAX)
+        n = SSIZE_MAX;
+    if (mode == FP_MODE_SOCKET)
+        return recv(fd, buf, n, MSG_DONTWAIT);
+    if (mode == FP_MODE_PIPE) {
+#ifdef __linux__
+        struct iovec iov;
+        iov.iov_base = buf;
+        iov.iov_len = n;
+        return preadv2(fd, &iov, 1, -1, RWF_NOWAIT);
+#else
+        errno = EOPNOTSUPP;
+        return -1;
+#endif
+    }
+    return read(fd, buf, n);
+}
+
+int fp_writev_all(int fd, struct iovec **iovp, int *iovcntp)
+{
+    struct iovec *iov = *iovp;
+    int cnt = *iovcntp;
+    ssize_t w;
+
+    while (cnt > 0 && iov->iov_len == 0) {
+        iov++;
+        cnt--;
+    }
+    while (cnt > 0) {
+        w = writev(fd, iov, cnt > IOV_MAX ? IOV_MAX : cnt);
+        if (w < 0) {
+            *iovp = iov;
+            *iovcntp = cnt;
+            return -1;
+        }
+        /* Skip what was written; a partly written entry is advanced in place. */
+        while (cnt > 0 && (size_t)w >= iov->iov_len) {
+            w -= (ssize_t)iov->iov_len;
+            iov++;
+            cnt--;
+        }
+        if (cnt > 0 && w > 0) {
+            iov->iov_base = (char *)iov->iov_base + w;
+            iov->iov_len -= (size_t)w;
+        }
+    }
+    *iovp = iov;
+    *iovcntp = 0;
+    return FP_OK;
+}

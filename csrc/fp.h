@@ -1,0 +1,54 @@
+/* framepipe's C core: framing, reads and writes with deadlines, over plain POSIX.
+ *
+ * No Python here. Functions return a status code (FP_OK, FP_EOF, FP_TIMEOUT, FP_LIVENESS) or
+ * -1 with errno set. EINTR is never retried here: the caller runs the signal handlers first
+ * (PEP 475) and calls again with the same absolute deadline.
+ */
+#ifndef FRAMEPIPE_FP_H
+#define FRAMEPIPE_FP_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+
+#define FP_OK 0
+#define FP_EOF 1
+#define FP_TIMEOUT 2
+#define FP_LIVENESS 3
+
+/* A frame header is CHECK(2) + u64 length in native order + CHECK(2). */
+#define FP_HEADER_SIZE 12
+/* A DEAD sentinel is 02 02 + u64 exit status. */
+#define FP_DEAD_SIZE 10
+
+/* How fp_read may avoid blocking when the fd has nothing to read. */
+#define FP_MODE_BLOCK 0   /* a plain read(): the caller polled first */
+#define FP_MODE_SOCKET 1  /* recv(MSG_DONTWAIT): per call, no shared O_NONBLOCK flag */
+#define FP_MODE_PIPE 2    /* preadv2(RWF_NOWAIT): per call, for pipes (Linux) */
+
+/* Seconds on the monotonic clock. */
+double fp_now(void);
+
+/* Write the 12-byte header of a frame whose check bytes are (check, check). */
+void fp_header_encode(unsigned char *out, unsigned char check, uint64_t length);
+
+/* Wait until fd is readable (data, end of file or error count as readable) or, when
+ * liveness_fd >= 0, until liveness_fd is readable, or until the absolute monotonic deadline
+ * (deadline < 0: no deadline). FP_OK, FP_LIVENESS, FP_TIMEOUT, or -1 with errno. */
+int fp_wait_readable(int fd, int liveness_fd, double deadline);
+
+/* Same for writability of fd. FP_OK, FP_TIMEOUT or -1 with errno. */
+int fp_wait_writable(int fd, double deadline);
+
+/* One read of at most n bytes: > 0 bytes read, 0 at end of file, -1 with errno. With
+ * FP_MODE_SOCKET or FP_MODE_PIPE it does not block: errno EAGAIN when there is nothing, and
+ * EOPNOTSUPP or EINVAL when the kernel cannot read this fd without blocking. */
+ssize_t fp_read(int fd, void *buf, size_t n, int mode);
+
+/* Write every byte described by *iov (*iovcnt entries), looping over short writes. On return
+ * *iov and *iovcnt describe what is left, so after -1 with errno EINTR the caller runs its
+ * signal handlers and calls again to finish the same frame. FP_OK or -1 with errno. */
+int fp_writev_all(int fd, struct iovec **iov, int *iovcnt);
+
+#endif

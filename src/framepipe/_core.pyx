@@ -1,0 +1,839 @@
+# cython: language_level=3, embedsignature=True
+"""The compiled core: the hot path of framepipe over csrc/fp.c.
+
+Same classes, names, parameters, errors and bytes on the wire as framepipe._pycore (the spec).
+"""
+
+from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.exc cimport PyErr_CheckSignals
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.pythread cimport (
+    NOWAIT_LOCK, PyThread_acquire_lock, PyThread_allocate_lock, PyThread_free_lock,
+    PyThread_release_lock, PyThread_type_lock,
+)
+from libc.errno cimport EAGAIN, EINTR, EINVAL, errno
+from libc.stdint cimport uint64_t
+from libc.string cimport memcpy, memmove, strerror
+
+import os
+import select
+import stat
+import threading
+import time
+
+from . import _frames as F
+from ._api import build_api
+from .errors import BufferTooShort, MessageTooLong
+
+__all__ = ["Connection", "Pipe", "pipe"]
+
+
+cdef extern from "Python.h":
+    ctypedef long long PY_TIMEOUT_T
+    ctypedef enum PyLockStatus:
+        PY_LOCK_FAILURE, PY_LOCK_ACQUIRED, PY_LOCK_INTR
+    PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock, PY_TIMEOUT_T, int) nogil
+
+
+cdef extern from "sys/uio.h" nogil:
+    struct iovec:
+        void *iov_base
+        size_t iov_len
+
+
+cdef extern from "fp.h" nogil:
+    int FP_OK, FP_EOF, FP_TIMEOUT, FP_LIVENESS
+    int FP_HEADER_SIZE, FP_DEAD_SIZE
+    int FP_MODE_BLOCK, FP_MODE_SOCKET, FP_MODE_PIPE
+    double fp_now()
+    void fp_header_encode(unsigned char *out, unsigned char check, uint64_t length)
+    int fp_wait_readable(int fd, int liveness_fd, double deadline)
+    int fp_wait_writable(int fd, double deadline)
+    ssize_t fp_read(int fd, void *buf, size_t n, int mode)
+    int fp_writev_all(int fd, iovec **iov, int *iovcnt)
+
+
+DEF READ_CHUNK = 65536
+DEF DIRECT_MIN = 16384
+DEF EOPNOTSUPP_ = 95
+
+cdef int K_DATA = F.KIND_DATA
+cdef int K_TIMEOUT = F.KIND_TIMEOUT
+cdef int K_DEAD = F.KIND_DEAD
+cdef int K_ERROR = F.KIND_ERROR
+cdef int K_OBJECT = F.KIND_OBJECT
+cdef int K_BUFFER = F.KIND_BUFFER
+cdef int K_MAX = F.KIND_BUFFER
+cdef double DEATH_GRACE = 0.1
+cdef double LIVENESS_SLICE = 0.01
+
+
+class _Expired(Exception):
+    """Internal: the read's deadline passed; the public method says which timeout."""
+
+
+cdef inline double _deadline(timeout) except? -2.0:
+    if timeout is None:
+        return -1.0
+    t = float(timeout)
+    return fp_now() + (t if t > 0.0 else 0.0)
+
+
+cdef object _oserror(int err):
+    return OSError(err, strerror(err).decode("utf-8", "replace"))
+
+
+cdef class Connection:
+    """A framed, bidirectional or one-way connection over a pipe or socket fd.
+
+    A drop-in for ``multiprocessing.connection.Connection`` (same methods, same errors), plus
+    per-read timeouts, writer liveness (:meth:`watch`), error frames and asyncio reads.
+    """
+
+    cdef int _fd
+    cdef bint _readable, _writable, _closefd
+    cdef int _mode
+    cdef long long _max
+    cdef object _max_size
+    cdef PyThread_type_lock _rlock
+    cdef PyThread_type_lock _wlock
+    cdef char *_buf
+    cdef Py_ssize_t _bstart, _bend
+    cdef unsigned long long _consumed
+    cdef int _pkind
+    cdef Py_ssize_t _plen, _pgot, _pmaxlen
+    cdef object _pobj
+    cdef char *_pptr
+    cdef bint _pexternal, _pdiscard
+    cdef object _result
+    cdef Py_ssize_t _rsize
+    cdef object _object
+    cdef object _broken
+    cdef object _liveness
+    cdef object _watch_handle
+    cdef int _lfd
+    cdef bint _dead
+    cdef public object _peer
+    cdef public long long _sentinel_sent
+    cdef object __weakref__
+
+    def __cinit__(self):
+        self._fd = -1
+        self._lfd = -1
+        self._pkind = -1
+        self._rlock = PyThread_allocate_lock()
+        self._wlock = PyThread_allocate_lock()
+        if self._rlock == NULL or self._wlock == NULL:
+            raise MemoryError()
+
+    def __init__(self, handle, readable=True, writable=True, *, max_size=None, closefd=True):
+        handle = handle.__index__()
+        if handle < 0:
+            raise ValueError("invalid handle")
+        if not readable and not writable:
+            raise ValueError("at least one of `readable` and `writable` must be True")
+        if max_size is not None and max_size < 0:
+            raise ValueError("max_size must be None or a non-negative number of bytes")
+        mode = os.fstat(handle).st_mode
+        self._fd = handle
+        self._readable = bool(readable)
+        self._writable = bool(writable)
+        self._max_size = max_size
+        self._max = -1 if max_size is None else min(max_size, (1 << 62))
+        self._closefd = bool(closefd)
+        if stat.S_ISSOCK(mode):
+            self._mode = FP_MODE_SOCKET
+        elif stat.S_ISFIFO(mode):
+            self._mode = FP_MODE_PIPE
+        else:
+            self._mode = FP_MODE_BLOCK
+
+    def __dealloc__(self):
+        if self._fd >= 0 and self._closefd:
+            os.close(self._fd)
+            self._fd = -1
+        if self._buf != NULL:
+            PyMem_Free(self._buf)
+            self._buf = NULL
+        if self._rlock != NULL:
+            PyThread_free_lock(self._rlock)
+        if self._wlock != NULL:
+            PyThread_free_lock(self._wlock)
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def closed(self):
+        """True if the connection is closed."""
+        return self._fd < 0
+
+    @property
+    def readable(self):
+        """True if the connection is readable."""
+        return self._readable
+
+    @property
+    def writable(self):
+        """True if the connection is writable."""
+        return self._writable
+
+    @property
+    def max_size(self):
+        """Largest frame payload this connection accepts, or None for no limit."""
+        return self._max_size
+
+    def fileno(self):
+        """File descriptor or handle of the connection."""
+        self._check_closed()
+        return self._fd
+
+    def close(self):
+        """Close the connection (its fd once, if it owns it) and stop watching the writer."""
+        cdef int fd
+        if self._fd >= 0:
+            fd = self._fd
+            self._fd = -1
+            F.stop_watch(self._liveness, self._watch_handle)
+            self._liveness = self._watch_handle = None
+            self._lfd = -1
+            if self._closefd:
+                os.close(fd)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        state = "closed" if self._fd < 0 else f"fd={self._fd}"
+        mode = ("r" if self._readable else "") + ("w" if self._writable else "")
+        return f"<framepipe.Connection {state} {mode} c>"
+
+    cdef inline int _check_closed(self) except -1:
+        if self._fd < 0:
+            raise OSError("handle is closed")
+        return 0
+
+    cdef inline int _check_readable(self) except -1:
+        if self._fd < 0:
+            raise OSError("handle is closed")
+        if not self._readable:
+            raise OSError("connection is write-only")
+        return 0
+
+    cdef inline int _check_writable(self) except -1:
+        if self._fd < 0:
+            raise OSError("handle is closed")
+        if not self._writable:
+            raise OSError("connection is read-only")
+        return 0
+
+    # -- liveness ----------------------------------------------------------------------------
+
+    def watch(self, target):
+        """Watch the process that writes to this connection.
+
+        ``target`` is a pid, a started ``multiprocessing.Process`` or a ``subprocess.Popen``.
+        While reading, the writer's death (any exit code, or a signal) raises
+        :class:`framepipe.WriterDied` once the frames it wrote before dying are delivered.
+        Returns the connection. ``watch(None)`` stops watching.
+        """
+        self._check_closed()
+        F.stop_watch(self._liveness, self._watch_handle)
+        self._liveness = self._watch_handle = None
+        self._lfd = -1
+        self._dead = False
+        if target is not None:
+            self._liveness, self._watch_handle = F.start_watch(target, self._peer)
+            fd = self._liveness.fd
+            self._lfd = -1 if fd is None else fd
+        return self
+
+    def _write_sentinel(self, data):
+        if self._fd < 0:
+            return
+        self._write_parts([data])
+        self._sentinel_sent += len(data)
+
+    # -- writing -----------------------------------------------------------------------------
+
+    cdef int _lock_write(self) except -1:
+        cdef int ok
+        if not PyThread_acquire_lock(self._wlock, NOWAIT_LOCK):
+            with nogil:
+                ok = PyThread_acquire_lock_timed(self._wlock, -1, 0)
+        return 0
+
+    cdef int _writev(self, iovec *iov, int cnt) except -1:
+        cdef int rc, err, fd
+        self._lock_write()
+        try:
+            while True:
+                fd = self._fd
+                if fd < 0:
+                    raise OSError("handle is closed")
+                with nogil:
+                    rc = fp_writev_all(fd, &iov, &cnt)
+                    err = errno
+                if rc == FP_OK:
+                    return 0
+                if err == EINTR:
+                    PyErr_CheckSignals()  # the frame goes on after the handlers
+                    continue
+                if err == EAGAIN:
+                    with nogil:
+                        fp_wait_writable(fd, -1.0)
+                    continue
+                raise _oserror(err)
+        finally:
+            PyThread_release_lock(self._wlock)
+
+    def send_bytes(self, buf, Py_ssize_t offset=0, size=None):
+        """Send the bytes of ``buf[offset:offset+size]`` (a bytes-like object) as one frame."""
+        cdef Py_buffer view
+        cdef Py_ssize_t n
+        cdef unsigned char hdr[12]
+        cdef iovec iov[2]
+        self._check_writable()
+        PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+        try:
+            if offset < 0:
+                raise ValueError("offset is negative")
+            if view.len < offset:
+                raise ValueError("buffer length < offset")
+            if size is None:
+                n = view.len - offset
+            else:
+                n = size
+                if n < 0:
+                    raise ValueError("size is negative")
+                if offset + n > view.len:
+                    raise ValueError("buffer length < offset + size")
+            fp_header_encode(hdr, 0, <uint64_t>n)
+            iov[0].iov_base = hdr
+            iov[0].iov_len = FP_HEADER_SIZE
+            iov[1].iov_base = <char *>view.buf + offset
+            iov[1].iov_len = <size_t>n
+            self._writev(iov, 2)
+        finally:
+            PyBuffer_Release(&view)
+
+    cdef int _write_parts(self, list parts) except -1:
+        cdef Py_ssize_t i, count = len(parts), held = 0
+        cdef Py_buffer *views = <Py_buffer *>PyMem_Malloc(count * sizeof(Py_buffer) + 1)
+        cdef iovec *iov = <iovec *>PyMem_Malloc(count * sizeof(iovec) + 1)
+        if views == NULL or iov == NULL:
+            PyMem_Free(views)
+            PyMem_Free(iov)
+            raise MemoryError()
+        try:
+            for i in range(count):
+                PyObject_GetBuffer(parts[i], &views[i], PyBUF_SIMPLE)
+                held += 1
+                iov[i].iov_base = views[i].buf
+                iov[i].iov_len = <size_t>views[i].len
+            self._writev(iov, <int>count)
+        finally:
+            for i in range(held):
+                PyBuffer_Release(&views[i])
+            PyMem_Free(views)
+            PyMem_Free(iov)
+        return 0
+
+    def send(self, obj):
+        """Send a picklable object (pickle protocol 5; buffers of 64 KiB or more out of band)."""
+        self._check_writable()
+        self._write_parts(F.dumps(obj))
+
+    def send_exception(self, exc):
+        """Send ``exc`` as an error frame: the reader's ``recv`` or ``recv_bytes`` raises it."""
+        from .remote import dumps_exception
+
+        self._check_writable()
+        payload = dumps_exception(exc)
+        self._write_parts([F.header(K_ERROR, len(payload)), payload])
+
+    # -- reading: the state machine ----------------------------------------------------------
+
+    cdef int _note_dead(self) except -1:
+        """The liveness fd fired (or the fallback slice passed): is the writer dead?"""
+        if self._liveness is not None and self._liveness.poll_dead():
+            self._dead = True
+        return 0
+
+    cdef Py_ssize_t _read_some(self, char *dst, Py_ssize_t n, double deadline) except -1:
+        """One read() into dst: the byte count, 0 at end of file. Raises _Expired at the
+        deadline and WriterDied when the watched writer died with nothing left to read."""
+        cdef ssize_t r
+        cdef int rc, err, lfd, fd = self._fd
+        cdef double until
+        cdef bint watched = self._liveness is not None
+        cdef bint must_poll = deadline >= 0 or watched
+        while True:
+            if must_poll:
+                if self._mode != FP_MODE_BLOCK:  # no poll() when data is already there
+                    with nogil:
+                        r = fp_read(fd, dst, <size_t>n, self._mode)
+                        err = errno
+                    if r >= 0:
+                        return r
+                    if err == EINTR:
+                        PyErr_CheckSignals()
+                        continue
+                    if err == EOPNOTSUPP_ or err == EINVAL:
+                        self._mode = FP_MODE_BLOCK  # this kernel cannot; poll first from now on
+                    elif err != EAGAIN:
+                        raise _oserror(err)
+                lfd = -1 if self._dead else self._lfd
+                until = deadline
+                if self._dead:
+                    until = 0.0
+                elif watched and self._lfd < 0:
+                    until = fp_now() + LIVENESS_SLICE
+                    if deadline >= 0 and deadline < until:
+                        until = deadline
+                with nogil:
+                    rc = fp_wait_readable(fd, lfd, until)
+                    err = errno
+                if rc < 0:
+                    if err == EINTR:
+                        PyErr_CheckSignals()
+                        continue
+                    raise _oserror(err)
+                if rc == FP_LIVENESS or (rc == FP_TIMEOUT and watched and not self._dead):
+                    if not self._dead:
+                        self._note_dead()
+                        if self._dead:
+                            continue  # drain what the writer wrote before dying
+                if rc != FP_OK:
+                    if self._dead:
+                        lost, expected = self._lost()
+                        raise F.writer_died(self._liveness, lost, expected)
+                    if deadline >= 0 and fp_now() >= deadline:
+                        raise _Expired()
+                    continue
+            with nogil:
+                r = fp_read(fd, dst, <size_t>n, FP_MODE_BLOCK)
+                err = errno
+            if r >= 0:
+                return r
+            if err == EINTR:
+                PyErr_CheckSignals()
+                continue
+            if err != EAGAIN:
+                raise _oserror(err)
+            must_poll = True  # someone set O_NONBLOCK on the description: poll first
+
+    cdef int _fill(self, double deadline) except -1:
+        """Read more bytes into the read-ahead buffer."""
+        cdef Py_ssize_t avail = self._bend - self._bstart, k
+        if self._buf == NULL:
+            self._buf = <char *>PyMem_Malloc(READ_CHUNK)
+            if self._buf == NULL:
+                raise MemoryError()
+        if self._bstart:
+            if avail:
+                memmove(self._buf, self._buf + self._bstart, avail)
+            self._bstart = 0
+            self._bend = avail
+        k = self._read_some(self._buf + self._bend, READ_CHUNK - self._bend, deadline)
+        if k == 0:
+            self._at_eof()
+        self._bend += k
+        return 0
+
+    def _lost(self):
+        cdef Py_ssize_t avail = self._bend - self._bstart
+        if self._pkind < 0:
+            lost, expected = avail, None
+        else:
+            lost, expected = FP_HEADER_SIZE + self._pgot + avail, FP_HEADER_SIZE + self._plen
+        peer = self._peer() if self._peer is not None else None
+        if peer is not None:
+            lost -= peer._sentinel_sent
+        return max(lost, 0), expected
+
+    cdef bint _writer_is_dead(self) except -1:
+        live = self._liveness
+        if live is None:
+            return False
+        if self._dead:
+            return True
+        end = time.monotonic() + DEATH_GRACE
+        while True:
+            if live.poll_dead():
+                self._dead = True
+                return True
+            if time.monotonic() >= end:
+                return False
+            if live.fd is not None:
+                select.select([live.fd], [], [], max(end - time.monotonic(), 0.0))
+            else:
+                time.sleep(0.002)
+
+    cdef int _at_eof(self) except -1:
+        cdef bint in_frame = self._pkind >= 0 or self._bend > self._bstart
+        if self._writer_is_dead():
+            lost, expected = self._lost()
+            raise F.writer_died(self._liveness, lost, expected)
+        if in_frame:
+            lost, expected = self._lost()
+            raise F.truncated(lost, expected if expected is not None else FP_HEADER_SIZE)
+        raise EOFError
+
+    cdef object _break(self, exc):
+        self._broken = exc
+        return exc
+
+    cdef int _read_header(self, double deadline) except -1:
+        cdef unsigned char *p
+        cdef Py_ssize_t avail
+        cdef uint64_t length
+        cdef int kind
+        while True:
+            avail = self._bend - self._bstart
+            if avail >= 2:
+                p = <unsigned char *>self._buf + self._bstart
+                kind = p[0]
+                if p[1] != p[0] or kind > K_MAX:
+                    raise self._break(F.bad_check(bytes(p[:2]), self._consumed, "at a frame boundary"))
+                if kind == K_TIMEOUT:
+                    self._bstart += 2
+                    self._consumed += 2
+                    raise F.sentinel_timeout()
+                if kind == K_DEAD:
+                    if avail >= FP_DEAD_SIZE:
+                        memcpy(&length, p + 2, 8)
+                        self._bstart += FP_DEAD_SIZE
+                        self._consumed += FP_DEAD_SIZE
+                        self._dead = True
+                        raise F.dead_error(length, self._liveness)
+                elif avail >= FP_HEADER_SIZE:
+                    if p[10] != p[0] or p[11] != p[1]:
+                        raise self._break(F.mismatched_checks(bytes(p[:2]), bytes(p[10:12]), self._consumed))
+                    memcpy(&length, p + 2, 8)
+                    if (self._max >= 0 and length > <uint64_t>self._max) or length > <uint64_t>(1 << 62):
+                        raise self._break(F.too_large(length, self._max_size if self._max_size is not None else (1 << 62), self._consumed))
+                    self._bstart += FP_HEADER_SIZE
+                    self._consumed += FP_HEADER_SIZE
+                    self._pkind = kind
+                    self._plen = <Py_ssize_t>length
+                    self._pgot = 0
+                    return 0
+            self._fill(deadline)
+
+    cdef int _pump(self, double deadline) except -1:
+        """Fill the pending frame's destination until it is complete."""
+        cdef Py_ssize_t n = self._plen, got, avail, take, k
+        while self._pgot < n:
+            got = self._pgot
+            avail = self._bend - self._bstart
+            if avail > 0:
+                take = avail if avail < n - got else n - got
+                if not self._pdiscard:
+                    memcpy(self._pptr + got, self._buf + self._bstart, take)
+                self._bstart += take
+                self._consumed += take
+                self._pgot = got + take
+                if self._bstart == self._bend:
+                    self._bstart = self._bend = 0
+            elif n - got >= DIRECT_MIN and not self._pdiscard:
+                k = self._read_some(self._pptr + got, n - got, deadline)
+                if k == 0:
+                    self._at_eof()
+                self._pgot = got + k
+                self._consumed += k
+            else:
+                self._fill(deadline)
+        return 0
+
+    cdef int _read_frame(self, double deadline, Py_ssize_t maxlength, char *into,
+                         Py_ssize_t intolen, bint mutable) except -1:
+        """Read one whole frame and return its kind. The payload is left in self._result
+        (bytes, or a bytearray when ``mutable``), or, when it was read into ``into``, its
+        size in self._rsize with self._result None."""
+        cdef Py_ssize_t n
+        if self._broken is not None:
+            raise F.broken(self._broken)
+        if self._pkind < 0:
+            self._read_header(deadline)
+            n = self._plen
+            self._pexternal = self._pdiscard = False
+            self._pobj = None
+            if maxlength >= 0 and n > maxlength and self._pkind == K_DATA:
+                self._pdiscard = True
+                self._pmaxlen = maxlength
+                self._pptr = NULL
+            elif into != NULL and self._pkind == K_DATA and n <= intolen:
+                self._pptr = into
+                self._pexternal = True
+            elif mutable:
+                self._pobj = PyByteArray_FromStringAndSize(NULL, n)
+                self._pptr = PyByteArray_AS_STRING(self._pobj)
+            else:
+                self._pobj = PyBytes_FromStringAndSize(NULL, n)
+                self._pptr = PyBytes_AS_STRING(self._pobj)
+        try:
+            self._pump(deadline)
+        except BaseException:
+            if self._pexternal:  # keep what arrived; the caller's buffer is theirs again
+                own = PyBytes_FromStringAndSize(NULL, self._plen)
+                memcpy(PyBytes_AS_STRING(own), self._pptr, self._pgot)
+                self._pobj = own
+                self._pptr = PyBytes_AS_STRING(own)
+                self._pexternal = False
+            raise
+        kind = self._pkind
+        n = self._plen
+        self._pkind = -1
+        self._pptr = NULL
+        if self._pdiscard:
+            raise MessageTooLong(n, self._pmaxlen)
+        if self._pexternal:
+            self._result = None
+            self._rsize = n
+            return kind
+        if into != NULL and kind == K_DATA and n <= intolen:
+            memcpy(into, PyBytes_AS_STRING(self._pobj), n)
+            self._pobj = None
+            self._result = None
+            self._rsize = n
+            return kind
+        self._result = self._pobj
+        self._pobj = None
+        return kind
+
+    cdef object _take_result(self):
+        r = self._result
+        self._result = None
+        return r
+
+    cdef int _lock_read(self, double deadline) except -1:
+        cdef PyLockStatus st
+        cdef PY_TIMEOUT_T us
+        if PyThread_acquire_lock(self._rlock, NOWAIT_LOCK):
+            return 0
+        if deadline < 0:
+            us = -1
+        else:
+            us = <PY_TIMEOUT_T>((deadline - fp_now()) * 1e6)
+            if us < 0:
+                us = 0
+        with nogil:
+            st = PyThread_acquire_lock_timed(self._rlock, us, 0)
+        if st != PY_LOCK_ACQUIRED:
+            raise _Expired()
+        return 0
+
+    cdef object _read_message(self, double deadline, bint raw, Py_ssize_t maxlength):
+        """The next message: bytes (``raw``) or an object. Error frames raise."""
+        cdef int kind
+        if self._object is None:
+            kind = self._read_frame(deadline, maxlength, NULL, 0, False)
+            payload = self._take_result()
+            if kind == K_DATA:
+                return payload if raw else F.loads(payload)
+            self._start_object(kind, payload)
+        pickled, table, buffers = self._object
+        while len(buffers) < len(table):
+            length, flags = table[len(buffers)]
+            kind = self._read_frame(deadline, -1, NULL, 0, not (flags & F.FLAG_BYTES))
+            payload = self._take_result()
+            if kind != K_BUFFER or len(payload) != length:
+                raise self._break(F.missing_buffer(kind, len(payload), length))
+            buffers.append(payload)
+        self._object = None
+        obj = F.loads(pickled, buffers)
+        if not raw:
+            return obj
+        data = F.dumps_inband(obj)
+        if maxlength >= 0 and len(data) > maxlength:
+            raise MessageTooLong(len(data), maxlength)
+        return data
+
+    cdef int _start_object(self, int kind, payload) except -1:
+        if kind == K_ERROR:
+            F.raise_remote(payload)
+        if kind != K_OBJECT:
+            raise self._break(F.missing_buffer(kind, len(payload), None))
+        pickled, table = F.parse_object(payload)
+        self._object = (pickled, table, [])
+        return 0
+
+    # -- reading: the public API -------------------------------------------------------------
+
+    def recv_bytes(self, maxlength=None, *, timeout=None):
+        """Receive one message as bytes.
+
+        Raises EOFError at end of file (:class:`WriterDied` if the watched writer died),
+        :class:`ReadTimeout` when ``timeout`` seconds pass (nothing is lost), and
+        :class:`MessageTooLong` (an OSError) when the message exceeds ``maxlength``; unlike
+        the stdlib the message is then discarded and the connection stays usable. An error
+        frame raises the exception it carries.
+        """
+        cdef Py_ssize_t maxl = -1
+        cdef double deadline
+        self._check_readable()
+        if maxlength is not None:
+            maxl = maxlength
+            if maxl < 0:
+                raise ValueError("negative maxlength")
+        deadline = _deadline(timeout)
+        try:
+            self._lock_read(deadline)
+            try:
+                return self._read_message(deadline, True, maxl)
+            finally:
+                PyThread_release_lock(self._rlock)
+        except _Expired:
+            raise F.timeout_error(timeout) from None
+
+    def recv_bytes_into(self, buf, offset=0, *, timeout=None):
+        """Receive one message into ``buf`` at byte ``offset``; returns its size in bytes.
+
+        Raises ``BufferTooShort`` (carrying the whole message as ``args[0]``) if it does not
+        fit; the connection stays usable.
+        """
+        cdef Py_buffer view
+        cdef double deadline
+        cdef int kind
+        cdef Py_ssize_t off
+        self._check_readable()
+        with memoryview(buf) as m:
+            nbytes = m.nbytes
+            if offset < 0:
+                raise ValueError("negative offset")
+            if offset > nbytes:
+                raise ValueError("offset too large")
+            flat = m.cast("B") if m.ndim != 1 or m.format != "B" else m
+            if flat.readonly:
+                raise TypeError("recv_bytes_into() argument must be a writable buffer")
+            off = offset
+            PyObject_GetBuffer(flat, &view, PyBUF_WRITABLE)
+            try:
+                deadline = _deadline(timeout)
+                try:
+                    self._lock_read(deadline)
+                    try:
+                        if self._object is None:
+                            kind = self._read_frame(deadline, -1, <char *>view.buf + off,
+                                                    view.len - off, False)
+                            result = self._take_result()
+                            if result is None:
+                                return self._rsize
+                            if kind != K_DATA:
+                                self._start_object(kind, result)
+                                result = self._read_message(deadline, True, -1)
+                        else:
+                            result = self._read_message(deadline, True, -1)
+                    finally:
+                        PyThread_release_lock(self._rlock)
+                except _Expired:
+                    raise F.timeout_error(timeout) from None
+                if len(result) > view.len - off:
+                    raise BufferTooShort(result)
+                memcpy(<char *>view.buf + off, PyBytes_AS_STRING(result), len(result))
+                return len(result)
+            finally:
+                PyBuffer_Release(&view)
+
+    def recv(self, *, timeout=None):
+        """Receive an object sent by :meth:`send` (or an in-band pickle from a reference
+        writer). An error frame raises the exception it carries."""
+        cdef double deadline
+        self._check_readable()
+        deadline = _deadline(timeout)
+        try:
+            self._lock_read(deadline)
+            try:
+                return self._read_message(deadline, False, -1)
+            finally:
+                PyThread_release_lock(self._rlock)
+        except _Expired:
+            raise F.timeout_error(timeout) from None
+
+    def poll(self, timeout=0.0):
+        """Whether there is data to read (or end of file), waiting up to ``timeout`` seconds
+        (None: forever)."""
+        cdef double deadline, until
+        cdef int rc, err, lfd, fd
+        self._check_readable()
+        if self._bend > self._bstart:
+            return True
+        deadline = _deadline(timeout)
+        fd = self._fd
+        while True:
+            lfd = -1 if self._dead else self._lfd
+            until = deadline
+            if self._liveness is not None and self._lfd < 0 and not self._dead:
+                until = fp_now() + LIVENESS_SLICE
+                if deadline >= 0 and deadline < until:
+                    until = deadline
+            with nogil:
+                rc = fp_wait_readable(fd, lfd, until)
+                err = errno
+            if rc == FP_OK:
+                return True
+            if rc < 0:
+                if err == EINTR:
+                    PyErr_CheckSignals()
+                    continue
+                raise _oserror(err)
+            if self._dead:
+                return True
+            if self._liveness is not None:
+                self._note_dead()
+                if self._dead:
+                    return True
+            if deadline >= 0 and fp_now() >= deadline:
+                return False
+
+    def _has_buffered(self):
+        return self._fd >= 0 and self._bend > self._bstart
+
+    # -- pickling to a child process ---------------------------------------------------------
+
+    def __reduce__(self):
+        from .connection import _reduce_connection
+
+        return _reduce_connection(self)
+
+    # -- asyncio -----------------------------------------------------------------------------
+
+    async def recv_bytes_async(self, maxlength=None, *, timeout=None):
+        """``recv_bytes`` on the running event loop's reader callbacks (no thread)."""
+        from ._aio import recv_async
+
+        return await recv_async(self, lambda t: self.recv_bytes(maxlength, timeout=t), timeout)
+
+    async def recv_async(self, *, timeout=None):
+        """``recv`` on the running event loop's reader callbacks (no thread)."""
+        from ._aio import recv_async
+
+        return await recv_async(self, lambda t: self.recv(timeout=t), timeout)
+
+    async def send_bytes_async(self, buf, offset=0, size=None):
+        """``send_bytes`` that waits on the event loop while the pipe is full."""
+        from ._aio import send_async
+
+        await send_async(self, lambda: self.send_bytes(buf, offset, size))
+
+    async def send_async(self, obj):
+        """``send`` that waits on the event loop while the pipe is full."""
+        from ._aio import send_async
+
+        await send_async(self, lambda: self.send(obj))
+
+    @property
+    def _liveness_fd(self):
+        return None if self._lfd < 0 else self._lfd
+
+    @property
+    def _watched(self):
+        return self._liveness
+
+
+pipe, Pipe = build_api(Connection)
