@@ -93,6 +93,7 @@ cdef class Connection:
     """
 
     cdef int _fd
+    cdef int _wfd
     cdef bint _readable, _writable, _closefd
     cdef int _mode
     cdef long long _max
@@ -121,6 +122,7 @@ cdef class Connection:
 
     def __cinit__(self):
         self._fd = -1
+        self._wfd = -1
         self._lfd = -1
         self._pkind = -1
         self._rlock = PyThread_allocate_lock()
@@ -128,16 +130,14 @@ cdef class Connection:
         if self._rlock == NULL or self._wlock == NULL:
             raise MemoryError()
 
-    def __init__(self, handle, readable=True, writable=True, *, max_size=None, closefd=True):
-        handle = handle.__index__()
-        if handle < 0:
-            raise ValueError("invalid handle")
-        if not readable and not writable:
-            raise ValueError("at least one of `readable` and `writable` must be True")
+    def __init__(self, handle, readable=True, writable=True, *, write_handle=None,
+                 max_size=None, closefd=True):
+        handle, wfd = F.check_handles(handle, readable, writable, write_handle)
         if max_size is not None and max_size < 0:
             raise ValueError("max_size must be None or a non-negative number of bytes")
         mode = os.fstat(handle).st_mode
         self._fd = handle
+        self._wfd = wfd
         self._readable = bool(readable)
         self._writable = bool(writable)
         self._max_size = max_size
@@ -153,7 +153,9 @@ cdef class Connection:
     def __dealloc__(self):
         if self._fd >= 0 and self._closefd:
             os.close(self._fd)
-            self._fd = -1
+            if self._wfd != self._fd:
+                os.close(self._wfd)
+        self._fd = self._wfd = -1
         if self._buf != NULL:
             PyMem_Free(self._buf)
             self._buf = NULL
@@ -191,15 +193,17 @@ cdef class Connection:
 
     def close(self):
         """Close the connection (its fd once, if it owns it) and stop watching the writer."""
-        cdef int fd
+        cdef int fd, wfd
         if self._fd >= 0:
-            fd = self._fd
-            self._fd = -1
+            fd, wfd = self._fd, self._wfd
+            self._fd = self._wfd = -1
             F.stop_watch(self._liveness, self._watch_handle)
             self._liveness = self._watch_handle = None
             self._lfd = -1
             if self._closefd:
                 os.close(fd)
+                if wfd != fd:
+                    os.close(wfd)
 
     def __enter__(self):
         return self
@@ -272,7 +276,7 @@ cdef class Connection:
         self._lock_write()
         try:
             while True:
-                fd = self._fd
+                fd = self._wfd
                 if fd < 0:
                     raise OSError("handle is closed")
                 with nogil:
@@ -791,6 +795,13 @@ cdef class Connection:
             if deadline >= 0 and fp_now() >= deadline:
                 return False
 
+    def _handles(self):
+        return self._fd, self._wfd
+
+    def _send_parts(self, list parts):
+        self._check_writable()
+        self._write_parts(parts)
+
     def _has_buffered(self):
         return self._fd >= 0 and self._bend > self._bstart
 
@@ -816,16 +827,21 @@ cdef class Connection:
         return await recv_async(self, lambda t: self.recv(timeout=t), timeout)
 
     async def send_bytes_async(self, buf, offset=0, size=None):
-        """``send_bytes`` that waits on the event loop while the pipe is full."""
+        """``send_bytes`` from a coroutine; frames over 64 KiB are written from the default
+        executor so a full pipe never blocks the event loop."""
         from ._aio import send_async
 
-        await send_async(self, lambda: self.send_bytes(buf, offset, size))
+        m = memoryview(buf)
+        if m.itemsize > 1:
+            m = m.cast("B")
+        size = F.check_send_args(m.nbytes, offset, size)
+        await send_async(self, [F.header(F.KIND_DATA, size), m[offset : offset + size]])
 
     async def send_async(self, obj):
-        """``send`` that waits on the event loop while the pipe is full."""
+        """``send`` from a coroutine (see :meth:`send_bytes_async`)."""
         from ._aio import send_async
 
-        await send_async(self, lambda: self.send(obj))
+        await send_async(self, F.dumps(obj))
 
     @property
     def _liveness_fd(self):

@@ -39,7 +39,7 @@ def header(kind: int, length: int) -> bytes:
 
 
 def dead_status(data: bytes) -> int:
-    """Exit status carried by a DEAD sentinel: a code, or 128 + signum for a signal."""
+    """The status word of a DEAD sentinel (see ``framepipe.watch.dead_status_word``)."""
     return int(LENGTH.unpack(data)[0])
 
 
@@ -90,17 +90,43 @@ def timeout_error(timeout: float | None) -> ReadTimeout:
 
 
 def sentinel_timeout() -> ReadTimeout:
-    return ReadTimeout("the writer sent a TIMEOUT sentinel: its read deadline expired")
+    exc = ReadTimeout("the writer sent a TIMEOUT sentinel: its read deadline expired")
+    exc.sentinel = True
+    return exc
 
 
 def dead_error(status: int, liveness: Any) -> WriterDied:
+    """A DEAD sentinel was read: the watched writer's own account when there is one, else
+    what the status word says (a code, 128 + signal, or all ones when unknown)."""
     if liveness is not None:
         return liveness.error()  # type: ignore[no-any-return]
-    return WriterDied(None, status if status < 128 else -(status - 128))
+    from .watch import exitcode_from_status_word
+
+    return WriterDied(None, exitcode_from_status_word(status))
 
 
 def writer_died(liveness: Any, lost: int, expected: int | None) -> WriterDied:
     return liveness.error(lost_bytes=lost, expected_bytes=expected)  # type: ignore[no-any-return]
+
+
+def check_handles(
+    handle: Any, readable: bool, writable: bool, write_handle: Any
+) -> tuple[int, int]:
+    """Validate a Connection's fds: ``(read fd, write fd)``, the same fd unless a separate
+    ``write_handle`` makes a duplex connection over two pipes."""
+    fd = handle.__index__()
+    if fd < 0:
+        raise ValueError("invalid handle")
+    if not readable and not writable:
+        raise ValueError("at least one of `readable` and `writable` must be True")
+    if write_handle is None:
+        return fd, fd
+    wfd = write_handle.__index__()
+    if wfd < 0:
+        raise ValueError("invalid write_handle")
+    if not (readable and writable):
+        raise ValueError("write_handle makes a duplex connection: readable and writable must be True")
+    return fd, wfd
 
 
 def check_send_args(view_len: int, offset: int, size: int | None) -> int:
@@ -243,8 +269,7 @@ def start_watch(target: Any, peer: Any) -> tuple[Any, Any]:
             conn = peer()
             if conn is None or conn.closed:
                 return
-            exitcode, _ = liv.status()
-            word = dead_status_word(exitcode) if exitcode is not None else 255
+            word = dead_status_word(liv.status()[0])
             try:
                 conn._write_sentinel(DEAD + LENGTH.pack(word))
             except OSError:

@@ -56,17 +56,15 @@ class Connection:
         readable: bool = True,
         writable: bool = True,
         *,
+        write_handle: int | None = None,
         max_size: int | None = None,
         closefd: bool = True,
     ) -> None:
-        handle = handle.__index__()
-        if handle < 0:
-            raise ValueError("invalid handle")
-        if not readable and not writable:
-            raise ValueError("at least one of `readable` and `writable` must be True")
+        handle, wfd = F.check_handles(handle, readable, writable, write_handle)
         if max_size is not None and max_size < 0:
             raise ValueError("max_size must be None or a non-negative number of bytes")
         self._fd = handle
+        self._wfd = wfd
         self._readable = bool(readable)
         self._writable = bool(writable)
         self._max_size = max_size
@@ -122,11 +120,14 @@ class Connection:
     def close(self) -> None:
         """Close the connection (its fd once, if it owns it) and stop watching the writer."""
         if self._fd >= 0:
-            fd, self._fd = self._fd, -1
+            fd, wfd = self._fd, self._wfd
+            self._fd = self._wfd = -1
             F.stop_watch(self._liveness, self._watch_handle)
             self._liveness = self._watch_handle = None
             if self._closefd:
                 os.close(fd)
+                if wfd != fd:
+                    os.close(wfd)
 
     def __del__(self) -> None:
         try:
@@ -179,16 +180,15 @@ class Connection:
     def _write_sentinel(self, data: bytes) -> None:
         if self._fd < 0:
             return
-        with self._wlock:
-            os.write(self._fd, data)
-            self._sentinel_sent += len(data)
+        self._write_parts([data])
+        self._sentinel_sent += len(data)
 
     # -- writing -----------------------------------------------------------------------------
 
     def _write_parts(self, parts: list[Any]) -> None:
         views = [memoryview(p).cast("B") for p in parts]
         with self._wlock:
-            fd = self._fd
+            fd = self._wfd
             if fd < 0:
                 raise OSError("handle is closed")
             while views:
@@ -552,6 +552,18 @@ class Connection:
         except _Dead:
             return True
 
+    def _handles(self) -> tuple[int, int]:
+        return self._fd, self._wfd
+
+    def _send_parts(self, parts: list[Any]) -> None:
+        self._check_closed()
+        self._check_writable()
+        self._write_parts(parts)
+
+    @property
+    def _liveness_fd(self) -> int | None:
+        return None if self._liveness is None else self._liveness.fd
+
     def _has_buffered(self) -> bool:
         return self._fd >= 0 and len(self._buf) > self._bstart
 
@@ -579,16 +591,21 @@ class Connection:
         return await recv_async(self, lambda t: self.recv(timeout=t), timeout)
 
     async def send_bytes_async(self, buf: Any, offset: int = 0, size: int | None = None) -> None:
-        """``send_bytes`` that waits on the event loop while the pipe is full."""
+        """``send_bytes`` from a coroutine; frames over 64 KiB are written from the default
+        executor so a full pipe never blocks the event loop."""
         from ._aio import send_async
 
-        await send_async(self, lambda: self.send_bytes(buf, offset, size))
+        m = memoryview(buf)
+        if m.itemsize > 1:
+            m = m.cast("B")
+        size = F.check_send_args(m.nbytes, offset, size)
+        await send_async(self, [F.header(F.KIND_DATA, size), m[offset : offset + size]])
 
     async def send_async(self, obj: Any) -> None:
-        """``send`` that waits on the event loop while the pipe is full."""
+        """``send`` from a coroutine (see :meth:`send_bytes_async`)."""
         from ._aio import send_async
 
-        await send_async(self, lambda: self.send(obj))
+        await send_async(self, F.dumps(obj))
 
 
 pipe, Pipe = build_api(Connection)

@@ -53,7 +53,12 @@ class MessageTooLong(FrameError):
 
 class ReadTimeout(FramepipeError, TimeoutError):
     """A read did not complete before its deadline. Nothing is lost: bytes of a frame that had
-    started to arrive are kept, and the next read returns the whole frame."""
+    started to arrive are kept, and the next read returns the whole frame.
+
+    ``sentinel`` is True when a reference writer's TIMEOUT sentinel caused it, False when this
+    read's own deadline passed."""
+
+    sentinel = False
 
 
 def signal_name(signum: int) -> str:
