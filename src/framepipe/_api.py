@@ -22,7 +22,7 @@ def _pipe_size(fd: int) -> None:
 
 
 def build_api(Connection: Any) -> tuple[Callable[..., Any], type]:
-    def pipe(duplex: bool = True) -> tuple[Connection, Connection]:
+    def pipe(duplex: bool = True, *, read_ahead: bool = False) -> tuple[Connection, Connection]:
         """A pair of connected Connections, like ``multiprocessing.Pipe``: ``(reader, writer)``
         over an ``os.pipe()``, or when ``duplex``, two connections that each read one pipe and
         write the other (measured faster than a socketpair here: half the round-trip latency
@@ -32,11 +32,13 @@ def build_api(Connection: Any) -> tuple[Callable[..., Any], type]:
             r2, w2 = os.pipe()
             _pipe_size(w1)
             _pipe_size(w2)
-            c1, c2 = Connection(r1, write_handle=w2), Connection(r2, write_handle=w1)
+            c1 = Connection(r1, write_handle=w2, read_ahead=read_ahead)
+            c2 = Connection(r2, write_handle=w1, read_ahead=read_ahead)
         else:
             r, w = os.pipe()
             _pipe_size(w)
-            c1, c2 = Connection(r, writable=False), Connection(w, readable=False)
+            c1 = Connection(r, writable=False, read_ahead=read_ahead)
+            c2 = Connection(w, readable=False)
         c1._peer = weakref.ref(c2)
         if duplex:
             c2._peer = weakref.ref(c1)

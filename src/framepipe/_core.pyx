@@ -4,6 +4,7 @@
 Same classes, names, parameters, errors and bytes on the wire as framepipe._pycore (the spec).
 """
 
+cimport cython
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
@@ -85,17 +86,32 @@ cdef object _oserror(int err):
     return OSError(err, strerror(err).decode("utf-8", "replace"))
 
 
+@cython.embedsignature(False)  # the docstring's first line is the exact signature
 cdef class Connection:
-    """A framed, bidirectional or one-way connection over a pipe or socket fd.
+    """Connection(handle, readable=True, writable=True, *, write_handle=None, max_size=None, closefd=True, read_ahead=False)
+--
+
+A framed, bidirectional or one-way connection over a pipe or socket fd.
 
     A drop-in for ``multiprocessing.connection.Connection`` (same methods, same errors), plus
     per-read timeouts, writer liveness (:meth:`watch`), error frames and asyncio reads.
+
+    By default a read never takes a byte past the frame it returns, so ``select()`` and
+    ``multiprocessing.connection.wait()`` on :meth:`fileno` see every frame still to be read,
+    as with the stdlib. ``read_ahead=True`` lets one read() take up to 64 KiB of following
+    frames: small messages then cost a fraction of a syscall each, but frames held in the
+    connection's buffer are invisible to a foreign ``select()``; wait on such connections
+    with :func:`framepipe.connection.wait` (or :meth:`poll`), which sees them. ``max_size``
+    bounds the payload a frame may announce (None: no bound); ``write_handle`` makes a duplex
+    connection that reads ``handle`` and writes ``write_handle``; ``closefd=False`` leaves
+    the fds open on :meth:`close`.
     """
 
     cdef int _fd
     cdef int _wfd
     cdef bint _readable, _writable, _closefd
     cdef int _mode
+    cdef bint _read_ahead
     cdef long long _max
     cdef object _max_size
     cdef PyThread_type_lock _rlock
@@ -131,7 +147,7 @@ cdef class Connection:
             raise MemoryError()
 
     def __init__(self, handle, readable=True, writable=True, *, write_handle=None,
-                 max_size=None, closefd=True):
+                 max_size=None, closefd=True, read_ahead=False):
         handle, wfd = F.check_handles(handle, readable, writable, write_handle)
         if max_size is not None and max_size < 0:
             raise ValueError("max_size must be None or a non-negative number of bytes")
@@ -143,6 +159,7 @@ cdef class Connection:
         self._max_size = max_size
         self._max = -1 if max_size is None else min(max_size, (1 << 62))
         self._closefd = bool(closefd)
+        self._read_ahead = bool(read_ahead)
         if stat.S_ISSOCK(mode):
             self._mode = FP_MODE_SOCKET
         elif stat.S_ISFIFO(mode):
@@ -431,8 +448,8 @@ cdef class Connection:
                 raise _oserror(err)
             must_poll = True  # someone set O_NONBLOCK on the description: poll first
 
-    cdef int _fill(self, double deadline) except -1:
-        """Read more bytes into the read-ahead buffer."""
+    cdef int _fill(self, double deadline, Py_ssize_t want) except -1:
+        """Read up to ``want`` more bytes into the buffer; with read-ahead, as many as fit."""
         cdef Py_ssize_t avail = self._bend - self._bstart, k
         if self._buf == NULL:
             self._buf = <char *>PyMem_Malloc(READ_CHUNK)
@@ -443,7 +460,9 @@ cdef class Connection:
                 memmove(self._buf, self._buf + self._bstart, avail)
             self._bstart = 0
             self._bend = avail
-        k = self._read_some(self._buf + self._bend, READ_CHUNK - self._bend, deadline)
+        if self._read_ahead or want > READ_CHUNK - self._bend:
+            want = READ_CHUNK - self._bend
+        k = self._read_some(self._buf + self._bend, want, deadline)
         if k == 0:
             self._at_eof()
         self._bend += k
@@ -527,7 +546,7 @@ cdef class Connection:
                     self._plen = <Py_ssize_t>length
                     self._pgot = 0
                     return 0
-            self._fill(deadline)
+            self._fill(deadline, FP_HEADER_SIZE - avail)
 
     cdef int _pump(self, double deadline) except -1:
         """Fill the pending frame's destination until it is complete."""
@@ -544,14 +563,14 @@ cdef class Connection:
                 self._pgot = got + take
                 if self._bstart == self._bend:
                     self._bstart = self._bend = 0
-            elif n - got >= DIRECT_MIN and not self._pdiscard:
+            elif not self._pdiscard and (n - got >= DIRECT_MIN or not self._read_ahead):
                 k = self._read_some(self._pptr + got, n - got, deadline)
                 if k == 0:
                     self._at_eof()
                 self._pgot = got + k
                 self._consumed += k
             else:
-                self._fill(deadline)
+                self._fill(deadline, min(n - got, READ_CHUNK))
         return 0
 
     cdef int _read_frame(self, double deadline, Py_ssize_t maxlength, char *into,
@@ -797,6 +816,11 @@ cdef class Connection:
 
     def _handles(self):
         return self._fd, self._wfd
+
+    @property
+    def read_ahead(self):
+        """Whether reads may take more than the current frame from the fd (see the class)."""
+        return self._read_ahead
 
     def _send_parts(self, list parts):
         self._check_writable()

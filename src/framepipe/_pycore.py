@@ -48,6 +48,16 @@ class Connection:
 
     A drop-in for ``multiprocessing.connection.Connection`` (same methods, same errors), plus
     per-read timeouts, writer liveness (:meth:`watch`), error frames and asyncio reads.
+
+    By default a read never takes a byte past the frame it returns, so ``select()`` and
+    ``multiprocessing.connection.wait()`` on :meth:`fileno` see every frame still to be read,
+    as with the stdlib. ``read_ahead=True`` lets one read() take up to 64 KiB of following
+    frames: small messages then cost a fraction of a syscall each, but frames held in the
+    connection's buffer are invisible to a foreign ``select()``; wait on such connections
+    with :func:`framepipe.connection.wait` (or :meth:`poll`), which sees them. ``max_size``
+    bounds the payload a frame may announce (None: no bound); ``write_handle`` makes a duplex
+    connection that reads ``handle`` and writes ``write_handle``; ``closefd=False`` leaves
+    the fds open on :meth:`close`.
     """
 
     def __init__(
@@ -59,6 +69,7 @@ class Connection:
         write_handle: int | None = None,
         max_size: int | None = None,
         closefd: bool = True,
+        read_ahead: bool = False,
     ) -> None:
         handle, wfd = F.check_handles(handle, readable, writable, write_handle)
         if max_size is not None and max_size < 0:
@@ -69,6 +80,7 @@ class Connection:
         self._writable = bool(writable)
         self._max_size = max_size
         self._closefd = closefd
+        self._read_ahead = bool(read_ahead)
         self._is_socket = stat.S_ISSOCK(os.fstat(handle).st_mode)
         self._rlock = threading.Lock()
         self._wlock = threading.Lock()
@@ -253,9 +265,9 @@ class Connection:
             if deadline is not None and time.monotonic() >= deadline:
                 return False
 
-    def _read_into(self, view: memoryview | None, deadline: float | None) -> Any:
+    def _read_into(self, view: memoryview | None, deadline: float | None, want: int = 0) -> Any:
         """One read(): into ``view`` (the byte count, 0 at end of file), or when ``view`` is
-        None, up to a read-ahead chunk (bytes, empty at end of file). Raises _Expired on the
+        None, up to ``want`` bytes (bytes, empty at end of file). Raises _Expired on the
         deadline and WriterDied when the watched writer died with nothing left to read."""
         while True:
             if deadline is not None or self._liveness is not None:
@@ -267,17 +279,19 @@ class Connection:
                     raise F.writer_died(self._liveness, lost, expected) from None
             try:
                 if view is None:
-                    return os.read(self._fd, _READ_CHUNK)
+                    return os.read(self._fd, want)
                 return os.readv(self._fd, [view])
             except BlockingIOError:
                 continue
 
-    def _fill(self, deadline: float | None) -> None:
-        """Read more bytes into the read-ahead buffer."""
+    def _fill(self, deadline: float | None, want: int) -> None:
+        """Read up to ``want`` more bytes into the buffer; with read-ahead, up to a chunk."""
         if self._bstart:
             del self._buf[: self._bstart]
             self._bstart = 0
-        data = self._read_into(None, deadline)
+        if self._read_ahead or want > _READ_CHUNK:
+            want = _READ_CHUNK
+        data = self._read_into(None, deadline, want)
         if not data:
             self._at_eof()
         self._buf += data
@@ -360,7 +374,7 @@ class Connection:
                     self._consume(F.HEADER_SIZE)
                     self._pkind, self._plen, self._pgot = kind, length, 0
                     return
-            self._fill(deadline)
+            self._fill(deadline, F.HEADER_SIZE - avail)
 
     def _pump(self, deadline: float | None) -> None:
         """Fill the pending frame's destination until it is complete."""
@@ -376,14 +390,14 @@ class Connection:
                 self._bstart += take
                 self._consumed += take
                 self._pgot = got + take
-            elif n - got >= _DIRECT_MIN and not self._pdiscard:
+            elif not self._pdiscard and (n - got >= _DIRECT_MIN or not self._read_ahead):
                 k = self._read_into(memoryview(self._pdest)[got:n], deadline)
                 if k == 0:
                     self._at_eof()
                 self._pgot = got + k
                 self._consumed += k
             else:
-                self._fill(deadline)
+                self._fill(deadline, n - got)
 
     def _read_frame(
         self,
@@ -554,6 +568,11 @@ class Connection:
 
     def _handles(self) -> tuple[int, int]:
         return self._fd, self._wfd
+
+    @property
+    def read_ahead(self) -> bool:
+        """Whether reads may take more than the current frame from the fd (see the class)."""
+        return self._read_ahead
 
     def _send_parts(self, parts: list[Any]) -> None:
         self._check_closed()

@@ -24,12 +24,14 @@ __all__ = ["Pipe", "Connection", "wait", "BufferTooShort"]
 Connection = _impl.core.Connection
 
 
-def Pipe(duplex: bool = True) -> tuple[Any, Any]:
+def Pipe(duplex: bool = True, *, read_ahead: bool = False) -> tuple[Any, Any]:
     """Return a pair of connected :class:`Connection` objects, like ``multiprocessing.Pipe``.
 
     With ``duplex=False`` the first can only read and the second can only write.
+    ``read_ahead=True`` trades visibility to a foreign ``select()`` for small-message speed
+    (see :class:`Connection`).
     """
-    return _impl.core.pipe(duplex)  # type: ignore[no-any-return]
+    return _impl.core.pipe(duplex, read_ahead=read_ahead)  # type: ignore[no-any-return]
 
 
 def _fileno(obj: Any) -> int:
@@ -94,13 +96,14 @@ def _reduce_connection(conn: Any) -> Any:
     impl = "c" if type(conn).__module__ == "framepipe._core" else "python"
     dup_r = reduction.DupFd(rfd)
     dup_w = None if wfd == rfd else reduction.DupFd(wfd)
-    return _rebuild_connection, (impl, dup_r, dup_w, conn.readable, conn.writable, conn.max_size)
+    options = {"max_size": conn.max_size, "read_ahead": conn.read_ahead}
+    return _rebuild_connection, (impl, dup_r, dup_w, conn.readable, conn.writable, options)
 
 
 def _rebuild_connection(
-    impl: str, dup_r: Any, dup_w: Any, readable: bool, writable: bool, max_size: int | None
+    impl: str, dup_r: Any, dup_w: Any, readable: bool, writable: bool, options: dict[str, Any]
 ) -> Any:
     core = _impl.load(impl)
     rfd = dup_r.detach()
     wfd = None if dup_w is None else dup_w.detach()
-    return core.Connection(rfd, readable, writable, write_handle=wfd, max_size=max_size)
+    return core.Connection(rfd, readable, writable, write_handle=wfd, **options)

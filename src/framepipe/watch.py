@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Union
@@ -67,6 +68,9 @@ _WAIT_FLAGS = getattr(os, "WEXITED", 0) | getattr(os, "WNOHANG", 0) | getattr(os
 # How long status() waits for a multiprocessing parent-of-record (the forkserver) to report the
 # exit status of a process that is known to be dead but is not our child.
 _STATUS_GRACE = 2.0
+# After the forkserver's report arrives, how long a concurrent join() may take to collect it.
+_JOIN_GRACE = 0.05
+_THREAD_NAME = "framepipe-watcher"
 # Polling period of the watcher for writers it cannot wait on through a pidfd.
 _POLL_INTERVAL = 0.005
 
@@ -415,7 +419,7 @@ class Liveness:
     def _mark_dead(self) -> None:
         self._dead = True
         if self._status is None:
-            rc = _owner_status(self.obj)
+            rc = _owner_known_status(self.obj)
             if rc is not None:
                 self._status = (rc, False)
 
@@ -461,9 +465,9 @@ class Liveness:
                 if dead:
                     self._mark_dead()
                 return dead
-            if _owner_status(self.obj) is not None or _pidfd_readable(fd):
+            if _owner_known_status(self.obj) is not None or _pidfd_readable(fd):
+                self._grab_zombie_status()  # first: its owner may reap it any moment
                 self._mark_dead()
-                self._grab_zombie_status()
                 return True
             return False
         # Portable path: first make sure the pid still names the process we started watching.
@@ -477,7 +481,7 @@ class Liveness:
             if dead:
                 self._mark_dead()
             return dead
-        if _owner_status(self.obj) is not None:
+        if _owner_known_status(self.obj) is not None:
             self._mark_dead()
             return True
         zombie = _is_zombie(self.pid)
@@ -513,22 +517,40 @@ class Liveness:
         if self._status is None:
             self._grab_zombie_status()
         if self._status is None:
-            rc = _owner_status(self.obj)
-            if rc is None and isinstance(self.obj, multiprocessing.process.BaseProcess):
-                # The child of a forkserver: that server reaps it and then reports the status
-                # through the Process's sentinel; give it a moment.
-                from multiprocessing.connection import wait
-
-                try:
-                    wait([self.obj.sentinel], _STATUS_GRACE)
-                except (OSError, ValueError):
-                    pass
-                rc = _owner_status(self.obj)
+            rc = self._owner_status_when_reaped()
             if rc is not None:
                 self._status = (rc, False)
         if self._status is None:
             return None, False
         return self._status
+
+    def _owner_status_when_reaped(self) -> int | None:
+        """The exit code of a dead writer that its owner (a forkserver) reaped before we saw
+        the zombie: the server reports it once, through the Process's sentinel pipe.
+
+        Reading that pipe consumes the report, and two readers racing for it leave the loser
+        (and the Process) with a made-up code of 255. So the watcher thread never reads it; a
+        reading thread first waits for the report to arrive and lets a concurrent
+        ``join()`` collect it, and reads it itself only if nobody does.
+        """
+        rc = _owner_known_status(self.obj)
+        if rc is not None or not isinstance(self.obj, multiprocessing.process.BaseProcess):
+            return rc if rc is not None else _owner_status(self.obj)
+        if threading.current_thread().name == _THREAD_NAME:
+            return None
+        from multiprocessing.connection import wait
+
+        try:
+            wait([self.obj.sentinel], _STATUS_GRACE)
+        except (OSError, ValueError):
+            return None
+        end = time.monotonic() + _JOIN_GRACE
+        while time.monotonic() < end:
+            rc = _owner_known_status(self.obj)
+            if rc is not None:
+                return rc
+            time.sleep(0.001)
+        return _owner_status(self.obj)
 
     def oom_killed(self) -> bool | None:
         """Whether the out-of-memory killer killed the writer.
@@ -629,7 +651,7 @@ class Watcher:
         os.set_blocking(self._wake_w, False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._pid = os.getpid()
-        self._thread = threading.Thread(target=self._run, name="framepipe-watcher", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=_THREAD_NAME, daemon=True)
         self._thread.start()
 
     def __repr__(self) -> str:

@@ -1,0 +1,42 @@
+"""Command line: ``python -m framepipe bench [--quick] [--json] [--only NAME]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m framepipe`` argument parser, one subcommand per tool."""
+    from . import _bench
+
+    parser = argparse.ArgumentParser(
+        prog="python -m framepipe",
+        description="framepipe: framed pipes for worker processes",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+    bench = commands.add_parser(
+        "bench",
+        help="compare framepipe's cores with multiprocessing.connection",
+        description="Time framepipe's compiled core and Python twin against "
+        "multiprocessing.connection in one run and print the ratios.",
+    )
+    _bench.add_arguments(bench)
+    bench.set_defaults(handler=_bench.main)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen subcommand; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,900 @@
+"""Exceptions across processes: serialize in the worker, revive in the parent, never fail.
+
+:func:`dumps_exception` turns any exception into bytes and never raises. Each exception it
+reaches (the exception itself, its ``__cause__`` and ``__context__`` chains and the members of
+exception groups, each once, whatever cycles they form) is recorded in three layers, from the
+most faithful to the one that always works:
+
+1. the object itself, pickled, when it survives a pickle round trip on the sender under the
+   same rules the receiver applies;
+2. what rebuilds it without calling ``__init__``: its class, its args and its attributes
+   (``__dict__`` and slot or C-level members such as ``errno``), each kept as a pickle when it
+   round-trips and as its ``repr`` otherwise (a lock becomes ``'<unlocked _thread.lock ...>'``);
+3. the names of its class and of every exception class it derives from, so a receiver that
+   cannot import the class builds a stand-in that is still an instance of the nearest base it
+   can import (``except KeyError`` keeps matching), and is a :class:`RemoteError`.
+
+Each exception also carries its traceback frames (revived as real traceback objects with
+tblib, so the parent's traceback shows the child's frames; tracebacks over
+:data:`MAX_FRAMES` frames keep both ends and a marker frame naming how many were dropped),
+``__suppress_context__`` and ``__notes__``. The payload also holds the whole traceback as text
+and where it came from; :func:`loads_exception` ends the revived exception's cause chain in a
+:class:`RemoteTraceback` that shows it, as :mod:`concurrent.futures` does.
+
+Reviving is safe by default: the unpickler resolves exception classes and nothing else. A
+payload that names any other global (``os.system``, ``builtins.eval``, ...) is refused with
+:class:`RefusedPayload` before anything it names is called. Classes are looked up in modules
+the receiver has already imported (a submodule of an imported package may be imported, a new
+top-level package never is), and ``__main__`` classes only when both processes run the same
+main script. ``allow=`` narrows revival further.
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib
+import io
+import multiprocessing
+import os
+import pickle
+import socket
+import sys
+import traceback
+import types
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import tblib
+
+from .errors import FramepipeError
+
+__all__ = [
+    "MAX_FRAMES",
+    "RefusedPayload",
+    "RemoteError",
+    "RemoteTraceback",
+    "dumps_exception",
+    "loads_exception",
+]
+
+#: Frames kept per traceback; a deeper one keeps its first and last frames around a marker.
+MAX_FRAMES = 100
+#: Exceptions recorded from one root (causes, contexts and group members); links past it drop.
+MAX_EXCEPTIONS = 256
+#: Characters of formatted traceback text kept; a longer text keeps both ends.
+MAX_TEXT = 1 << 20
+
+_FORMAT = "framepipe.remote/1"
+_PROTOCOL = 5
+_BaseExceptionGroup: type[BaseException] | None = getattr(builtins, "BaseExceptionGroup", None)
+_SKIPPED_MEMBERS = frozenset({"__dict__", "__weakref__"})
+
+Allow = Iterable[type | str]
+"""What ``allow=`` takes: exception classes (exactly those) and module prefixes (``"builtins"``
+matches the module ``builtins``, ``"myapp"`` matches ``myapp`` and ``myapp.errors``)."""
+
+Frame = tuple[str, str, int, str]  # filename, function name, line number, module name
+
+
+class RefusedPayload(FramepipeError, pickle.UnpicklingError):
+    """An error payload was refused: it names a global that is not an exception class (a
+    function such as ``os.system``), or it is not an error payload at all. Nothing it names
+    was called."""
+
+
+class RemoteTraceback(Exception):
+    """The formatted traceback of an exception raised in another process.
+
+    :func:`loads_exception` puts it at the end of the revived exception's cause chain, so an
+    uncaught revived exception prints the child's own traceback (with its source lines and
+    exception groups), headed by the pid, process name and host it came from.
+    """
+
+    def __init__(
+        self,
+        text: str,
+        pid: int | None = None,
+        process_name: str | None = None,
+        host: str | None = None,
+    ) -> None:
+        super().__init__(text, pid, process_name, host)
+        self.text = text
+        self.pid = pid
+        self.process_name = process_name
+        self.host = host
+
+    def __str__(self) -> str:
+        where = "another process"
+        if self.pid is not None:
+            where = f"process {self.pid}"
+            if self.process_name:
+                where += f" ({self.process_name})"
+            if self.host:
+                where += f" on host {self.host}"
+        return f'\n"""\nTraceback from {where}:\n{self.text.rstrip()}\n"""'
+
+
+class RemoteError(BaseException):
+    """Marks a stand-in for an exception whose class could not be revived in this process.
+
+    A stand-in's class derives from ``RemoteError`` *and* from the nearest base class of the
+    remote type that could be revived here, so ``except KeyError`` (or ``except OSError``)
+    still catches it, while ``except Exception`` catches it exactly when it caught the original
+    (so ``RemoteError`` itself derives from ``BaseException``; it is never raised alone). The
+    stand-in class has the remote type's name. Attributes: ``remote_type`` (the qualified name,
+    ``"module.QualName"``), ``remote_args`` (the ``repr`` of its args), ``remote_attrs``
+    (each attribute's ``repr``) and ``remote_message`` (its ``str()``); the args and the
+    attributes that could be revived are also set as usual.
+    """
+
+    remote_type: str = "?"
+    remote_args: str = "()"
+    remote_attrs: dict[str, str]
+    # set on each stand-in class: the remote names, the marker class and the base it combines
+    _remote_mro: tuple[tuple[str, str], ...] = ()
+    _remote_parts: tuple[type[RemoteError], type[BaseException]] | None = None
+
+    def __str__(self) -> str:
+        message = self.__dict__.get("remote_message")
+        return message if isinstance(message, str) else super().__str__()
+
+    def __reduce__(self) -> Any:
+        parts = type(self)._remote_parts
+        if parts is None:
+            return super().__reduce__()
+        return (_rebuild_standin, (*parts, type(self)._remote_mro, self.args), self.__dict__)
+
+
+class _KeyMessage(str):
+    """A multi-line KeyError message that prints as itself rather than as a quoted repr."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def __reduce__(self) -> Any:
+        return (_KeyMessage, (str(self),))
+
+
+class _Unavailable(Exception):
+    """A class is not importable here or not allowed: revive at a lower layer."""
+
+
+# --- shared helpers -------------------------------------------------------------------------
+
+
+def _safe(fn: Callable[[Any], str], obj: Any) -> str:
+    try:
+        return fn(obj)
+    except Exception as err:
+        return f"<{fn.__name__}() of {type(obj).__qualname__} object failed: {type(err).__name__}>"
+
+
+def _readable_key(exc: BaseException) -> str | None:
+    """The message of a KeyError that holds a multi-line message, which its ``str()`` would
+    quote onto one line; None for any other exception."""
+    if (
+        isinstance(exc, KeyError)
+        and type(exc).__str__ is KeyError.__str__
+        and len(exc.args) == 1
+        and isinstance(exc.args[0], str)
+        and "\n" in exc.args[0]
+    ):
+        return str(exc.args[0])
+    return None
+
+
+def exception_message(exc: BaseException) -> str:
+    """``str(exc)`` that never raises, with multi-line KeyError messages left readable."""
+    key = _readable_key(exc)
+    return key if key is not None else _safe(str, exc)
+
+
+def qualified_name(cls: type) -> str:
+    """``module.QualName``, with builtins unprefixed (``KeyError``); a stand-in's remote name."""
+    return _dotted(*_type_names(cls)[0]) if issubclass(cls, BaseException) else cls.__qualname__
+
+
+def _walk_tracebacks(te: traceback.TracebackException, exc: BaseException) -> None:
+    """Make the formatted text show multi-line KeyError messages readably."""
+    pending: list[tuple[Any, Any]] = [(te, exc)]
+    seen: set[int] = set()
+    while pending:
+        t, e = pending.pop()
+        if t is None or e is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        key = _readable_key(e)
+        if key is not None and hasattr(t, "_str"):
+            t._str = key
+        pending.append((t.__cause__, e.__cause__))
+        pending.append((t.__context__, e.__context__))
+        pending.extend(zip(getattr(t, "exceptions", None) or (), getattr(e, "exceptions", ())))
+
+
+def format_exception_text(exc: BaseException) -> str:
+    """The whole traceback of ``exc`` (chains and groups included) as text; never raises.
+
+    Multi-line KeyError messages stay readable, and a text over :data:`MAX_TEXT` characters
+    keeps both ends around a marker."""
+    try:
+        te = traceback.TracebackException.from_exception(exc)
+        try:
+            _walk_tracebacks(te, exc)
+        except Exception:
+            pass
+        text = "".join(te.format())
+    except Exception as err:
+        text = (
+            f"{qualified_name(type(exc))}: {exception_message(exc)}\n"
+            f"(its traceback could not be formatted: {type(err).__name__})\n"
+        )
+    if len(text) > MAX_TEXT:
+        half = MAX_TEXT // 2
+        text = (
+            f"{text[:half]}\n... [{len(text) - 2 * half:,} characters dropped] ...\n{text[-half:]}"
+        )
+    return text
+
+
+def _main_file() -> str | None:
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return os.path.abspath(path) if isinstance(path, str) else None
+
+
+def origin() -> dict[str, Any]:
+    """Who this process is: pid, process name, host, and the main script's absolute path."""
+    try:
+        host = socket.gethostname()
+    except OSError:
+        host = "?"
+    return {
+        "pid": os.getpid(),
+        "name": multiprocessing.current_process().name,
+        "host": host,
+        "main": _main_file(),
+    }
+
+
+# --- class resolution, shared by both sides ---------------------------------------------------
+
+
+class _Resolver:
+    """Finds exception classes by name, under the safety rules and ``allow``."""
+
+    def __init__(self, allow: Allow | None, main_file: str | None) -> None:
+        self._classes: set[type] | None = None
+        self._prefixes: tuple[str, ...] = ()
+        if allow is not None:
+            entries = [allow] if isinstance(allow, (str, type)) else list(allow)
+            self._classes = {e for e in entries if isinstance(e, type)}
+            self._prefixes = tuple(e for e in entries if isinstance(e, str))
+        self._main_file = main_file
+
+    def allows(self, cls: type) -> bool:
+        if self._classes is None or cls in self._classes:
+            return True
+        module = getattr(cls, "__module__", "") or ""
+        return any(
+            module == p or module.startswith(p if p.endswith(".") else p + ".")
+            for p in self._prefixes
+        )
+
+    def _module(self, name: str) -> types.ModuleType:
+        if name in ("__main__", "__mp_main__"):
+            for candidate in ("__mp_main__", "__main__"):
+                module = sys.modules.get(candidate)
+                path = getattr(module, "__file__", None)
+                if (
+                    module is not None
+                    and isinstance(path, str)
+                    and os.path.abspath(path) == self._main_file
+                ):
+                    return module
+            raise _Unavailable(name)
+        module = sys.modules.get(name)
+        if module is not None:
+            return module
+        if name.split(".")[0] in sys.modules:
+            try:
+                return importlib.import_module(name)
+            except Exception:
+                pass
+        raise _Unavailable(name)
+
+    def resolve(self, module: Any, qualname: Any) -> type[BaseException]:
+        """The class; raises :class:`_Unavailable` to degrade, :class:`RefusedPayload` to
+        refuse."""
+        if not isinstance(module, str) or not isinstance(qualname, str):
+            raise RefusedPayload(f"malformed class reference {module!r}.{qualname!r}")
+        parts = qualname.split(".")
+        if "<locals>" in parts:
+            raise _Unavailable(qualname)
+        if not all(p.isidentifier() for p in module.split(".")) or not all(
+            p.isidentifier() and not p.startswith("__") for p in parts
+        ):
+            raise RefusedPayload(f"refused to resolve {module}.{qualname}: not a class name")
+        obj: Any = self._module(module)
+        for part in parts:
+            try:
+                obj = getattr(obj, part)
+            except AttributeError:
+                raise _Unavailable(qualname) from None
+        if not (isinstance(obj, type) and issubclass(obj, BaseException)):
+            raise RefusedPayload(
+                f"refused to load {module}.{qualname}: an error payload may only name exception "
+                "classes, and this is not one (nothing was called)"
+            )
+        if not self.allows(obj):
+            raise _Unavailable(qualname)
+        return obj
+
+
+class _Unpickler(pickle.Unpickler):
+    """Resolves exception classes through a resolver, or no global at all without one."""
+
+    def __init__(self, data: bytes, resolver: _Resolver | None) -> None:
+        super().__init__(io.BytesIO(data))
+        self._resolver = resolver
+
+    def find_class(self, module: str, name: str) -> Any:
+        if self._resolver is not None:
+            if module == __name__ and name == "_KeyMessage":
+                return _KeyMessage
+            return self._resolver.resolve(module, name)
+        raise RefusedPayload(f"refused to load {module}.{name}: not part of an error payload")
+
+
+def _load_blob(blob: Any, resolver: _Resolver) -> Any:
+    if not isinstance(blob, bytes):
+        raise RefusedPayload("malformed error payload: a pickled value is not bytes")
+    return _Unpickler(blob, resolver).load()
+
+
+# --- the sender -----------------------------------------------------------------------------
+
+_own_resolver: _Resolver | None = None
+
+
+def _sender_resolver() -> _Resolver:
+    global _own_resolver
+    main = _main_file()
+    if _own_resolver is None or _own_resolver._main_file != main:
+        _own_resolver = _Resolver(None, main)
+    return _own_resolver
+
+
+def _round_trip(obj: Any, resolver: _Resolver, same_type: bool = False) -> bytes | None:
+    """``obj`` pickled, when the receiver's rules can load it back; else None."""
+    try:
+        data = pickle.dumps(obj, protocol=_PROTOCOL)
+        back = _load_blob(data, resolver)
+    except Exception:
+        return None
+    if same_type and type(back) is not type(obj):
+        return None
+    return data
+
+
+def _value(obj: Any, resolver: _Resolver) -> tuple[bytes | None, str]:
+    return _round_trip(obj, resolver), _safe(repr, obj)
+
+
+def _type_names(cls: type) -> list[tuple[str, str]]:
+    """The names of ``cls`` and of the exception classes it derives from; for a stand-in,
+    those of the remote class it stands for."""
+    remote = getattr(cls, "_remote_mro", None)
+    if remote:
+        return list(remote)
+    return [(c.__module__, c.__qualname__) for c in cls.__mro__ if issubclass(c, BaseException)]
+
+
+def _state(exc: BaseException) -> Iterator[tuple[str, Any]]:
+    """Attributes a rebuild restores: ``__dict__`` items, then slot and C-level members."""
+    seen = {"__notes__"}
+    for name, value in list(getattr(exc, "__dict__", {}).items()):
+        if isinstance(name, str) and name not in seen:
+            seen.add(name)
+            yield name, value
+    skipped = {BaseException, object}
+    if _BaseExceptionGroup is not None:
+        skipped.add(_BaseExceptionGroup)
+    for cls in type(exc).__mro__:
+        if cls in skipped:
+            continue
+        for name, descriptor in vars(cls).items():
+            if (
+                name in seen
+                or name in _SKIPPED_MEMBERS
+                or not isinstance(
+                    descriptor, (types.MemberDescriptorType, types.GetSetDescriptorType)
+                )
+            ):
+                continue
+            seen.add(name)
+            try:
+                value = getattr(exc, name)
+            except Exception:
+                continue
+            yield name, value
+
+
+def _frames(tb: types.TracebackType | None) -> list[Frame]:
+    frames: list[Frame] = []
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        module = tb.tb_frame.f_globals.get("__name__")
+        frames.append(
+            (
+                str(code.co_filename),
+                str(code.co_name),
+                int(tb.tb_lineno or 0),
+                module if isinstance(module, str) else "?",
+            )
+        )
+        tb = tb.tb_next
+    if len(frames) > MAX_FRAMES:
+        head = MAX_FRAMES // 2
+        tail = MAX_FRAMES - head
+        dropped = len(frames) - MAX_FRAMES
+        marker = ("<framepipe>", f"<{dropped} frames dropped>", 1, "framepipe")
+        frames = frames[:head] + [marker] + frames[-tail:]
+    return frames
+
+
+class _Encoder:
+    """Numbers every exception reachable from the root, then records each."""
+
+    def __init__(self, root: BaseException) -> None:
+        self._resolver = _sender_resolver()
+        self._ids: dict[int, int] = {}
+        self._order: list[BaseException] = []
+        self._ref(root)
+        position = 0
+        while position < len(self._order):
+            self._links(self._order[position])
+            position += 1
+
+    def _ref(self, exc: Any) -> int | None:
+        if not isinstance(exc, BaseException):
+            return None
+        index = self._ids.get(id(exc))
+        if index is None:
+            if len(self._order) >= MAX_EXCEPTIONS:
+                return None
+            index = self._ids[id(exc)] = len(self._order)
+            self._order.append(exc)
+        return index
+
+    def _links(self, exc: BaseException) -> None:
+        for member in _members(exc) or ():
+            self._ref(member)
+        self._ref(exc.__cause__)
+        self._ref(exc.__context__)
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return [self._node(exc) for exc in self._order]
+
+    def _node(self, exc: BaseException) -> dict[str, Any]:
+        resolver = self._resolver
+        node: dict[str, Any] = {
+            "mro": _type_names(type(exc)),
+            "str": exception_message(exc),
+            "args_repr": _safe(repr, getattr(exc, "args", ())),
+            "object": _round_trip(exc, resolver, same_type=True),
+            "state": [(name, *_value(value, resolver)) for name, value in _state(exc)],
+            "traceback": _frames(exc.__traceback__),
+            "cause": self._ids.get(id(exc.__cause__)) if exc.__cause__ is not None else None,
+            "context": self._ids.get(id(exc.__context__)) if exc.__context__ is not None else None,
+            "suppress": bool(exc.__suppress_context__),
+        }
+        members = _members(exc)
+        if members is not None:
+            node["message"] = _safe(str, getattr(exc, "message", ""))
+            node["members"] = [self._ids.get(id(m)) for m in members]
+        else:
+            node["args"] = [_value(arg, resolver) for arg in exc.args]
+        notes = getattr(exc, "__notes__", None)
+        if isinstance(notes, (list, tuple)):
+            node["notes"] = [n if isinstance(n, str) else _safe(repr, n) for n in notes]
+        return node
+
+
+def _members(exc: BaseException) -> tuple[BaseException, ...] | None:
+    if _BaseExceptionGroup is not None and isinstance(exc, _BaseExceptionGroup):
+        return tuple(getattr(exc, "exceptions", ()))
+    return None
+
+
+def _last_resort(exc: BaseException, err: BaseException) -> bytes:
+    """A payload built from names and text only, for when recording failed."""
+    try:
+        node = {
+            "mro": _type_names(type(exc)),
+            "str": exception_message(exc),
+            "args_repr": _safe(repr, getattr(exc, "args", ())),
+            "args": [(None, a if isinstance(a, str) else _safe(repr, a)) for a in exc.args],
+        }
+        text = f"{qualified_name(type(exc))}: {node['str']}\n(recording it failed: {err!r})\n"
+        envelope = {"format": _FORMAT, "root": 0, "nodes": [node], "text": text, "origin": origin()}
+        return pickle.dumps(envelope, protocol=_PROTOCOL)
+    except Exception:
+        return _UNKNOWN_PAYLOAD
+
+
+_UNKNOWN_PAYLOAD = pickle.dumps(
+    {
+        "format": _FORMAT,
+        "root": 0,
+        "nodes": [
+            {"mro": [("builtins", "Exception")], "str": "an exception that could not be recorded"}
+        ],
+        "text": "(an exception that could not be recorded)\n",
+        "origin": {},
+    },
+    protocol=_PROTOCOL,
+)
+
+
+def dumps_exception(exc: BaseException) -> bytes:
+    """Serialize ``exc`` with its traceback, causes, context, notes and group members.
+
+    Never raises (short of an interrupt): whatever cannot be recorded faithfully degrades to
+    a lower layer (see the module documentation). The bytes are what
+    ``Connection.send_exception`` writes in an error frame; :func:`loads_exception` revives
+    them.
+    """
+    try:
+        encoder = _Encoder(exc)
+        envelope = {
+            "format": _FORMAT,
+            "root": 0,
+            "nodes": encoder.nodes(),
+            "text": format_exception_text(exc),
+            "origin": origin(),
+        }
+        return pickle.dumps(envelope, protocol=_PROTOCOL)
+    except Exception as err:
+        return _last_resort(exc, err)
+
+
+# --- the receiver ---------------------------------------------------------------------------
+
+
+def _new_without_init(cls: type[BaseException], args: tuple[Any, ...]) -> BaseException:
+    """An instance of ``cls`` holding ``args``, made without calling ``__init__``."""
+    try:
+        obj = cls.__new__(cls, *args)
+    except Exception:
+        solid = next(c for c in cls.__mro__ if c.__module__ == "builtins")
+        try:
+            obj = solid.__new__(cls, *args)  # type: ignore[call-overload]
+        except Exception:
+            obj = solid.__new__(cls)  # type: ignore[call-overload]
+    if not isinstance(obj, cls):
+        raise TypeError(f"{cls.__qualname__}.__new__ returned {type(obj).__qualname__}")
+    obj.args = args
+    return obj
+
+
+_standin_classes: dict[tuple[Any, ...], type[BaseException]] = {}
+
+
+def _standin_class(
+    marker: type[RemoteError], base: type[BaseException], mro: tuple[tuple[str, str], ...]
+) -> type[BaseException]:
+    key = (marker, base, mro)
+    cls = _standin_classes.get(key)
+    if cls is None:
+        module, qualname = mro[0]
+        namespace = {
+            "__module__": module,
+            "__qualname__": qualname,
+            "_remote_mro": mro,
+            "_remote_parts": (marker, base),
+            "__doc__": f"Stand-in for {module}.{qualname}, which could not be revived here.",
+        }
+        cls = types.new_class(
+            qualname.rpartition(".")[2], (marker, base), exec_body=lambda ns: ns.update(namespace)
+        )
+        if len(_standin_classes) > 1024:
+            _standin_classes.clear()
+        _standin_classes[key] = cls
+    return cls
+
+
+def _rebuild_standin(
+    marker: type[RemoteError],
+    base: type[BaseException],
+    mro: tuple[tuple[str, str], ...],
+    args: tuple[Any, ...],
+) -> BaseException:
+    return _new_without_init(_standin_class(marker, base, mro), args)
+
+
+def _traceback(frames: Any) -> types.TracebackType | None:
+    """Real traceback objects for the recorded frames (tblib)."""
+    if not isinstance(frames, list):
+        return None
+    chain: dict[str, Any] | None = None
+    for frame in reversed(frames):
+        if not (isinstance(frame, tuple) and len(frame) == 4):
+            continue
+        filename, name, lineno, module = frame
+        if not (isinstance(filename, str) and isinstance(name, str) and isinstance(module, str)):
+            continue
+        line = lineno if isinstance(lineno, int) and lineno > 0 else 1
+        chain = {
+            "tb_frame": {
+                "f_globals": {"__name__": module, "__file__": filename},
+                "f_locals": {},
+                "f_code": {"co_filename": filename, "co_name": name},
+                "f_lineno": line,
+            },
+            "tb_lineno": line,
+            "tb_next": chain,
+        }
+    if chain is None:
+        return None
+    try:
+        tb: types.TracebackType | None = tblib.Traceback.from_dict(chain).as_traceback()
+    except Exception:
+        return None
+    return tb
+
+
+class _Reviver:
+    """Builds every recorded exception, then links causes, contexts and tracebacks."""
+
+    def __init__(self, nodes: list[Any], resolver: _Resolver, marker: type[RemoteError]) -> None:
+        self._nodes = nodes
+        self._resolver = resolver
+        self._marker = marker
+        self._objects: dict[int, BaseException] = {}
+        self._building: set[int] = set()
+
+    def revive(self, root: int) -> BaseException:
+        for index in range(len(self._nodes)):
+            self._object(index)
+        for index, obj in self._objects.items():
+            self._link(self._nodes[index], obj)
+        return self._objects[root]
+
+    def _node(self, index: Any) -> dict[str, Any] | None:
+        if isinstance(index, int) and 0 <= index < len(self._nodes):
+            node = self._nodes[index]
+            if isinstance(node, dict):
+                return node
+        return None
+
+    def _object(self, index: Any) -> BaseException | None:
+        obj = self._objects.get(index) if isinstance(index, int) else None
+        node = self._node(index)
+        if obj is not None or node is None or index in self._building:
+            return obj
+        self._building.add(index)
+        try:
+            obj = self._build(node)
+        finally:
+            self._building.discard(index)
+        self._objects[index] = obj
+        return obj
+
+    def _mro(self, node: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+        mro = node.get("mro")
+        names = (
+            [e for e in mro if isinstance(e, tuple) and len(e) == 2]
+            if isinstance(mro, list)
+            else []
+        )
+        return tuple(names) or (("builtins", "Exception"),)
+
+    def _build(self, node: dict[str, Any]) -> BaseException:
+        mro = self._mro(node)
+        try:
+            cls: type[BaseException] | None = self._resolver.resolve(*mro[0])
+        except _Unavailable:
+            cls = None
+        if cls is not None:
+            blob = node.get("object")
+            if blob is not None:
+                try:
+                    obj = _load_blob(blob, self._resolver)
+                except RefusedPayload:
+                    raise
+                except Exception:
+                    obj = None
+                if type(obj) is cls:
+                    self._claim_members(node, obj)
+                    return obj
+            try:
+                obj = _new_without_init(cls, self._args(node))
+            except RefusedPayload:
+                raise
+            except Exception:
+                pass
+            else:
+                self._restore(obj, node)
+                return obj
+        return self._standin(node, mro)
+
+    def _claim_members(self, node: dict[str, Any], group: BaseException) -> None:
+        """Give the members of an unpickled group the node numbers they were recorded under."""
+        pending = [(node, group)]
+        while pending:
+            parent, obj = pending.pop()
+            ids = parent.get("members")
+            if not isinstance(ids, list):
+                continue
+            for index, member in zip(ids, getattr(obj, "exceptions", ())):
+                child = self._node(index)
+                if child is not None and index not in self._objects:
+                    self._objects[index] = member
+                    pending.append((child, member))
+
+    def _value(self, value: Any) -> Any:
+        if not (isinstance(value, tuple) and len(value) == 2):
+            return None
+        blob, text = value
+        if blob is not None:
+            try:
+                return _load_blob(blob, self._resolver)
+            except RefusedPayload:
+                raise
+            except Exception:
+                pass
+        return text
+
+    def _args(self, node: dict[str, Any]) -> tuple[Any, ...]:
+        members = node.get("members")
+        if isinstance(members, list):
+            revived = [m for m in (self._object(i) for i in members) if m is not None]
+            return (str(node.get("message", "")), revived)
+        args = node.get("args")
+        return tuple(self._value(a) for a in args) if isinstance(args, list) else ()
+
+    def _restore(self, obj: BaseException, node: dict[str, Any]) -> dict[str, str]:
+        """Set the recorded attributes that revive; returns every attribute's repr."""
+        texts: dict[str, str] = {}
+        state = node.get("state")
+        for entry in state if isinstance(state, list) else ():
+            if not (isinstance(entry, tuple) and len(entry) == 3 and isinstance(entry[0], str)):
+                continue
+            name, blob, text = entry
+            texts[name] = str(text)
+            try:
+                setattr(obj, name, self._value((blob, text)))
+            except RefusedPayload:
+                raise
+            except Exception:
+                pass
+        return texts
+
+    def _bases(self, mro: tuple[tuple[str, str], ...]) -> Iterator[type[BaseException]]:
+        for module, qualname in mro[1:]:
+            try:
+                yield self._resolver.resolve(module, qualname)
+            except _Unavailable:
+                continue
+        if ("builtins", "Exception") in mro:
+            yield Exception
+        yield BaseException
+
+    def _standin(self, node: dict[str, Any], mro: tuple[tuple[str, str], ...]) -> BaseException:
+        args = self._args(node)
+        obj: BaseException | None = None
+        for base in self._bases(mro):
+            for attempt in (args, tuple(_safe(repr, a) for a in args)):
+                try:
+                    obj = _new_without_init(_standin_class(self._marker, base, mro), attempt)
+                    break
+                except Exception:
+                    continue
+            if obj is not None:
+                break
+        assert obj is not None  # BaseException always takes string args
+        texts = self._restore(obj, node)
+        obj.remote_type = _dotted(*mro[0])  # type: ignore[attr-defined]
+        obj.remote_args = str(node.get("args_repr", "()"))  # type: ignore[attr-defined]
+        obj.remote_attrs = texts  # type: ignore[attr-defined]
+        obj.remote_message = str(node.get("str", ""))  # type: ignore[attr-defined]
+        return obj
+
+    def _link(self, node: dict[str, Any], obj: BaseException) -> None:
+        tb = _traceback(node.get("traceback"))
+        try:
+            if tb is not None:
+                obj.__traceback__ = tb
+            notes = node.get("notes")
+            if isinstance(notes, list):
+                obj.__notes__ = [n for n in notes if isinstance(n, str)]  # type: ignore[attr-defined]
+            cause, context = self._object(node.get("cause")), self._object(node.get("context"))
+            if cause is not None:
+                obj.__cause__ = cause
+            if context is not None:
+                obj.__context__ = context
+            obj.__suppress_context__ = bool(node.get("suppress", False))
+            key = _readable_key(obj)
+            if key is not None:
+                obj.args = (_KeyMessage(key),)
+        except Exception:
+            pass
+
+
+def _dotted(module: str, qualname: str) -> str:
+    return qualname if module == "builtins" else f"{module}.{qualname}"
+
+
+def _chain_end(exc: BaseException) -> BaseException:
+    """The last exception of the chain a traceback printout follows from ``exc``."""
+    seen = {id(exc)}
+    while True:
+        nxt = exc.__cause__
+        if nxt is None and not exc.__suppress_context__:
+            nxt = exc.__context__
+        if nxt is None or id(nxt) in seen:
+            return exc
+        seen.add(id(nxt))
+        exc = nxt
+
+
+def _envelope(data: Any) -> dict[str, Any]:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise RefusedPayload(f"an error payload is bytes, not {type(data).__name__}")
+    try:
+        envelope = _Unpickler(bytes(data), None).load()
+    except RefusedPayload:
+        raise
+    except Exception as err:
+        raise RefusedPayload(f"not a framepipe error payload: {type(err).__name__}: {err}") from err
+    if not (isinstance(envelope, dict) and envelope.get("format") == _FORMAT):
+        raise RefusedPayload("not a framepipe error payload (unknown format)")
+    if not isinstance(envelope.get("nodes"), list) or not envelope["nodes"]:
+        raise RefusedPayload("malformed framepipe error payload: no exception recorded")
+    return envelope
+
+
+def revive(
+    data: bytes,
+    *,
+    allow: Allow | None = None,
+    marker: type[RemoteError] = RemoteError,
+    trace: Callable[[str, int | None, str | None, str | None], BaseException] = RemoteTraceback,
+) -> BaseException:
+    """:func:`loads_exception` with the stand-in marker class and the type ending the cause
+    chain chosen by the caller (``framepipe.compat`` uses its reference names)."""
+    envelope = _envelope(data)
+    place = envelope.get("origin")
+    place = place if isinstance(place, dict) else {}
+    main = place.get("main")
+    resolver = _Resolver(allow, main if isinstance(main, str) else None)
+    root = envelope.get("root", 0)
+    exc = _Reviver(envelope["nodes"], resolver, marker).revive(root if isinstance(root, int) else 0)
+    pid, name, host = place.get("pid"), place.get("name"), place.get("host")
+    try:
+        _chain_end(exc).__cause__ = trace(
+            str(envelope.get("text", "")),
+            pid if isinstance(pid, int) else None,
+            name if isinstance(name, str) else None,
+            host if isinstance(host, str) else None,
+        )
+    except Exception:
+        pass
+    return exc
+
+
+def loads_exception(data: bytes, *, allow: Allow | None = None) -> BaseException:
+    """Revive an exception serialized by :func:`dumps_exception`; returns it (raise it).
+
+    The result is the original class when it can be revived here (unpickled, else rebuilt
+    without ``__init__``), else a :class:`RemoteError` stand-in that is an instance of the
+    nearest base class that can; its traceback shows the sender's frames, and its cause chain
+    ends in a :class:`RemoteTraceback` naming the sender's pid, process name and host.
+
+    ``allow`` narrows which classes revive (an iterable of classes and module prefixes;
+    ``["builtins"]`` revives builtin exceptions only); others become stand-ins whose base is
+    allowed. Raises :class:`RefusedPayload` when the payload names anything but exception
+    classes, or is not an error payload; nothing it names is called.
+    """
+    return revive(data, allow=allow)

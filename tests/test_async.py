@@ -1,0 +1,366 @@
+"""asyncio reads and writes: deadlines, dead writers, cancellation that loses nothing, large
+sends that do not block the loop, and many connections at once.
+
+Real child processes and pipes, both cores. Every await is bounded by ``asyncio.wait_for`` or a
+read timeout; no assertion is about elapsed time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pickle
+import signal
+import sys
+import threading
+
+import pytest
+from _fault_children import (
+    MIB,
+    WAIT,
+    echo,
+    header,
+    payload,
+    running,
+    send_then_die,
+    small_then_big,
+    unread,
+    write_all,
+    write_in_thread,
+)
+
+from framepipe import ReadTimeout, WriterDied
+from framepipe.watch import dead_status_word
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Linux processes and signals")
+
+SHORT = 0.3
+
+
+def run(coro):
+    """Run ``coro`` on a fresh event loop, bounded."""
+    return asyncio.run(asyncio.wait_for(coro, WAIT))
+
+
+async def until(predicate, what: str) -> None:
+    """Yield to the loop until ``predicate`` holds; fail after WAIT seconds."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + WAIT
+    while not predicate():
+        if loop.time() > end:
+            raise AssertionError(f"gave up waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+def recv_async(conn, how: str, timeout):
+    if how == "recv_async":
+        return conn.recv_async(timeout=timeout)
+    return conn.recv_bytes_async(timeout=timeout)
+
+
+# -- timeouts ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["recv_bytes_async", "recv_async"])
+def test_async_read_times_out_then_reads(impl, how):
+    async def main():
+        r, w = impl.pipe(False)
+        try:
+            with pytest.raises(ReadTimeout) as info:
+                await recv_async(r, how, SHORT)
+            assert info.value.sentinel is False
+            assert isinstance(info.value, TimeoutError)
+            with pytest.raises(ReadTimeout):
+                await recv_async(r, how, 0)
+            w.send({"x": 1}) if how == "recv_async" else w.send_bytes(b"x")
+            assert await recv_async(r, how, WAIT) == ({"x": 1} if how == "recv_async" else b"x")
+        finally:
+            r.close()
+            w.close()
+
+    run(main())
+
+
+def test_async_deadline_covers_the_whole_frame(impl):
+    # Bytes trickle in every 5 ms; the read's deadline is for the whole frame.
+    data = payload(2000)
+    frame = header(len(data)) + data
+
+    async def main():
+        r, w = impl.pipe(False)
+        stop = threading.Event()
+        written = [0]
+
+        def trickle() -> None:
+            while written[0] < 1000 and not stop.wait(0.005):
+                os.write(w.fileno(), frame[written[0] : written[0] + 1])
+                written[0] += 1
+            write_all(w.fileno(), frame[written[0] :])
+
+        thread = threading.Thread(target=trickle, daemon=True)
+        thread.start()
+        try:
+            before = written[0]
+            with pytest.raises(ReadTimeout):
+                await r.recv_bytes_async(timeout=SHORT)
+            assert written[0] > before, "no byte arrived during the read"
+        finally:
+            stop.set()
+            thread.join(WAIT)
+        assert await r.recv_bytes_async(timeout=WAIT) == data
+        r.close()
+        w.close()
+
+    run(main())
+
+
+def test_async_sentinels(impl):
+    async def main():
+        r, w = impl.pipe(False)
+        try:
+            write_all(w.fileno(), b"\x01\x01" + header(2) + b"ok")
+            with pytest.raises(ReadTimeout) as info:
+                await r.recv_bytes_async(timeout=WAIT)
+            assert info.value.sentinel is True
+            assert await r.recv_bytes_async(timeout=WAIT) == b"ok"
+            write_all(w.fileno(), b"\x02\x02" + dead_status_word(-9).to_bytes(8, sys.byteorder))
+            with pytest.raises(WriterDied) as died:
+                await r.recv_async(timeout=WAIT)
+            assert died.value.exitcode == -9
+        finally:
+            r.close()
+            w.close()
+
+    run(main())
+
+
+# -- dead writers ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+@pytest.mark.parametrize("hold", [False, True], ids=["closed", "parent-holds-writer"])
+@pytest.mark.parametrize("how", ["recv_bytes_async", "recv_async"])
+def test_async_writer_death(impl, method, hold, how):
+    async def main():
+        r, w = impl.pipe(False)
+        with running(method, send_then_die, w, [], ("exit", 0)) as proc:
+            if not hold:
+                w.close()
+            r.watch(proc)
+            with pytest.raises(WriterDied) as info:
+                await asyncio.wait_for(recv_async(r, how, None), WAIT)  # no read deadline
+            assert type(info.value) is WriterDied
+            assert info.value.exitcode == 0
+            assert info.value.pid == proc.pid
+            proc.join(WAIT)
+        r.close()
+        w.close()
+
+    run(main())
+
+
+def test_async_sigkill_mid_frame(impl):
+    async def main():
+        r, w = impl.pipe(False)
+        with running("fork", small_then_big, w, 2, 8 * MIB) as proc:
+            w.close()
+            r.watch(proc)
+            for i in range(2):
+                assert await r.recv_bytes_async(timeout=WAIT) == payload(10 + i, i)
+            assert r.poll(WAIT)
+            os.kill(proc.pid, signal.SIGKILL)
+            with pytest.raises(WriterDied) as info:
+                await r.recv_bytes_async(timeout=WAIT)
+            assert info.value.exitcode == -9
+            assert info.value.signal_name == "SIGKILL"
+            assert info.value.expected_bytes == 8 * MIB + 12
+            assert 0 < info.value.lost_bytes < info.value.expected_bytes
+            proc.join(WAIT)
+        r.close()
+
+    run(main())
+
+
+def test_async_read_survives_other_tasks_while_the_writer_dies(impl):
+    # One task waits on a writer that will die while other tasks keep the loop busy.
+    async def main():
+        r, w = impl.pipe(False)
+        with running("fork", send_then_die, w, [3], ("signal", signal.SIGTERM)) as proc:
+            w.close()
+            r.watch(proc)
+
+            async def busy():
+                for _ in range(50):
+                    await asyncio.sleep(0)
+
+            async def reader():
+                got = await r.recv_bytes_async(timeout=WAIT)
+                with pytest.raises(WriterDied) as info:
+                    await r.recv_bytes_async(timeout=WAIT)
+                return got, info.value.exitcode
+
+            results = await asyncio.gather(reader(), busy(), busy())
+            assert results[0] == (payload(3), -signal.SIGTERM)
+            proc.join(WAIT)
+        r.close()
+
+    run(main())
+
+
+# -- cancellation ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["recv_bytes_async", "recv_async"])
+@pytest.mark.parametrize("size", [100, 400_000])
+@pytest.mark.parametrize("cancel", ["cancel", "wait_for"])
+def test_cancelled_read_leaves_the_stream_consistent(impl, how, size, cancel):
+    obj = ["cancel me", payload(size)]
+    body = pickle.dumps(obj, protocol=5) if how == "recv_async" else payload(size)
+    frame = header(len(body)) + body
+    expected = obj if how == "recv_async" else body
+    half = len(frame) // 2
+
+    async def main():
+        r, w = impl.pipe(False)
+        try:
+            writer = write_in_thread(w.fileno(), frame[:half])
+            if cancel == "cancel":
+                task = asyncio.ensure_future(recv_async(r, how, WAIT))
+                # The task takes the first half out of the pipe, then waits for the rest.
+                await until(lambda: not writer.is_alive() and unread(w.fileno()) == 0, "drain")
+                await asyncio.sleep(0.01)
+                assert not task.done()
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            else:
+                while True:
+                    done = not writer.is_alive()
+                    with pytest.raises(asyncio.TimeoutError):
+                        await asyncio.wait_for(recv_async(r, how, None), 0.05)
+                    if done:
+                        break
+            assert unread(w.fileno()) == 0
+            writer = write_in_thread(w.fileno(), frame[half:] + frame)
+            assert await recv_async(r, how, WAIT) == expected
+            assert await recv_async(r, how, WAIT) == expected
+            writer.join(WAIT)
+            with pytest.raises(ReadTimeout):
+                await recv_async(r, how, 0.05)
+        finally:
+            r.close()
+            w.close()
+
+    run(main())
+
+
+# -- sending -----------------------------------------------------------------------------------
+
+OBJECTS = [
+    None,
+    1,
+    "text",
+    {"k": [1, 2, 3]},
+    b"x" * 100,
+    payload(MIB),
+    bytearray(payload(70_000)),
+    ("tuple", payload(65_536), [payload(10)]),
+]
+
+
+def test_async_send_to_a_child_and_back(impl):
+    async def main():
+        parent, child = impl.pipe(True)
+        with running("fork", echo, child) as proc:
+            child.close()
+            parent.watch(proc)
+            big = payload(MIB, 1)
+            await parent.send_bytes_async(big)
+            assert await parent.recv_bytes_async(timeout=WAIT) == big
+            await parent.send_bytes_async(big, 1000, 5000)
+            assert await parent.recv_bytes_async(timeout=WAIT) == big[1000:6000]
+            await parent.send_bytes_async(memoryview(big).cast("I"))
+            assert await parent.recv_bytes_async(timeout=WAIT) == big
+            for obj in OBJECTS:
+                await parent.send_async(obj)
+                assert await parent.recv_async(timeout=WAIT) == obj
+            await parent.send_bytes_async(b"bye")
+            with pytest.raises(WriterDied) as info:
+                await parent.recv_bytes_async(timeout=WAIT)
+            assert info.value.exitcode == 0
+            proc.join(WAIT)
+        parent.close()
+
+    run(main())
+
+
+def test_async_large_send_does_not_block_the_loop(impl):
+    # 8 MiB into a pipe nobody drains yet: the send waits off the loop while a reader task on
+    # the same loop drains the pipe.
+    data = payload(8 * MIB, 2)
+
+    async def main():
+        r, w = impl.pipe(False)
+        try:
+            reader = asyncio.ensure_future(r.recv_bytes_async(timeout=WAIT))
+            await w.send_bytes_async(data)
+            assert await reader == data
+        finally:
+            r.close()
+            w.close()
+
+    run(main())
+
+
+# -- many connections at once --------------------------------------------------------------
+
+
+def test_many_concurrent_tasks_on_different_connections(impl):
+    workers = 8
+    sizes = [0, 1, 1000, 65_536, 200_000, MIB]
+
+    async def main():
+        pairs = [impl.pipe(True) for _ in range(workers)]
+        with contextlib.ExitStack() as stack:
+            started = [stack.enter_context(running("fork", echo, child)) for _, child in pairs]
+            for (parent, child), proc in zip(pairs, started):
+                child.close()
+                parent.watch(proc)
+
+            async def talk(i, conn):
+                for j, n in enumerate(sizes):
+                    msg = payload(n, i * 100 + j)
+                    await conn.send_bytes_async(msg)
+                    assert await conn.recv_bytes_async(timeout=WAIT) == msg
+                    await conn.send_async(("obj", i, j))
+                    assert await conn.recv_async(timeout=WAIT) == ("obj", i, j)
+                return i
+
+            async def idle(conn):
+                with pytest.raises(ReadTimeout):
+                    await conn.recv_bytes_async(timeout=SHORT)
+                return "idle"
+
+            # Plus a few tasks whose reads time out on connections nobody writes to.
+            quiet = [impl.pipe(False) for _ in range(3)]
+            results = await asyncio.gather(
+                *(talk(i, parent) for i, (parent, _) in enumerate(pairs)),
+                *(idle(r) for r, _ in quiet),
+            )
+            assert results == list(range(workers)) + ["idle"] * 3
+            for r, w in quiet:
+                r.close()
+                w.close()
+            for parent, _ in pairs:
+                await parent.send_bytes_async(b"bye")
+            for (parent, _), proc in zip(pairs, started):
+                with pytest.raises(WriterDied):
+                    await parent.recv_bytes_async(timeout=WAIT)
+                proc.join(WAIT)
+                assert proc.exitcode == 0
+        for parent, child in pairs:
+            parent.close()
+            child.close()
+
+    run(main())

@@ -1,0 +1,370 @@
+"""framepipe.guard: the child side of failure reporting, in real fork and spawn children."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import resource
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import pytest
+
+from framepipe.guard import (
+    ERROR_FILE_ENV,
+    ProcessFailure,
+    fault_path,
+    guard,
+    read_native_traceback,
+    record,
+    write_error_file,
+)
+from framepipe.remote import loads_exception
+
+CONTEXTS = ["fork", "spawn"]
+
+
+class ShardError(ValueError):
+    def __init__(self, shard: int, reason: str) -> None:
+        super().__init__(f"shard {shard}: {reason}")
+        self.shard = shard
+
+
+def load_shard() -> None:
+    raise ShardError(3, "checksum mismatch")
+
+
+def guarded_worker(conn: Any, metrics: Any, stop: Any, error_file: str, stderr_path: str) -> None:
+    sys.stderr = open(stderr_path, "w")  # noqa: SIM115 (for the rest of this child's life)
+    with guard(conn, label="loader", error_file=error_file, queue=metrics, stop_event=stop):
+        load_shard()
+
+
+@pytest.mark.parametrize("method", CONTEXTS)
+def test_guard_runs_every_step_in_a_child(method: str, tmp_path: Any) -> None:
+    ctx = multiprocessing.get_context(method)
+    reader, writer = ctx.Pipe(duplex=False)
+    metrics, stop = ctx.Queue(), ctx.Event()
+    error_file, stderr_path = tmp_path / "error.json", tmp_path / "stderr.txt"
+    process = ctx.Process(
+        target=guarded_worker,
+        args=(writer, metrics, stop, str(error_file), str(stderr_path)),
+    )
+    process.start()
+    writer.close()
+    assert reader.poll(120)
+    exc = loads_exception(reader.recv_bytes())
+    process.join(120)
+    assert process.exitcode == 1  # the exception was re-raised
+
+    assert type(exc) is ShardError and exc.shard == 3
+    assert "load_shard" in [f.name for f in traceback.extract_tb(exc.__traceback__)]
+
+    item = metrics.get(timeout=60)
+    assert set(item) == {"error"}
+    assert "load_shard" in item["error"] and "shard 3: checksum mismatch" in item["error"]
+    assert stop.is_set()
+
+    banner = stderr_path.read_text()
+    assert "[LOADER CRASH]" in banner and f"pid {process.pid}" in banner
+    assert "load_shard" in banner
+
+    data = json.loads(error_file.read_text())
+    message = data["message"]
+    assert message["message"] == "ShardError: shard 3: checksum mismatch"
+    assert "load_shard" in message["extraInfo"]["py_callstack"]
+    assert int(message["extraInfo"]["timestamp"]) <= int(time.time())
+    extra = data["framepipe"]
+    assert extra["pid"] == process.pid
+    assert extra["host"] == socket.gethostname()
+    assert extra["label"] == "loader"
+    assert extra["exit_reason"] == "exception"
+    assert extra["exception_type"] == f"{__name__}.ShardError"
+    assert extra["timestamp_ns"] // 1_000_000_000 == int(message["extraInfo"]["timestamp"])
+
+
+def test_a_failing_step_hides_nothing_and_skips_nothing(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    writer.close()  # sending will fail
+    full = queue.Queue(maxsize=1)
+    full.put("occupied")  # put_nowait will fail
+    stop = threading.Event()
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with (
+        pytest.raises(ShardError) as info,
+        guard(writer, error_file=blocked / "error.json", queue=full, stop_event=stop),
+    ):
+        load_shard()
+    assert info.value.shard == 3
+    assert stop.is_set()
+    err = capsys.readouterr().err
+    assert "[WORKER CRASH]" in err
+    assert "could not send the exception through conn: OSError" in err
+    assert "could not write the error file" in err
+    assert "could not put the error on the queue: Full" in err
+
+    error_file = tmp_path / "error.json"
+    with pytest.raises(KeyError), guard(writer, error_file=error_file, stop_event=object()):
+        raise KeyError("k")
+    assert "KeyError" in json.loads(error_file.read_text())["message"]["message"]
+    assert "could not set the stop event: AttributeError" in capsys.readouterr().err
+    reader.close()
+
+
+def test_decorator_forms(tmp_path: Any) -> None:
+    items: queue.Queue[Any] = queue.Queue()
+
+    @guard
+    def bare(x: int) -> int:
+        return x * 2
+
+    @guard(queue=items, label="deco")
+    def failing() -> None:
+        raise ShardError(1, "bad")
+
+    assert bare(21) == 42
+    with pytest.raises(ShardError):
+        failing()
+    assert "ShardError: shard 1: bad" in items.get_nowait()["error"]
+    with pytest.raises(ShardError):
+        failing()  # the same guard object works again
+    assert items.qsize() == 1
+
+
+def test_system_exit_zero_is_not_a_failure() -> None:
+    items: queue.Queue[Any] = queue.Queue()
+    stop = threading.Event()
+    with pytest.raises(SystemExit), guard(queue=items, stop_event=stop):
+        sys.exit(0)
+    assert items.empty() and not stop.is_set()
+    with pytest.raises(SystemExit), guard(queue=items, stop_event=stop):
+        sys.exit(2)
+    assert "SystemExit: 2" in items.get_nowait()["error"] and stop.is_set()
+
+
+def test_error_file_from_the_environment(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "nested" / "error.json"
+    monkeypatch.setenv(ERROR_FILE_ENV, str(path))
+    with pytest.raises(KeyboardInterrupt), guard():
+        raise KeyboardInterrupt
+    data = json.loads(path.read_text())
+    assert data["framepipe"]["exit_reason"] == "keyboard_interrupt"
+    assert data["message"]["message"] == "KeyboardInterrupt: "
+    assert not [p for p in path.parent.iterdir() if p.name != "error.json"]  # no temp left
+
+
+def test_error_file_keeps_multiline_key_errors_readable(tmp_path: Any) -> None:
+    path = tmp_path / "error.json"
+    try:
+        raise KeyError("first line\nsecond line")
+    except KeyError as exc:
+        write_error_file(path, exc)
+    data = json.loads(path.read_text())
+    assert data["message"]["message"] == "KeyError: first line\nsecond line"
+    assert "KeyError: first line\nsecond line" in data["message"]["extraInfo"]["py_callstack"]
+
+
+# --- native crashes ------------------------------------------------------------------------
+
+
+def crash_natively() -> None:
+    ctypes.string_at(0)
+
+
+def segfaulting_worker() -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    with guard(label="native"):
+        crash_natively()
+
+
+@pytest.mark.parametrize("method", CONTEXTS)
+def test_native_crash_leaves_its_traceback_for_the_parent(method: str) -> None:
+    ctx = multiprocessing.get_context(method)
+    process = ctx.Process(target=segfaulting_worker)
+    process.start()
+    process.join(120)
+    assert process.exitcode == -signal.SIGSEGV
+    assert process.pid is not None
+    path = fault_path(process.pid)
+    assert os.path.exists(path)
+    text = read_native_traceback(process.pid)
+    assert text is not None
+    assert "Segmentation fault" in text
+    assert "crash_natively" in text and "segfaulting_worker" in text
+    assert not os.path.exists(path)
+    assert read_native_traceback(process.pid) is None
+
+
+def test_fault_file_lives_while_the_guard_is_open() -> None:
+    path = fault_path(os.getpid())
+    with guard():
+        assert os.path.exists(path)
+        with guard():
+            pass
+        assert os.path.exists(path)  # an inner guard does not disarm the outer one
+    assert not os.path.exists(path)
+    assert os.path.dirname(path).endswith(f"framepipe-faults-{os.getuid()}")
+    assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+
+
+# --- the framepipe Connection path: an error frame -----------------------------------------
+
+
+def framepipe_worker(conn: Any) -> None:
+    with guard(conn):
+        load_shard()
+
+
+@pytest.mark.parametrize("method", ["recv", "recv_bytes"])
+def test_guard_sends_an_error_frame_the_reader_raises(impl: Any, method: str) -> None:
+    read_fd, write_fd = os.pipe()
+    reader = impl.Connection(read_fd, writable=False)
+    writer = impl.Connection(write_fd, readable=False)
+    process = multiprocessing.get_context("fork").Process(target=framepipe_worker, args=(writer,))
+    process.start()
+    writer.close()
+    with pytest.raises(ShardError) as info:
+        getattr(reader, method)(timeout=120)
+    process.join(120)
+    assert process.exitcode == 1
+    assert info.value.shard == 3
+    names = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert names[0] == "test_guard_sends_an_error_frame_the_reader_raises"
+    assert "load_shard" in names
+    reader.close()
+
+
+@pytest.mark.parametrize("method", CONTEXTS)
+def test_parent_recv_raises_the_revived_exception(method: str) -> None:
+    connection = pytest.importorskip("framepipe.connection")
+    ctx = multiprocessing.get_context(method)
+    reader, writer = connection.Pipe(duplex=False)
+    process = ctx.Process(target=framepipe_worker, args=(writer,))
+    process.start()
+    writer.close()
+    with pytest.raises(ShardError) as info:
+        reader.recv()
+    process.join(120)
+    assert info.value.shard == 3
+    assert "load_shard" in [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    reader.close()
+
+
+# --- record and ProcessFailure ---------------------------------------------------------------
+
+
+def test_record_writes_the_error_file(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "error.json"
+    monkeypatch.setenv(ERROR_FILE_ENV, str(path))
+
+    @record
+    def main() -> None:
+        load_shard()
+
+    with pytest.raises(ShardError):
+        main()
+    failure = ProcessFailure(local_rank=0, pid=os.getpid(), exitcode=1, error_file=str(path))
+    assert failure.error_file == str(path)
+    assert isinstance(failure.message, dict)
+    assert failure.message["message"] == "ShardError: shard 3: checksum mismatch"
+    assert failure.py_callstack is not None and "load_shard" in failure.py_callstack
+    assert failure.timestamp == int(failure.message["extraInfo"]["timestamp"])
+    assert failure.host == socket.gethostname()
+    assert failure.exit_reason == "exception"
+    assert failure.timestamp_ns is not None
+    assert failure.timestamp_ns // 1_000_000_000 == failure.timestamp
+    assert failure.signal_name() == "<N/A>"
+    assert failure.timestamp_isoformat().count("_") == 1
+
+
+def test_record_exit_semantics(tmp_path: Any) -> None:
+    path = tmp_path / "error.json"
+
+    @record(error_file=str(path))
+    def exits(code: Any) -> str:
+        sys.exit(code)
+
+    assert exits(0) is None
+    with pytest.raises(SystemExit):
+        exits(2)
+    assert not path.exists()
+
+    @record(error_file=str(path))
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        interrupted()
+    assert not path.exists()
+
+    @record(error_file=str(path))
+    def returns() -> int:
+        return 5
+
+    assert returns() == 5
+
+
+class ChildFailed(Exception):
+    """Shaped like torchelastic's ChildFailedError."""
+
+    def __init__(self, failure: ProcessFailure) -> None:
+        super().__init__("child failed")
+        self.failure = failure
+
+    def get_first_failure(self) -> tuple[int, ProcessFailure]:
+        return 0, self.failure
+
+
+def test_record_propagates_the_childs_error_file(tmp_path: Any) -> None:
+    child_file = tmp_path / "child.json"
+    try:
+        load_shard()
+    except ShardError as exc:
+        write_error_file(child_file, exc)
+    failure = ProcessFailure(local_rank=1, pid=1234, exitcode=-11, error_file=str(child_file))
+    parent_file = tmp_path / "parent.json"
+
+    @record(error_file=str(parent_file))
+    def agent() -> None:
+        raise ChildFailed(failure)
+
+    with pytest.raises(ChildFailed):
+        agent()
+    data = json.loads(parent_file.read_text())
+    assert data["message"]["errorCode"] == -11
+    assert data["message"]["message"] == "ShardError: shard 3: checksum mismatch"
+    again = ProcessFailure(0, 1234, -11, str(parent_file))
+    assert again.error_code == -11
+
+
+def test_process_failure_without_or_with_a_bad_file(tmp_path: Any) -> None:
+    failure = ProcessFailure(0, 4321, -signal.SIGSEGV, str(tmp_path / "absent.json"))
+    assert failure.error_file == "<N/A>"
+    assert failure.signal_name() == "SIGSEGV"
+    assert "SIGSEGV" in failure.message and "4321" in failure.message
+    assert failure.py_callstack is None and failure.host is None
+
+    exited = ProcessFailure(0, 4321, 3, "")
+    assert "exited with code 3" in exited.message
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    broken = ProcessFailure(0, 4321, 1, str(bad))
+    assert "could not be read" in broken.message
+
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"message": "simple failure", "timestamp": 1700000000}))
+    simple = ProcessFailure(0, 4321, 1, str(plain))
+    assert simple.message == "simple failure" and simple.timestamp == 1700000000

@@ -1,0 +1,290 @@
+"""Threads sharing a Connection, and file descriptor hygiene."""
+
+from __future__ import annotations
+
+import fcntl
+import gc
+import os
+import struct
+import threading
+
+import numpy as np
+import pytest
+
+TIMEOUT = 30.0  # a hang guard only
+
+TAG = struct.Struct("<III")  # thread, sequence number, payload size
+
+
+class Background:
+    def __init__(self, fn, *args) -> None:
+        self.error: BaseException | None = None
+        self.result = None
+
+        def run() -> None:
+            try:
+                self.result = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join(self):
+        self.thread.join(TIMEOUT)
+        assert not self.thread.is_alive(), "background thread still blocked"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def body(tid: int, seq: int, size: int) -> bytes:
+    """A payload that says who sent it and is wrong anywhere if two frames interleave."""
+    assert size >= TAG.size
+    return TAG.pack(tid, seq, size) + bytes([(tid * 37 + seq) % 251 + 1]) * (size - TAG.size)
+
+
+def check(msg: bytes) -> tuple[int, int]:
+    tid, seq, size = TAG.unpack_from(msg)
+    assert msg == body(tid, seq, size), f"frame {seq} of thread {tid} is corrupt"
+    return tid, seq
+
+
+SIZES = [12, 100, 4096, 65_537, 200_000, 12, 1 << 20, 70_000]
+
+
+@pytest.fixture(params=[False, True], ids=["oneway", "duplex"])
+def pair(request, impl):
+    r, w = impl.pipe(request.param)
+    yield r, w
+    r.close()
+    w.close()
+
+
+def test_send_bytes_from_four_threads_never_interleaves(pair):
+    r, w = pair
+    threads, per_thread = 4, 16
+    start = threading.Barrier(threads)
+
+    def send(tid: int) -> None:
+        start.wait(TIMEOUT)
+        for seq in range(per_thread):
+            w.send_bytes(body(tid, seq, SIZES[(seq + tid) % len(SIZES)]))
+
+    senders = [Background(send, tid) for tid in range(threads)]
+    last = [-1] * threads
+    try:
+        for _ in range(threads * per_thread):
+            tid, seq = check(r.recv_bytes(timeout=TIMEOUT))
+            assert seq == last[tid] + 1, f"thread {tid}: frame {seq} after {last[tid]}"
+            last[tid] = seq
+    finally:
+        r.close()  # unblock any sender still writing if the test failed
+        for s in senders:
+            s.thread.join(TIMEOUT)
+    for s in senders:
+        s.join()
+    assert last == [per_thread - 1] * threads
+
+
+def test_send_objects_from_four_threads_never_interleaves(pair):
+    # Objects with large buffers are several frames each: they must still arrive as a unit.
+    r, w = pair
+    threads, per_thread = 4, 6
+    start = threading.Barrier(threads)
+
+    def obj(tid: int, seq: int):
+        n = [10, 20_000, 100_000][(tid + seq) % 3]
+        return {"tid": tid, "seq": seq, "a": np.full(n, tid * 100 + seq, dtype=np.int32),
+                "b": bytes([tid]) * (n * 2)}
+
+    def send(tid: int) -> None:
+        start.wait(TIMEOUT)
+        for seq in range(per_thread):
+            w.send(obj(tid, seq))
+
+    senders = [Background(send, tid) for tid in range(threads)]
+    last = [-1] * threads
+    try:
+        for _ in range(threads * per_thread):
+            got = r.recv(timeout=TIMEOUT)
+            tid, seq = got["tid"], got["seq"]
+            want = obj(tid, seq)
+            assert np.array_equal(got["a"], want["a"]) and got["b"] == want["b"]
+            assert seq == last[tid] + 1
+            last[tid] = seq
+    finally:
+        r.close()
+        for s in senders:
+            s.thread.join(TIMEOUT)
+    for s in senders:
+        s.join()
+    assert last == [per_thread - 1] * threads
+
+
+@pytest.mark.parametrize("how", ["recv_bytes", "recv"])
+def test_two_reader_threads_receive_every_frame_exactly_once(pair, how):
+    r, w = pair
+    count = 300
+    sizes = [0, 1, 50, 3000, 70_000, 9]
+
+    def write() -> None:
+        for i in range(count):
+            if how == "recv":
+                w.send(("item", i, b"p" * sizes[i % len(sizes)]))
+            else:
+                w.send_bytes(body(0, i, max(sizes[i % len(sizes)], TAG.size)))
+        for _ in range(2):
+            w.send(None) if how == "recv" else w.send_bytes(b"stop")
+
+    def read() -> list[int]:
+        seen = []
+        while True:
+            if how == "recv":
+                msg = r.recv(timeout=TIMEOUT)
+                if msg is None:
+                    return seen
+                kind, i, pad = msg
+                assert kind == "item" and pad == b"p" * sizes[i % len(sizes)]
+                seen.append(i)
+            else:
+                msg = r.recv_bytes(timeout=TIMEOUT)
+                if msg == b"stop":
+                    return seen
+                seen.append(check(msg)[1])
+
+    readers = [Background(read) for _ in range(2)]
+    writer = Background(write)
+    try:
+        writer.join()
+        results = [rd.join() for rd in readers]
+    finally:
+        r.close()
+    everything = sorted(results[0] + results[1])
+    assert everything == list(range(count))
+    for seen in results:
+        assert seen == sorted(seen)  # each reader gets its frames in stream order
+
+
+# --- file descriptors ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("duplex", [True, False], ids=["duplex", "oneway"])
+def test_pipe_close_cycles_leave_the_fd_count_unchanged(impl, fd_count, duplex):
+    gc.collect()  # fds of earlier tests' garbage must not close during the count
+    before = fd_count()
+    for _ in range(10_000):
+        a, b = impl.pipe(duplex)
+        a.close()
+        b.close()
+    assert fd_count() == before
+
+
+def test_pipe_object_close_cycles_leave_the_fd_count_unchanged(impl, fd_count):
+    gc.collect()  # fds of earlier tests' garbage must not close during the count
+    before = fd_count()
+    for _ in range(10_000):
+        impl.Pipe().close()
+    assert fd_count() == before
+
+
+def test_connections_used_then_closed_leave_the_fd_count_unchanged(impl, fd_count):
+    gc.collect()  # fds of earlier tests' garbage must not close during the count
+    before = fd_count()
+    for i in range(500):
+        with impl.pipe(i % 2 == 0)[0] as a:
+            pass
+        r, w = impl.pipe(False)
+        with r, w:
+            w.send_bytes(b"x")
+            assert r.recv_bytes(timeout=TIMEOUT) == b"x"
+        with impl.Pipe() as p:
+            p.write(b"y")
+            assert p.read(timeout=TIMEOUT) == b"y"
+    gc.collect()
+    assert fd_count() == before
+    assert a.closed
+
+
+def test_dropped_connections_are_closed_when_collected(impl, fd_count):
+    gc.collect()  # fds of earlier tests' garbage must not close during the count
+    before = fd_count()
+    for _ in range(1000):
+        impl.pipe(True)
+        impl.pipe(False)
+        impl.Pipe()
+    gc.collect()
+    assert fd_count() == before
+
+
+def _reuse(fd: int, avoid: tuple[int, ...] = ()) -> tuple[int, int]:
+    """Put the read end of a new pipe at number ``fd`` (now free): (fd, the new write end).
+    The write end is placed above ``fd`` and every number in ``avoid``."""
+    nr, nw = os.pipe()
+    floor = max((fd, *avoid)) + 1
+    high_r = fcntl.fcntl(nr, fcntl.F_DUPFD_CLOEXEC, floor)
+    high_w = fcntl.fcntl(nw, fcntl.F_DUPFD_CLOEXEC, floor)
+    os.close(nr)
+    os.close(nw)
+    os.dup2(high_r, fd, inheritable=False)
+    os.close(high_r)
+    return fd, high_w
+
+
+def _alive(r: int, w: int) -> None:
+    os.write(w, b"still mine")
+    assert os.read(r, 100) == b"still mine"
+
+
+def test_closing_twice_never_closes_an_fd_twice(impl):
+    r, w = os.pipe()
+    conn = impl.Connection(r, writable=False)
+    conn.close()
+    assert conn.closed
+    fd, nw = _reuse(r)
+    try:
+        conn.close()
+        conn.__exit__(None, None, None)
+        del conn
+        gc.collect()
+        _alive(fd, nw)
+    finally:
+        os.close(fd)
+        os.close(nw)
+        os.close(w)
+
+
+def test_closing_a_pipe_pair_twice_never_closes_an_fd_twice(impl):
+    for duplex in (True, False):
+        a, b = impl.pipe(duplex)
+        fa, fb = a.fileno(), b.fileno()
+        a.close()
+        b.close()
+        ra, wa = _reuse(fa, avoid=(fb,))
+        rb, wb = _reuse(fb, avoid=(fa, wa))
+        try:
+            a.close()
+            b.close()
+            del a, b
+            gc.collect()
+            _alive(ra, wa)
+            _alive(rb, wb)
+        finally:
+            for fd in (ra, wa, rb, wb):
+                os.close(fd)
+
+
+def test_closed_connection_is_not_closed_again_when_collected(impl):
+    # Drop the only reference after close(): the collector must not close the number again.
+    for _ in range(100):
+        r, w = os.pipe()
+        conn = impl.Connection(w, readable=False)
+        conn.close()
+        fd, nw = _reuse(w)
+        try:
+            del conn  # the last reference: collected here
+            _alive(fd, nw)
+        finally:
+            os.close(fd)
+            os.close(nw)
+            os.close(r)
