@@ -39,19 +39,37 @@ void fp_header_encode(unsigned char *out, unsigned char check, uint64_t length)
     out[10] = out[11] = check;
 }
 
-/* Milliseconds for poll() until the deadline, rounded up so that a wait never ends before
- * the deadline (which would cost a second, useless wake-up); -1 without a deadline. */
-static int timeout_ms(double deadline)
+/* Wait with poll() semantics until the absolute deadline (< 0: none). Linux has ppoll(),
+ * whose timeout is in nanoseconds: a 10 ms read timeout then returns within the scheduler's
+ * wake-up latency instead of up to a millisecond late. Elsewhere poll() takes milliseconds,
+ * rounded up so that a wait never ends before the deadline (a useless extra wake-up). */
+static int poll_until(struct pollfd *fds, nfds_t n, double deadline)
 {
-    double left;
+    double left = 0;
+    if (deadline >= 0) {
+        left = deadline - fp_now();
+        if (left < 0)
+            left = 0;
+    }
+#ifdef __linux__
+    {
+        struct timespec ts, *tsp = NULL;
+        if (deadline >= 0) {
+            if (left > 1e9)
+                left = 1e9; /* wait_for() loops until the real deadline */
+            ts.tv_sec = (time_t)left;
+            ts.tv_nsec = (long)((left - (double)ts.tv_sec) * 1e9);
+            tsp = &ts;
+        }
+        return ppoll(fds, n, tsp, NULL);
+    }
+#else
     if (deadline < 0)
-        return -1;
-    left = deadline - fp_now();
-    if (left <= 0)
-        return 0;
+        return poll(fds, n, -1);
     if (left > (double)INT_MAX / 1000.0)
-        return INT_MAX;
-    return (int)(left * 1000.0 + 0.999);
+        return poll(fds, n, INT_MAX);
+    return poll(fds, n, (int)(left * 1000.0 + 0.999));
+#endif
 }
 
 static int wait_for(int fd, short events, int liveness_fd, double deadline)
@@ -70,7 +88,7 @@ static int wait_for(int fd, short events, int liveness_fd, double deadline)
         n = 2;
     }
     for (;;) {
-        rc = poll(fds, n, timeout_ms(deadline));
+        rc = poll_until(fds, n, deadline);
         if (rc < 0)
             return -1; /* EINTR included: the caller handles signals */
         /* The data fd wins over the liveness fd: frames written before the writer died are

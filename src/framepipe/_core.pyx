@@ -69,6 +69,7 @@ cdef int K_BUFFER = F.KIND_BUFFER
 cdef int K_MAX = F.KIND_BUFFER
 cdef double DEATH_GRACE = 0.1
 cdef double LIVENESS_SLICE = 0.01
+cdef double POLL_WAITED = 20e-6  # a poll() that took longer had to wait for data
 
 
 class _Expired(Exception):
@@ -76,9 +77,10 @@ class _Expired(Exception):
 
 
 cdef inline double _deadline(timeout) except? -2.0:
+    cdef double t
     if timeout is None:
         return -1.0
-    t = float(timeout)
+    t = timeout
     return fp_now() + (t if t > 0.0 else 0.0)
 
 
@@ -112,6 +114,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
     cdef bint _readable, _writable, _closefd
     cdef int _mode
     cdef bint _read_ahead
+    cdef bint _poll_first
     cdef long long _max
     cdef object _max_size
     cdef PyThread_type_lock _rlock
@@ -390,12 +393,12 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         deadline and WriterDied when the watched writer died with nothing left to read."""
         cdef ssize_t r
         cdef int rc, err, lfd, fd = self._fd
-        cdef double until
+        cdef double until, started
         cdef bint watched = self._liveness is not None
         cdef bint must_poll = deadline >= 0 or watched
         while True:
             if must_poll:
-                if self._mode != FP_MODE_BLOCK:  # no poll() when data is already there
+                if self._mode != FP_MODE_BLOCK and not self._poll_first:
                     with nogil:
                         r = fp_read(fd, dst, <size_t>n, self._mode)
                         err = errno
@@ -416,6 +419,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                     until = fp_now() + LIVENESS_SLICE
                     if deadline >= 0 and deadline < until:
                         until = deadline
+                started = fp_now()
                 with nogil:
                     rc = fp_wait_readable(fd, lfd, until)
                     err = errno
@@ -424,6 +428,11 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                         PyErr_CheckSignals()
                         continue
                     raise _oserror(err)
+                if rc == FP_OK:
+                    # Try a read before polling next time only if this poll found data
+                    # already there: a reader that keeps up with its writer then makes one
+                    # syscall per wait instead of a failed read, a poll and a read.
+                    self._poll_first = fp_now() - started > POLL_WAITED
                 if rc == FP_LIVENESS or (rc == FP_TIMEOUT and watched and not self._dead):
                     if not self._dead:
                         self._note_dead()
