@@ -255,3 +255,36 @@ class LineReader:
             self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
         return line.decode()
+
+
+def guarded_crash(conn) -> None:
+    """Under framepipe.guard: send one frame, then die of SIGSEGV in C code."""
+    import framepipe
+
+    with framepipe.guard(conn, label="crasher"):
+        conn.send_bytes(b"before the crash")
+        crash_in_c_code()
+
+
+def crash_in_c_code() -> None:
+    """A frame with a recognisable name on the crashing thread's Python stack."""
+    import ctypes
+
+    ctypes.string_at(0)
+
+
+def guarded_raise(conn) -> None:
+    """Under framepipe.guard: raise an exception whose constructor takes two arguments."""
+    import framepipe
+
+    with framepipe.guard(conn, label="raiser"):
+        raise TwoArgError("bad batch", 7)
+
+
+class TwoArgError(Exception):
+    """An exception with two required constructor arguments."""
+
+    def __init__(self, what: str, index: int) -> None:
+        super().__init__(what, index)
+        self.what = what
+        self.index = index
