@@ -163,7 +163,7 @@ def test_async_writer_death(impl, method, hold, how):
 def test_async_sigkill_mid_frame(impl):
     async def main():
         r, w = impl.pipe(False)
-        with running("fork", small_then_big, w, 2, 8 * MIB) as proc:
+        with running("fork", small_then_big, w, 2, 32 * MIB) as proc:
             w.close()
             r.watch(proc)
             for i in range(2):
@@ -174,7 +174,7 @@ def test_async_sigkill_mid_frame(impl):
                 await r.recv_bytes_async(timeout=WAIT)
             assert info.value.exitcode == -9
             assert info.value.signal_name == "SIGKILL"
-            assert info.value.expected_bytes == 8 * MIB + 12
+            assert info.value.expected_bytes == 32 * MIB + 12
             assert 0 < info.value.lost_bytes < info.value.expected_bytes
             proc.join(WAIT)
         r.close()

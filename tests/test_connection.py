@@ -8,15 +8,13 @@ import os
 import pickle
 import re
 import struct
-import threading
 from array import array
 
 import numpy as np
 import pytest
+from _helpers import TIMEOUT, Background, write_all
 
 import framepipe
-
-TIMEOUT = 30.0  # a hang guard only
 
 LEN = struct.Struct("Q")
 
@@ -25,32 +23,6 @@ def frame(payload: bytes, check: bytes = b"\x00\x00") -> bytes:
     return check + LEN.pack(len(payload)) + check + payload
 
 
-def write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-class Background:
-    """Run ``fn(*args)`` in a daemon thread; ``join()`` re-raises what it raised."""
-
-    def __init__(self, fn, *args) -> None:
-        self.error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-                self.error = exc
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-
-    def join(self) -> None:
-        self.thread.join(TIMEOUT)
-        assert not self.thread.is_alive(), "background thread still blocked"
-        if self.error is not None:
-            raise self.error
 
 
 def outcome(fn):

@@ -234,7 +234,11 @@ def test_sigkill_in_the_middle_of_a_16_mib_frame(impl, method):
         r.watch(proc)
         for i in range(3):  # frames written before the death come first
             assert r.recv_bytes(timeout=WAIT) == payload(10 + i, i)
-        assert r.poll(WAIT)  # part of the big frame is in the pipe: the child is blocked
+        assert r.poll(WAIT)  # the big frame has begun
+        # Its payload goes to the bulk socket: kill the child only once it sleeps there,
+        # blocked on a full buffer, so it cannot finish the frame while we read.
+        bulk = r._handles()[2]
+        wait_until(lambda: proc_state(proc.pid) == "S" and unread(bulk) > 0, "the writer blocks")
         os.kill(proc.pid, signal.SIGKILL)
         with pytest.raises(WriterDied) as info:
             r.recv_bytes(timeout=WAIT)
@@ -294,7 +298,7 @@ def test_forkserver_exit_codes_survive_many_deaths(impl, concurrent_join):
             joiner = threading.Thread(target=lambda: [p.join(WAIT) for _, p, _ in workers])
             joiner.start()
         seen = {}
-        for code, proc, r in workers:
+        for code, _, r in workers:
             assert r.recv_bytes(timeout=WAIT) == payload(code)
             with pytest.raises(WriterDied) as info:
                 r.recv_bytes(timeout=WAIT)

@@ -8,13 +8,11 @@ import os
 import struct
 import subprocess
 import sys
-import threading
 
 import pytest
+from _helpers import TIMEOUT, Background
 
 import framepipe
-
-TIMEOUT = 30.0  # a hang guard only
 
 LEN = struct.Struct("Q")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -31,25 +29,6 @@ def fd_is_open(fd: int) -> bool:
         return False
     return True
 
-
-class Background:
-    def __init__(self, fn, *args) -> None:
-        self.error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-                self.error = exc
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-
-    def join(self) -> None:
-        self.thread.join(TIMEOUT)
-        assert not self.thread.is_alive(), "background thread still blocked"
-        if self.error is not None:
-            raise self.error
 
 
 @pytest.fixture

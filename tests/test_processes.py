@@ -21,8 +21,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in [os.path.abspath(p) for p in sys.path]:
     sys.path.insert(0, HERE)
 
-import _children
-from _children import pattern
+import _children  # noqa: E402 - needs the sys.path entry above
+from _children import pattern  # noqa: E402
 
 TIMEOUT = 60.0  # a hang guard only
 SRC = os.path.dirname(os.path.dirname(os.path.abspath(framepipe.__file__)))

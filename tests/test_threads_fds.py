@@ -10,32 +10,10 @@ import threading
 
 import numpy as np
 import pytest
-
-TIMEOUT = 30.0  # a hang guard only
+from _helpers import TIMEOUT, Background
 
 TAG = struct.Struct("<III")  # thread, sequence number, payload size
 
-
-class Background:
-    def __init__(self, fn, *args) -> None:
-        self.error: BaseException | None = None
-        self.result = None
-
-        def run() -> None:
-            try:
-                self.result = fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-                self.error = exc
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-
-    def join(self):
-        self.thread.join(TIMEOUT)
-        assert not self.thread.is_alive(), "background thread still blocked"
-        if self.error is not None:
-            raise self.error
-        return self.result
 
 
 def body(tid: int, seq: int, size: int) -> bytes:

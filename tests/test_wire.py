@@ -13,15 +13,13 @@ import random
 import select
 import socket
 import struct
-import threading
 
 import pytest
+from _helpers import TIMEOUT, Background, write_all
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import framepipe
-
-TIMEOUT = 30.0  # a hang guard only: a correct core never waits this long
 
 LEN = struct.Struct("Q")
 CHECK = b"\x00\x00"
@@ -51,34 +49,6 @@ def nothing_left(fd: int) -> bool:
     return not ready
 
 
-def write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-class Background:
-    """Run ``fn(*args)`` in a daemon thread; ``join()`` re-raises what it raised."""
-
-    def __init__(self, fn, *args) -> None:
-        self.error: BaseException | None = None
-        self.result = None
-
-        def run() -> None:
-            try:
-                self.result = fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-                self.error = exc
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-
-    def join(self):
-        self.thread.join(TIMEOUT)
-        assert not self.thread.is_alive(), "background thread still blocked"
-        if self.error is not None:
-            raise self.error
-        return self.result
 
 
 class RawWriter(int):

@@ -9,7 +9,8 @@ consistent: the bytes that arrived stay with the connection for the next read.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import _frames as F
 from .errors import ReadTimeout
@@ -51,7 +52,8 @@ async def recv_async(conn: Any, read: Callable[[float], Any], timeout: float | N
         remaining = None if deadline is None else deadline - loop.time()
         if remaining is not None and remaining <= 0:
             raise F.timeout_error(timeout)
-        fds = [conn.fileno()]
+        bulk = conn._pending_bulk_fd  # a partly read bulk payload arrives on its own fd
+        fds = [conn.fileno() if bulk is None else bulk]
         if conn._liveness_fd is not None:
             fds.append(conn._liveness_fd)
         try:

@@ -2,9 +2,9 @@
 ``multiprocessing.connection``, in one run, as ratios.
 
 Run it as ``python -m framepipe bench`` (``--quick``, ``--json``, ``--only NAME``, ``--list``,
-``--repeat N``, ``--seconds S``, ``-v``). Every cell forks a writer (multiprocessing's ``fork`` context,
-so connections are inherited) and times the reading side in this process from the first message
-to the last. The implementations compared are:
+``--repeat N``, ``--seconds S``, ``-v``). Every cell forks a writer (multiprocessing's ``fork``
+context, so connections are inherited) and times the reading side in this process from the
+first message to the last. The implementations compared are:
 
 ``c`` / ``python``
     framepipe's two cores from :func:`framepipe._impl.load` (one that does not import is
@@ -42,8 +42,8 @@ import platform
 import re
 import signal
 import stat
-import sys
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -279,9 +279,10 @@ class Peer:
     The child first closes ``drop_in_child`` (its copies of this process's ends); this
     process closes ``drop_in_parent`` once the child has started, so either side's death is an
     end of file for the other. A watchdog kills the child after ``timeout`` seconds, which turns
-    any blocked read here into an error. ``child_cpu`` pins the child to that CPU. On exit ``close_on_exit`` is closed (which also
-    unblocks a writer stuck on a full pipe) and the child joined, then killed if it lingers: no
-    child outlives the block. An exception in the child becomes :class:`WriterFailed` here.
+    any blocked read here into an error. ``child_cpu`` pins the child to that CPU. On exit
+    ``close_on_exit`` is closed (which also unblocks a writer stuck on a full pipe) and the child
+    joined, then killed if it lingers: no child outlives the block. An exception in the child
+    becomes :class:`WriterFailed` here.
     """
 
     def __init__(
@@ -1280,7 +1281,8 @@ def finish(rows: list[Row]) -> list[Row]:
             item.setdefault("vs_stdlib", value / best if best else None)
             item.setdefault("vs_duplex", value / duplex if duplex else None)
             target = item.get("target")
-            basis = item.get("vs_duplex") if item.get("target_vs") == "duplex" else item.get("vs_stdlib")
+            by_duplex = item.get("target_vs") == "duplex"
+            basis = item.get("vs_duplex") if by_duplex else item.get("vs_stdlib")
             if "met" in item:
                 pass  # the section judged its own target
             elif target and basis is not None:
@@ -1516,7 +1518,8 @@ def format_report(report: dict[str, Any]) -> str:
         *(f"  {name:<15} {text}" for name, text in report["implementations"].items()),
         (
             f"each cell: best of {s['repeat']} run(s) of ~{s['seconds']:g} s, writer in a forked "
-            f"child ({_PLACEMENT_TEXT[s.get('placement', 'free')]}), reader timed from first to last message; vs stdlib = against the stdlib's "
+            f"child ({_PLACEMENT_TEXT[s.get('placement', 'free')]}), reader timed from first to "
+            "last message; vs stdlib = against the stdlib's "
             "best, vs duplex = against Pipe(duplex=True); spread = slowest run / fastest run; "
             "MB = 10^6 bytes"
         ),

@@ -66,7 +66,9 @@ cdef int K_DEAD = F.KIND_DEAD
 cdef int K_ERROR = F.KIND_ERROR
 cdef int K_OBJECT = F.KIND_OBJECT
 cdef int K_BUFFER = F.KIND_BUFFER
-cdef int K_MAX = F.KIND_BUFFER
+cdef int K_BULK = F.KIND_BULK
+cdef int K_MAX = F.KIND_BULK
+cdef Py_ssize_t BULK_MIN = F.BULK_MIN
 cdef double DEATH_GRACE = 0.1
 cdef double LIVENESS_SLICE = 0.01
 cdef double POLL_WAITED = 20e-6  # a poll() that took longer had to wait for data
@@ -90,7 +92,7 @@ cdef object _oserror(int err):
 
 @cython.embedsignature(False)  # the docstring's first line is the exact signature
 cdef class Connection:
-    """Connection(handle, readable=True, writable=True, *, write_handle=None, max_size=None, closefd=True, read_ahead=False)
+    """Connection(handle, readable=True, writable=True, *, write_handle=None, bulk_handle=None, bulk_write_handle=None, max_size=None, closefd=True, read_ahead=False)
 --
 
 A framed, bidirectional or one-way connection over a pipe or socket fd.
@@ -107,10 +109,17 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
     bounds the payload a frame may announce (None: no bound); ``write_handle`` makes a duplex
     connection that reads ``handle`` and writes ``write_handle``; ``closefd=False`` leaves
     the fds open on :meth:`close`.
+
+    ``bulk_handle`` adds a bulk channel (a stream socket, made by :func:`pipe`): payloads of
+    256 KiB or more are written to it while their frame header still goes through ``handle``
+    in order, and a reader takes them from its own ``bulk_handle``. As with ``write_handle``,
+    ``bulk_write_handle`` gives a duplex connection a separate bulk fd to write.
     """
 
     cdef int _fd
     cdef int _wfd
+    cdef int _bfd, _bwfd, _bmode  # the bulk channel: read and write fds (-1: none)
+    cdef bint _pbulk, _bpoll_first
     cdef bint _readable, _writable, _closefd
     cdef int _mode
     cdef bint _read_ahead
@@ -142,6 +151,8 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
     def __cinit__(self):
         self._fd = -1
         self._wfd = -1
+        self._bfd = -1
+        self._bwfd = -1
         self._lfd = -1
         self._pkind = -1
         self._rlock = PyThread_allocate_lock()
@@ -150,13 +161,24 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             raise MemoryError()
 
     def __init__(self, handle, readable=True, writable=True, *, write_handle=None,
-                 max_size=None, closefd=True, read_ahead=False):
+                 bulk_handle=None, bulk_write_handle=None, max_size=None, closefd=True,
+                 read_ahead=False):
         handle, wfd = F.check_handles(handle, readable, writable, write_handle)
+        bfd, bwfd = F.check_bulk_handles(bulk_handle, bulk_write_handle, readable, writable)
         if max_size is not None and max_size < 0:
             raise ValueError("max_size must be None or a non-negative number of bytes")
         mode = os.fstat(handle).st_mode
         self._fd = handle
         self._wfd = wfd
+        self._bfd = bfd
+        self._bwfd = bwfd
+        self._bmode = FP_MODE_BLOCK
+        if bfd >= 0:
+            bmode = os.fstat(bfd).st_mode
+            if stat.S_ISSOCK(bmode):
+                self._bmode = FP_MODE_SOCKET
+            elif stat.S_ISFIFO(bmode):
+                self._bmode = FP_MODE_PIPE
         self._readable = bool(readable)
         self._writable = bool(writable)
         self._max_size = max_size
@@ -175,7 +197,11 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             os.close(self._fd)
             if self._wfd != self._fd:
                 os.close(self._wfd)
-        self._fd = self._wfd = -1
+            if self._bfd >= 0:
+                os.close(self._bfd)
+            if self._bwfd >= 0 and self._bwfd != self._bfd:
+                os.close(self._bwfd)
+        self._fd = self._wfd = self._bfd = self._bwfd = -1
         if self._buf != NULL:
             PyMem_Free(self._buf)
             self._buf = NULL
@@ -213,10 +239,10 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
 
     def close(self):
         """Close the connection (its fd once, if it owns it) and stop watching the writer."""
-        cdef int fd, wfd
+        cdef int fd, wfd, bfd, bwfd
         if self._fd >= 0:
-            fd, wfd = self._fd, self._wfd
-            self._fd = self._wfd = -1
+            fd, wfd, bfd, bwfd = self._fd, self._wfd, self._bfd, self._bwfd
+            self._fd = self._wfd = self._bfd = self._bwfd = -1
             F.stop_watch(self._liveness, self._watch_handle)
             self._liveness = self._watch_handle = None
             self._lfd = -1
@@ -224,6 +250,10 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                 os.close(fd)
                 if wfd != fd:
                     os.close(wfd)
+                if bfd >= 0:
+                    os.close(bfd)
+                if bwfd >= 0 and bwfd != bfd:
+                    os.close(bwfd)
 
     def __enter__(self):
         return self
@@ -292,28 +322,48 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         return 0
 
     cdef int _writev(self, iovec *iov, int cnt) except -1:
-        cdef int rc, err, fd
         self._lock_write()
         try:
-            while True:
-                fd = self._wfd
-                if fd < 0:
-                    raise OSError("handle is closed")
-                with nogil:
-                    rc = fp_writev_all(fd, &iov, &cnt)
-                    err = errno
-                if rc == FP_OK:
-                    return 0
-                if err == EINTR:
-                    PyErr_CheckSignals()  # the frame goes on after the handlers
-                    continue
-                if err == EAGAIN:
-                    with nogil:
-                        fp_wait_writable(fd, -1.0)
-                    continue
-                raise _oserror(err)
+            self._writev_locked(iov, cnt, False)
         finally:
             PyThread_release_lock(self._wlock)
+        return 0
+
+    cdef int _writev_locked(self, iovec *iov, int cnt, bint bulk) except -1:
+        """Write all of iov to the pipe (the bulk fd when ``bulk``); the caller holds the
+        write lock."""
+        cdef int rc, err, fd
+        while True:
+            fd = self._bwfd if bulk else self._wfd
+            if fd < 0:
+                raise OSError("handle is closed")
+            with nogil:
+                rc = fp_writev_all(fd, &iov, &cnt)
+                err = errno
+            if rc == FP_OK:
+                return 0
+            if err == EINTR:
+                PyErr_CheckSignals()  # the frame goes on after the handlers
+                continue
+            if err == EAGAIN:
+                with nogil:
+                    fp_wait_writable(fd, -1.0)
+                continue
+            raise _oserror(err)
+
+    cdef int _write_bulk(self, unsigned char *hdr, iovec *payload) except -1:
+        """A BULK frame: its header to the pipe, then its payload to the bulk fd, under one
+        hold of the write lock."""
+        cdef iovec head
+        head.iov_base = hdr
+        head.iov_len = FP_HEADER_SIZE
+        self._lock_write()
+        try:
+            self._writev_locked(&head, 1, False)
+            self._writev_locked(payload, 1, True)
+        finally:
+            PyThread_release_lock(self._wlock)
+        return 0
 
     def send_bytes(self, buf, Py_ssize_t offset=0, size=None):
         """Send the bytes of ``buf[offset:offset+size]`` (a bytes-like object) as one frame."""
@@ -336,16 +386,44 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                     raise ValueError("size is negative")
                 if offset + n > view.len:
                     raise ValueError("buffer length < offset + size")
+            iov[1].iov_base = <char *>view.buf + offset
+            iov[1].iov_len = <size_t>n
+            if n >= BULK_MIN and self._bwfd >= 0:
+                fp_header_encode(hdr, <unsigned char>K_BULK, <uint64_t>n)
+                self._write_bulk(hdr, &iov[1])
+                return
             fp_header_encode(hdr, 0, <uint64_t>n)
             iov[0].iov_base = hdr
             iov[0].iov_len = FP_HEADER_SIZE
-            iov[1].iov_base = <char *>view.buf + offset
-            iov[1].iov_len = <size_t>n
             self._writev(iov, 2)
         finally:
             PyBuffer_Release(&view)
 
     cdef int _write_parts(self, list parts) except -1:
+        self._lock_write()
+        try:
+            self._write_parts_locked(parts, False)
+        finally:
+            PyThread_release_lock(self._wlock)
+        return 0
+
+    cdef int _write_segments(self, list segments) except -1:
+        """Write ``[pipe_parts, bulk_payload, pipe_parts, ...]`` (see ``F.dumps_bulk``) under
+        one hold of the write lock: each BULK header reaches the pipe before its payload
+        reaches the bulk fd."""
+        cdef Py_ssize_t i
+        self._lock_write()
+        try:
+            for i in range(len(segments)):
+                if i & 1:
+                    self._write_parts_locked([segments[i]], True)
+                else:
+                    self._write_parts_locked(segments[i], False)
+        finally:
+            PyThread_release_lock(self._wlock)
+        return 0
+
+    cdef int _write_parts_locked(self, list parts, bint bulk) except -1:
         cdef Py_ssize_t i, count = len(parts), held = 0
         cdef Py_buffer *views = <Py_buffer *>PyMem_Malloc(count * sizeof(Py_buffer) + 1)
         cdef iovec *iov = <iovec *>PyMem_Malloc(count * sizeof(iovec) + 1)
@@ -359,7 +437,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                 held += 1
                 iov[i].iov_base = views[i].buf
                 iov[i].iov_len = <size_t>views[i].len
-            self._writev(iov, <int>count)
+            self._writev_locked(iov, <int>count, bulk)
         finally:
             for i in range(held):
                 PyBuffer_Release(&views[i])
@@ -370,6 +448,13 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
     def send(self, obj):
         """Send a picklable object (pickle protocol 5; buffers of 64 KiB or more out of band)."""
         self._check_writable()
+        if self._bwfd >= 0:
+            segments = F.dumps_bulk(obj, BULK_MIN)
+            if len(segments) > 1:
+                self._write_segments(segments)
+            else:
+                self._write_parts(segments[0])
+            return
         self._write_parts(F.dumps(obj))
 
     def send_exception(self, exc):
@@ -388,19 +473,23 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             self._dead = True
         return 0
 
-    cdef Py_ssize_t _read_some(self, char *dst, Py_ssize_t n, double deadline) except -1:
+    cdef Py_ssize_t _read_some(self, char *dst, Py_ssize_t n, double deadline,
+                               bint bulk=False) except -1:
         """One read() into dst: the byte count, 0 at end of file. Raises _Expired at the
-        deadline and WriterDied when the watched writer died with nothing left to read."""
+        deadline and WriterDied when the watched writer died with nothing left to read.
+        ``bulk`` reads the bulk fd instead of the pipe."""
         cdef ssize_t r
-        cdef int rc, err, lfd, fd = self._fd
+        cdef int rc, err, lfd, fd = self._bfd if bulk else self._fd
+        cdef int mode = self._bmode if bulk else self._mode
+        cdef bint poll_first = self._bpoll_first if bulk else self._poll_first
         cdef double until, started
         cdef bint watched = self._liveness is not None
         cdef bint must_poll = deadline >= 0 or watched
         while True:
             if must_poll:
-                if self._mode != FP_MODE_BLOCK and not self._poll_first:
+                if mode != FP_MODE_BLOCK and not poll_first:
                     with nogil:
-                        r = fp_read(fd, dst, <size_t>n, self._mode)
+                        r = fp_read(fd, dst, <size_t>n, mode)
                         err = errno
                     if r >= 0:
                         return r
@@ -408,7 +497,11 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                         PyErr_CheckSignals()
                         continue
                     if err == EOPNOTSUPP_ or err == EINVAL:
-                        self._mode = FP_MODE_BLOCK  # this kernel cannot; poll first from now on
+                        mode = FP_MODE_BLOCK  # this kernel cannot; poll first from now on
+                        if bulk:
+                            self._bmode = mode
+                        else:
+                            self._mode = mode
                     elif err != EAGAIN:
                         raise _oserror(err)
                 lfd = -1 if self._dead else self._lfd
@@ -432,7 +525,11 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                     # Try a read before polling next time only if this poll found data
                     # already there: a reader that keeps up with its writer then makes one
                     # syscall per wait instead of a failed read, a poll and a read.
-                    self._poll_first = fp_now() - started > POLL_WAITED
+                    poll_first = fp_now() - started > POLL_WAITED
+                    if bulk:
+                        self._bpoll_first = poll_first
+                    else:
+                        self._poll_first = poll_first
                 if rc == FP_LIVENESS or (rc == FP_TIMEOUT and watched and not self._dead):
                     if not self._dead:
                         self._note_dead()
@@ -483,6 +580,8 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             lost, expected = avail, None
         else:
             lost, expected = FP_HEADER_SIZE + self._pgot + avail, FP_HEADER_SIZE + self._plen
+            if self._pbulk:  # a DEAD sentinel waits in the pipe, not in this payload
+                return lost, expected
         peer = self._peer() if self._peer is not None else None
         if peer is not None:
             lost -= peer._sentinel_sent
@@ -549,6 +648,12 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                     memcpy(&length, p + 2, 8)
                     if (self._max >= 0 and length > <uint64_t>self._max) or length > <uint64_t>(1 << 62):
                         raise self._break(F.too_large(length, self._max_size if self._max_size is not None else (1 << 62), self._consumed))
+                    self._pbulk = kind == K_BULK
+                    if self._pbulk:
+                        if self._bfd < 0:
+                            raise self._break(F.no_bulk_channel(length, self._consumed))
+                        # a data frame at a message boundary, a buffer inside an object
+                        kind = K_DATA if self._object is None else K_BUFFER
                     self._bstart += FP_HEADER_SIZE
                     self._consumed += FP_HEADER_SIZE
                     self._pkind = kind
@@ -560,6 +665,8 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
     cdef int _pump(self, double deadline) except -1:
         """Fill the pending frame's destination until it is complete."""
         cdef Py_ssize_t n = self._plen, got, avail, take, k
+        if self._pbulk:
+            return self._pump_bulk(deadline)
         while self._pgot < n:
             got = self._pgot
             avail = self._bend - self._bstart
@@ -580,6 +687,28 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                 self._consumed += k
             else:
                 self._fill(deadline, min(n - got, READ_CHUNK))
+        return 0
+
+    cdef int _pump_bulk(self, double deadline) except -1:
+        """Read the pending frame's payload from the bulk fd, straight into its destination."""
+        cdef Py_ssize_t n = self._plen, got, k
+        cdef char *scratch = NULL
+        try:
+            while self._pgot < n:
+                got = self._pgot
+                if self._pdiscard:
+                    if scratch == NULL:
+                        scratch = <char *>PyMem_Malloc(READ_CHUNK)
+                        if scratch == NULL:
+                            raise MemoryError()
+                    k = self._read_some(scratch, min(n - got, READ_CHUNK), deadline, True)
+                else:
+                    k = self._read_some(self._pptr + got, n - got, deadline, True)
+                if k == 0:
+                    self._at_eof()
+                self._pgot = got + k
+        finally:
+            PyMem_Free(scratch)
         return 0
 
     cdef int _read_frame(self, double deadline, Py_ssize_t maxlength, char *into,
@@ -621,6 +750,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         kind = self._pkind
         n = self._plen
         self._pkind = -1
+        self._pbulk = False
         self._pptr = NULL
         if self._pdiscard:
             raise MessageTooLong(n, self._pmaxlen)
@@ -793,10 +923,10 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         cdef double deadline, until
         cdef int rc, err, lfd, fd
         self._check_readable()
-        if self._bend > self._bstart:
+        if self._bend > self._bstart and not self._pbulk:
             return True
         deadline = _deadline(timeout)
-        fd = self._fd
+        fd = self._bfd if self._pbulk else self._fd
         while True:
             lfd = -1 if self._dead else self._lfd
             until = deadline
@@ -824,7 +954,8 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                 return False
 
     def _handles(self):
-        return self._fd, self._wfd
+        """(read fd, write fd, bulk read fd, bulk write fd); -1 for no bulk fd."""
+        return self._fd, self._wfd, self._bfd, self._bwfd
 
     @property
     def read_ahead(self):
@@ -875,6 +1006,11 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         from ._aio import send_async
 
         await send_async(self, F.dumps(obj))
+
+    @property
+    def _pending_bulk_fd(self):
+        """The bulk fd while a frame's bulk payload is partly read, else None."""
+        return self._bfd if self._pbulk and self._fd >= 0 else None
 
     @property
     def _liveness_fd(self):

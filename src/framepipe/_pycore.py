@@ -6,14 +6,13 @@ where the extension is not built, and under ``FRAMEPIPE_NO_EXTENSIONS=1``.
 
 from __future__ import annotations
 
-import asyncio
-import errno
 import os
 import select
 import stat
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import _frames as F
 from ._api import build_api
@@ -58,6 +57,11 @@ class Connection:
     bounds the payload a frame may announce (None: no bound); ``write_handle`` makes a duplex
     connection that reads ``handle`` and writes ``write_handle``; ``closefd=False`` leaves
     the fds open on :meth:`close`.
+
+    ``bulk_handle`` adds a bulk channel (a stream socket, made by :func:`pipe`): payloads of
+    256 KiB or more are written to it while their frame header still goes through ``handle``
+    in order, and a reader takes them from its own ``bulk_handle``. As with ``write_handle``,
+    ``bulk_write_handle`` gives a duplex connection a separate bulk fd to write.
     """
 
     def __init__(
@@ -67,15 +71,22 @@ class Connection:
         writable: bool = True,
         *,
         write_handle: int | None = None,
+        bulk_handle: int | None = None,
+        bulk_write_handle: int | None = None,
         max_size: int | None = None,
         closefd: bool = True,
         read_ahead: bool = False,
     ) -> None:
         handle, wfd = F.check_handles(handle, readable, writable, write_handle)
+        bfd, bwfd = F.check_bulk_handles(bulk_handle, bulk_write_handle, readable, writable)
         if max_size is not None and max_size < 0:
             raise ValueError("max_size must be None or a non-negative number of bytes")
         self._fd = handle
         self._wfd = wfd
+        self._bfd = bfd  # bulk payloads are read from here (-1: no bulk channel)
+        self._bwfd = bwfd  # and written here
+        self._bpoller: Any = None
+        self._pbulk = False  # the pending frame's payload comes from the bulk fd
         self._readable = bool(readable)
         self._writable = bool(writable)
         self._max_size = max_size
@@ -132,19 +143,23 @@ class Connection:
     def close(self) -> None:
         """Close the connection (its fd once, if it owns it) and stop watching the writer."""
         if self._fd >= 0:
-            fd, wfd = self._fd, self._wfd
-            self._fd = self._wfd = -1
+            fd, wfd, bfd, bwfd = self._fd, self._wfd, self._bfd, self._bwfd
+            self._fd = self._wfd = self._bfd = self._bwfd = -1
             F.stop_watch(self._liveness, self._watch_handle)
             self._liveness = self._watch_handle = None
             if self._closefd:
                 os.close(fd)
                 if wfd != fd:
                     os.close(wfd)
+                if bfd >= 0:
+                    os.close(bfd)
+                if bwfd >= 0 and bwfd != bfd:
+                    os.close(bwfd)
 
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - a finalizer never raises
             pass
 
     def __enter__(self) -> Connection:
@@ -184,7 +199,7 @@ class Connection:
         F.stop_watch(self._liveness, self._watch_handle)
         self._liveness = self._watch_handle = None
         self._dead = False
-        self._poller = None
+        self._poller = self._bpoller = None
         if target is not None:
             self._liveness, self._watch_handle = F.start_watch(target, self._peer)
         return self
@@ -203,13 +218,19 @@ class Connection:
             fd = self._wfd
             if fd < 0:
                 raise OSError("handle is closed")
-            while views:
-                n = os.writev(fd, views[:_IOV_MAX])
-                while views and n >= views[0].nbytes:
-                    n -= views[0].nbytes
-                    views.pop(0)
-                if n:
-                    views[0] = views[0][n:]
+            _writev_all(fd, views)
+
+    def _write_segments(self, segments: list[Any]) -> None:
+        """Write ``[pipe_parts, bulk_payload, pipe_parts, ...]`` (see ``F.dumps_bulk``) under
+        one hold of the write lock: each BULK header reaches the pipe before its payload
+        reaches the bulk fd."""
+        with self._wlock:
+            for i, seg in enumerate(segments):
+                fd = self._bwfd if i & 1 else self._wfd
+                if fd < 0:
+                    raise OSError("handle is closed")
+                views = [memoryview(p).cast("B") for p in (seg if not i & 1 else [seg])]
+                _writev_all(fd, views)
 
     def send_bytes(self, buf: Any, offset: int = 0, size: int | None = None) -> None:
         """Send the bytes of ``buf[offset:offset+size]`` (a bytes-like object) as one frame."""
@@ -219,12 +240,23 @@ class Connection:
         if m.itemsize > 1:
             m = m.cast("B")
         size = F.check_send_args(m.nbytes, offset, size)
+        if size >= F.BULK_MIN and self._bwfd >= 0:
+            payload = m[offset : offset + size]
+            self._write_segments([[F.header(F.KIND_BULK, size)], payload, []])
+            return
         self._write_parts([F.header(F.KIND_DATA, size), m[offset : offset + size]])
 
     def send(self, obj: Any) -> None:
         """Send a picklable object (pickle protocol 5; buffers of 64 KiB or more out of band)."""
         self._check_closed()
         self._check_writable()
+        if self._bwfd >= 0:
+            segments = F.dumps_bulk(obj, F.BULK_MIN)
+            if len(segments) > 1:
+                self._write_segments(segments)
+                return
+            self._write_parts(segments[0])
+            return
         self._write_parts(F.dumps(obj))
 
     def send_exception(self, exc: BaseException) -> None:
@@ -238,23 +270,30 @@ class Connection:
 
     # -- reading: the state machine ----------------------------------------------------------
 
-    def _poll_once(self, deadline: float | None) -> bool:
-        """Wait until the fd is readable: True if so, False if the deadline passed.
-        Raises _Dead when the watched writer died and the fd has nothing left to read."""
+    def _poll_once(self, deadline: float | None, bulk: bool = False) -> bool:
+        """Wait until the fd (the bulk fd when ``bulk``) is readable: True if so, False if
+        the deadline passed. Raises _Dead when the watched writer died and the fd has nothing
+        left to read."""
         live = self._liveness
-        if self._poller is None:
-            self._poller = select.poll()
-            self._poller.register(self._fd, _POLLIN)
+        fd = self._bfd if bulk else self._fd
+        poller = self._bpoller if bulk else self._poller
+        if poller is None:
+            poller = select.poll()
+            poller.register(fd, _POLLIN)
             if live is not None and live.fd is not None:
-                self._poller.register(live.fd, select.POLLIN)
+                poller.register(live.fd, select.POLLIN)
+            if bulk:
+                self._bpoller = poller
+            else:
+                self._poller = poller
         while True:
             wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             if self._dead:
                 wait = 0.0
             elif live is not None and live.fd is None:
                 wait = _LIVENESS_SLICE if wait is None else min(wait, _LIVENESS_SLICE)
-            ready = self._poller.poll(None if wait is None else wait * 1000.0)
-            if any(fd == self._fd for fd, _ in ready):
+            ready = poller.poll(None if wait is None else wait * 1000.0)
+            if any(rfd == fd for rfd, _ in ready):
                 return True
             if live is not None and not self._dead and (ready or live.fd is None):
                 if live.poll_dead():
@@ -265,22 +304,26 @@ class Connection:
             if deadline is not None and time.monotonic() >= deadline:
                 return False
 
-    def _read_into(self, view: memoryview | None, deadline: float | None, want: int = 0) -> Any:
+    def _read_into(
+        self, view: memoryview | None, deadline: float | None, want: int = 0, bulk: bool = False
+    ) -> Any:
         """One read(): into ``view`` (the byte count, 0 at end of file), or when ``view`` is
         None, up to ``want`` bytes (bytes, empty at end of file). Raises _Expired on the
-        deadline and WriterDied when the watched writer died with nothing left to read."""
+        deadline and WriterDied when the watched writer died with nothing left to read.
+        ``bulk`` reads the bulk fd instead of the pipe."""
+        fd = self._bfd if bulk else self._fd
         while True:
             if deadline is not None or self._liveness is not None:
                 try:
-                    if not self._poll_once(deadline):
+                    if not self._poll_once(deadline, bulk):
                         raise _Expired
                 except _Dead:
                     lost, expected = self._lost()
                     raise F.writer_died(self._liveness, lost, expected) from None
             try:
                 if view is None:
-                    return os.read(self._fd, want)
-                return os.readv(self._fd, [view])
+                    return os.read(fd, want)
+                return os.readv(fd, [view])
             except BlockingIOError:
                 continue
 
@@ -302,6 +345,8 @@ class Connection:
             lost, expected = avail, None
         else:
             lost, expected = F.HEADER_SIZE + self._pgot + avail, F.HEADER_SIZE + self._plen
+            if self._pbulk:  # a DEAD sentinel waits in the pipe, not in this payload
+                return lost, expected
         return max(lost - self._sentinel_seen(), 0), expected
 
     def _sentinel_seen(self) -> int:
@@ -371,6 +416,12 @@ class Connection:
                     (length,) = F.LENGTH.unpack_from(self._buf, s + 2)
                     if self._max_size is not None and length > self._max_size:
                         raise self._break(F.too_large(length, self._max_size, self._consumed))
+                    self._pbulk = kind == F.KIND_BULK
+                    if self._pbulk:
+                        if self._bfd < 0:
+                            raise self._break(F.no_bulk_channel(length, self._consumed))
+                        # a data frame at a message boundary, a buffer inside an object
+                        kind = F.KIND_DATA if self._object is None else F.KIND_BUFFER
                     self._consume(F.HEADER_SIZE)
                     self._pkind, self._plen, self._pgot = kind, length, 0
                     return
@@ -379,6 +430,9 @@ class Connection:
     def _pump(self, deadline: float | None) -> None:
         """Fill the pending frame's destination until it is complete."""
         n = self._plen
+        if self._pbulk:
+            self._pump_bulk(deadline)
+            return
         while self._pgot < n:
             got = self._pgot
             avail = len(self._buf) - self._bstart
@@ -398,6 +452,19 @@ class Connection:
                 self._consumed += k
             else:
                 self._fill(deadline, n - got)
+
+    def _pump_bulk(self, deadline: float | None) -> None:
+        """Read the pending frame's payload from the bulk fd, straight into its destination."""
+        n = self._plen
+        while self._pgot < n:
+            got = self._pgot
+            if self._pdiscard:
+                k = len(self._read_into(None, deadline, min(n - got, _READ_CHUNK), True))
+            else:
+                k = self._read_into(memoryview(self._pdest)[got:n], deadline, bulk=True)
+            if k == 0:
+                self._at_eof()
+            self._pgot = got + k
 
     def _read_frame(
         self,
@@ -430,7 +497,7 @@ class Connection:
                 self._pdest, self._pexternal = own, False
             raise
         kind, dest, n = self._pkind, self._pdest, self._plen
-        self._pkind, self._pdest = -1, None
+        self._pkind, self._pdest, self._pbulk = -1, None, False
         if self._pdiscard:
             raise MessageTooLong(n, dest)
         if self._pexternal:
@@ -559,15 +626,16 @@ class Connection:
         (None: forever)."""
         self._check_closed()
         self._check_readable()
-        if len(self._buf) > self._bstart:
+        if len(self._buf) > self._bstart and not self._pbulk:
             return True
         try:
-            return self._poll_once(_deadline(timeout))
+            return self._poll_once(_deadline(timeout), self._pbulk)
         except _Dead:
             return True
 
-    def _handles(self) -> tuple[int, int]:
-        return self._fd, self._wfd
+    def _handles(self) -> tuple[int, int, int, int]:
+        """(read fd, write fd, bulk read fd, bulk write fd); -1 for no bulk fd."""
+        return self._fd, self._wfd, self._bfd, self._bwfd
 
     @property
     def read_ahead(self) -> bool:
@@ -578,6 +646,11 @@ class Connection:
         self._check_closed()
         self._check_writable()
         self._write_parts(parts)
+
+    @property
+    def _pending_bulk_fd(self) -> int | None:
+        """The bulk fd while a frame's bulk payload is partly read, else None."""
+        return self._bfd if self._pbulk and self._fd >= 0 else None
 
     @property
     def _liveness_fd(self) -> int | None:
@@ -625,6 +698,17 @@ class Connection:
         from ._aio import send_async
 
         await send_async(self, F.dumps(obj))
+
+
+def _writev_all(fd: int, views: list[memoryview]) -> None:
+    """Write every byte of ``views`` to ``fd`` (short writes continue where they stopped)."""
+    while views:
+        n = os.writev(fd, views[:_IOV_MAX])
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
 
 
 pipe, Pipe = build_api(Connection)

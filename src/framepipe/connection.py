@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import select
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from . import _impl
 from .errors import BufferTooShort
@@ -47,13 +48,14 @@ def wait(object_list: Iterable[Any], timeout: float | None = None) -> list[Any]:
     has died (the next read raises :class:`framepipe.WriterDied`).
     """
     objects = list(object_list)
-    ready = [o for o in objects if getattr(o, "_has_buffered", None) is not None and o._has_buffered()]
+    ready = [o for o in objects if getattr(o, "_has_buffered", None) and o._has_buffered()]
     if ready:
         return ready
     poller = select.poll()
     owners: dict[int, list[Any]] = {}
     for obj in objects:
-        fds = [_fileno(obj)]
+        bulk = getattr(obj, "_pending_bulk_fd", None)  # mid-payload: the bulk fd
+        fds = [_fileno(obj) if bulk is None else bulk]
         liveness_fd = getattr(obj, "_liveness_fd", None)
         if liveness_fd is not None:
             fds.append(liveness_fd)
@@ -92,18 +94,34 @@ def _reduce_connection(conn: Any) -> Any:
             "but not yet returned, which the other process would never see; receive the "
             "pending messages first"
         )
-    rfd, wfd = conn._handles()
+    rfd, wfd, bfd, bwfd = conn._handles()
     impl = "c" if type(conn).__module__ == "framepipe._core" else "python"
     dup_r = reduction.DupFd(rfd)
     dup_w = None if wfd == rfd else reduction.DupFd(wfd)
+    # The bulk channel: one fd (read, written, or both on one socket) or a read and a write fd.
+    bulk = bfd if bfd >= 0 else bwfd
+    dup_b = None if bulk < 0 else reduction.DupFd(bulk)
+    dup_bw = None if bfd < 0 or bwfd < 0 or bwfd == bfd else reduction.DupFd(bwfd)
     options = {"max_size": conn.max_size, "read_ahead": conn.read_ahead}
-    return _rebuild_connection, (impl, dup_r, dup_w, conn.readable, conn.writable, options)
+    return _rebuild_connection, (
+        impl, dup_r, dup_w, conn.readable, conn.writable, options, dup_b, dup_bw
+    )
 
 
 def _rebuild_connection(
-    impl: str, dup_r: Any, dup_w: Any, readable: bool, writable: bool, options: dict[str, Any]
+    impl: str,
+    dup_r: Any,
+    dup_w: Any,
+    readable: bool,
+    writable: bool,
+    options: dict[str, Any],
+    dup_b: Any = None,
+    dup_bw: Any = None,
 ) -> Any:
     core = _impl.load(impl)
     rfd = dup_r.detach()
     wfd = None if dup_w is None else dup_w.detach()
-    return core.Connection(rfd, readable, writable, write_handle=wfd, **options)
+    bfd = None if dup_b is None else dup_b.detach()
+    bwfd = None if dup_bw is None else dup_bw.detach()
+    return core.Connection(rfd, readable, writable, write_handle=wfd, bulk_handle=bfd,
+                           bulk_write_handle=bwfd, **options)
