@@ -1198,18 +1198,21 @@ def _detection_rows(result: Any) -> list[Row]:
     for got in result.get("rows", []) if isinstance(result, dict) else result:
         method = str(got.get("method", ""))
         extra = {k: v for k, v in got.items() if k not in ("method", "median_ms")}
-        rows.append(
-            row(
-                "watch",
-                "writer death seen",
-                method,
-                got.get("median_ms"),
-                "ms",
-                family=_detection_family(method),
-                better="lower",
-                **extra,
-            )
+        out = row(
+            "watch",
+            "writer death seen",
+            method,
+            got.get("median_ms"),
+            "ms",
+            family=_detection_family(method),
+            better="lower",
+            **extra,
         )
+        median, p90 = got.get("median_ms"), got.get("p90_ms")
+        if out["family"] == "framepipe" and median is not None and p90 is not None:
+            out["target"] = "median <= 2 ms, p90 <= 5 ms"
+            out["met"] = median <= 2.0 and p90 <= 5.0
+        rows.append(out)
     return rows
 
 
