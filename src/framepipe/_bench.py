@@ -632,17 +632,22 @@ def _check_size(got: int, size: int) -> None:
         raise RuntimeError(f"received {got} bytes, expected {size}")
 
 
+def _time_reads(recv: Callable[[], Any], n: int, nbytes: Callable[[Any], int], size: int) -> float:
+    """Call ``recv`` ``n`` times; the seconds from the first message to the last (the first
+    call waits for the writer to start). The last message must be ``size`` bytes."""
+    recv()
+    start = time.perf_counter()
+    for _ in range(n - 2):
+        recv()
+    last = recv()
+    elapsed = time.perf_counter() - start
+    _check_size(nbytes(last), size)
+    return elapsed
+
+
 def _read_bytes(size: int) -> Reader:
     def read(end: Any, n: int) -> float:
-        recv = end.recv_bytes
-        recv()
-        start = time.perf_counter()
-        for _ in range(n - 2):
-            recv()
-        last = recv()
-        elapsed = time.perf_counter() - start
-        _check_size(len(last), size)
-        return elapsed
+        return _time_reads(end.recv_bytes, n, len, size)
 
     return read
 
@@ -722,15 +727,7 @@ def _write_array(size: int) -> Writer:
 
 def _read_array(size: int) -> Reader:
     def read(end: Any, n: int) -> float:
-        recv = end.recv
-        recv()
-        start = time.perf_counter()
-        for _ in range(n - 2):
-            recv()
-        last = recv()
-        elapsed = time.perf_counter() - start
-        _check_size(int(last.nbytes), size)
-        return elapsed
+        return _time_reads(end.recv, n, lambda array: int(array.nbytes), size)
 
     return read
 
@@ -756,15 +753,7 @@ def _ref_pipe_write(size: int) -> Writer:
 
 def _ref_pipe_read(size: int) -> Reader:
     def read(ref: Any, n: int) -> float:
-        read_one = ref.read
-        read_one()
-        start = time.perf_counter()
-        for _ in range(n - 2):
-            read_one()
-        last = read_one()
-        elapsed = time.perf_counter() - start
-        _check_size(len(last), size)
-        return elapsed
+        return _time_reads(ref.read, n, len, size)
 
     return read
 
