@@ -481,7 +481,11 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         cdef ssize_t r
         cdef int rc, err, lfd, fd = self._bfd if bulk else self._fd
         cdef int mode = self._bmode if bulk else self._mode
-        cdef bint poll_first = self._bpoll_first if bulk else self._poll_first
+        # With read-ahead, poll first: by the time poll() returns, more frames have arrived and
+        # one read takes them all (measured: more messages/s than even a plain blocking read).
+        # Without it, try a read first when the last poll found data already there.
+        cdef bint adaptive = bulk or not self._read_ahead
+        cdef bint poll_first = (self._bpoll_first if bulk else self._poll_first) if adaptive else True
         cdef double until, started
         cdef bint watched = self._liveness is not None
         cdef bint must_poll = deadline >= 0 or watched
@@ -521,7 +525,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                         PyErr_CheckSignals()
                         continue
                     raise _oserror(err)
-                if rc == FP_OK:
+                if rc == FP_OK and adaptive:
                     # Try a read before polling next time only if this poll found data
                     # already there: a reader that keeps up with its writer then makes one
                     # syscall per wait instead of a failed read, a poll and a read.
