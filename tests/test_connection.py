@@ -3,6 +3,7 @@ what framepipe adds (timeouts, frame errors, max_size, objects with out-of-band 
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import os
 import pickle
@@ -17,6 +18,7 @@ from _helpers import TIMEOUT, Background, write_all
 import framepipe
 
 LEN = struct.Struct("Q")
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
 def frame(payload: bytes, check: bytes = b"\x00\x00") -> bytes:
@@ -391,12 +393,14 @@ def test_half_arrived_frame_into_a_buffer_then_timeout(raw):
 def test_half_arrived_object_then_timeout_next_recv_returns_it(impl, raw, cut):
     # An object with a large buffer travels as several frames; time out in the middle of them.
     obj = {"array": np.arange(20_000, dtype=np.int64), "tag": "t"}
-    r, w = impl.pipe(duplex=False)
-    with r, w:
-        w.send(obj)  # about 160 KB: fits the 1 MiB pipe of pipe(duplex=False)
-        stream = bytearray()
-        while r.poll(0):
-            stream += os.read(r.fileno(), 1 << 20)
+    rfd, wfd = os.pipe()  # a plain pipe: no bulk channel, every frame is in this stream
+    fcntl.fcntl(wfd, F_SETPIPE_SZ, 1 << 20)
+    with impl.Connection(wfd, readable=False) as w:
+        w.send(obj)  # about 160 KB: fits the 1 MiB pipe
+    stream = bytearray()
+    while chunk := os.read(rfd, 1 << 20):
+        stream += chunk
+    os.close(rfd)
     first_frame = 12 + LEN.unpack(stream[2:10])[0]
     at = {"in-first-header": 5, "after-first-frame": first_frame, "in-buffer": 40_000}[cut]
     assert at < 60_000 < len(stream)  # the first part fits the raw pipe's 64 KiB buffer

@@ -53,7 +53,7 @@ def build_api(Connection: Any) -> tuple[Callable[..., Any], type]:
         over an ``os.pipe()``, or when ``duplex``, two connections that each read one pipe and
         write the other (measured faster than a socketpair here: half the round-trip latency
         and over twice the small-message rate). Each direction also gets a bulk channel, a
-        socketpair that carries the payloads of frames of 256 KiB and more (over twice the
+        socketpair that carries the payloads of frames of 16 KiB and more (over twice the
         throughput of a pipe for large frames) while their headers stay in the pipe."""
         fds: list[int] = []
         try:

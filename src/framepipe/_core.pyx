@@ -111,7 +111,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
     the fds open on :meth:`close`.
 
     ``bulk_handle`` adds a bulk channel (a stream socket, made by :func:`pipe`): payloads of
-    256 KiB or more are written to it while their frame header still goes through ``handle``
+    16 KiB or more are written to it while their frame header still goes through ``handle``
     in order, and a reader takes them from its own ``bulk_handle``. As with ``write_handle``,
     ``bulk_write_handle`` gives a duplex connection a separate bulk fd to write.
     """
