@@ -3,6 +3,7 @@ directory on sys.path)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
 
@@ -39,3 +40,18 @@ class Background:
         if self.error is not None:
             raise self.error
         return self.result
+
+
+def reuse_fd(fd: int, avoid: tuple[int, ...] = ()) -> tuple[int, int]:
+    """Put the read end of a new pipe at number ``fd`` (now free): (fd, the new write end).
+    The write end is placed above ``fd`` and every number in ``avoid``. Tests use it to check
+    that a closed Connection never closes an fd number that has been reused."""
+    nr, nw = os.pipe()
+    floor = max((fd, *avoid)) + 1
+    high_r = fcntl.fcntl(nr, fcntl.F_DUPFD_CLOEXEC, floor)
+    high_w = fcntl.fcntl(nw, fcntl.F_DUPFD_CLOEXEC, floor)
+    os.close(nr)
+    os.close(nw)
+    os.dup2(high_r, fd, inheritable=False)
+    os.close(high_r)
+    return fd, high_w

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import gc
 import os
 import struct
@@ -11,6 +10,7 @@ import sys
 
 import pytest
 from _helpers import TIMEOUT, Background
+from _helpers import reuse_fd as _reuse
 
 import framepipe
 
@@ -276,19 +276,6 @@ def test_read_only_and_write_only_pipes(impl):
         os.close(r)
         os.close(w)
 
-
-def _reuse(fd: int, avoid: tuple[int, ...] = ()) -> tuple[int, int]:
-    """Put the read end of a new pipe at number ``fd`` (now free): (fd, the new write end).
-    The write end is placed above ``fd`` and every number in ``avoid``."""
-    nr, nw = os.pipe()
-    floor = max((fd, *avoid)) + 1
-    high_r = fcntl.fcntl(nr, fcntl.F_DUPFD_CLOEXEC, floor)
-    high_w = fcntl.fcntl(nw, fcntl.F_DUPFD_CLOEXEC, floor)
-    os.close(nr)
-    os.close(nw)
-    os.dup2(high_r, fd, inheritable=False)
-    os.close(high_r)
-    return fd, high_w
 
 
 def test_close_closes_owned_fds_exactly_once(impl, fd_count):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import gc
 import os
 import struct
@@ -11,6 +10,7 @@ import threading
 import numpy as np
 import pytest
 from _helpers import TIMEOUT, Background
+from _helpers import reuse_fd as _reuse
 
 TAG = struct.Struct("<III")  # thread, sequence number, payload size
 
@@ -194,19 +194,6 @@ def test_dropped_connections_are_closed_when_collected(impl, fd_count):
     gc.collect()
     assert fd_count() == before
 
-
-def _reuse(fd: int, avoid: tuple[int, ...] = ()) -> tuple[int, int]:
-    """Put the read end of a new pipe at number ``fd`` (now free): (fd, the new write end).
-    The write end is placed above ``fd`` and every number in ``avoid``."""
-    nr, nw = os.pipe()
-    floor = max((fd, *avoid)) + 1
-    high_r = fcntl.fcntl(nr, fcntl.F_DUPFD_CLOEXEC, floor)
-    high_w = fcntl.fcntl(nw, fcntl.F_DUPFD_CLOEXEC, floor)
-    os.close(nr)
-    os.close(nw)
-    os.dup2(high_r, fd, inheritable=False)
-    os.close(high_r)
-    return fd, high_w
 
 
 def _alive(r: int, w: int) -> None:

@@ -67,36 +67,36 @@ def _trial_pidfd_poll(proc: Any) -> float:
         fd = lv.fd
         if fd is None:
             raise RuntimeError("no pidfd")
-        box: list[float] = []
 
-        def reader() -> None:
+        def block() -> None:
             p = select.poll()
             p.register(fd, select.POLLIN)
             p.poll(_WAIT * 1000)
-            box.append(time.perf_counter())
 
-        t = threading.Thread(target=reader)
-        t.start()
-        time.sleep(_SETTLE)
-        t0 = time.perf_counter()
-        os.kill(proc.pid, signal.SIGKILL)
-        t.join(_WAIT)
-    return box[0] - t0
+        return _kill_while_blocked(proc, block)
 
 
 def _trial_mp_wait(proc: Any, conn: Any) -> float:
+    return _kill_while_blocked(proc, lambda: mp_wait([conn, proc.sentinel], _WAIT))
+
+
+def _kill_while_blocked(proc: Any, block: Callable[[], object]) -> float:
+    """Seconds from SIGKILL to ``block()`` returning in another thread, which was already
+    blocked when the signal was sent."""
     box: list[float] = []
 
-    def reader() -> None:
-        mp_wait([conn, proc.sentinel], _WAIT)
+    def observer() -> None:
+        block()
         box.append(time.perf_counter())
 
-    t = threading.Thread(target=reader)
+    t = threading.Thread(target=observer)
     t.start()
     time.sleep(_SETTLE)
     t0 = time.perf_counter()
     os.kill(proc.pid, signal.SIGKILL)
     t.join(_WAIT)
+    if not box:
+        raise RuntimeError("the observer did not return after the kill")
     return box[0] - t0
 
 

@@ -272,15 +272,13 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         return 0
 
     cdef inline int _check_readable(self) except -1:
-        if self._fd < 0:
-            raise OSError("handle is closed")
+        self._check_closed()
         if not self._readable:
             raise OSError("connection is write-only")
         return 0
 
     cdef inline int _check_writable(self) except -1:
-        if self._fd < 0:
-            raise OSError("handle is closed")
+        self._check_closed()
         if not self._writable:
             raise OSError("connection is read-only")
         return 0
