@@ -14,10 +14,13 @@
 #include "fp.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -119,6 +122,8 @@ ssize_t fp_read(int fd, void *buf, size_t n, int mode)
         n = SSIZE_MAX;
     if (mode == FP_MODE_SOCKET)
         return recv(fd, buf, n, MSG_DONTWAIT);
+    if (mode == FP_MODE_NONBLOCK)
+        return read(fd, buf, n);
     if (mode == FP_MODE_PIPE) {
 #ifdef __linux__
         struct iovec iov;
@@ -131,6 +136,43 @@ ssize_t fp_read(int fd, void *buf, size_t n, int mode)
 #endif
     }
     return read(fd, buf, n);
+}
+
+int fp_reopen_nonblocking(int fd)
+{
+#ifdef __linux__
+    char path[40];
+    struct stat a, b;
+    int nfd, err;
+
+    if (fstat(fd, &a) < 0)
+        return -1;
+    if (!S_ISFIFO(a.st_mode)) {
+        errno = EINVAL;
+        return -1;
+    }
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    nfd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (nfd < 0)
+        return -1;
+    /* Make sure it is the same pipe (a /proc that is not this process's would not be). */
+    if (fstat(nfd, &b) < 0) {
+        err = errno;
+        close(nfd);
+        errno = err;
+        return -1;
+    }
+    if (a.st_dev != b.st_dev || a.st_ino != b.st_ino) {
+        close(nfd);
+        errno = ENODEV;
+        return -1;
+    }
+    return nfd;
+#else
+    (void)fd;
+    errno = ENOSYS;
+    return -1;
+#endif
 }
 
 int fp_writev_all(int fd, struct iovec **iovp, int *iovcntp)

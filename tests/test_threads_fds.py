@@ -5,7 +5,9 @@ from __future__ import annotations
 import gc
 import os
 import struct
+import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -253,3 +255,104 @@ def test_closed_connection_is_not_closed_again_when_collected(impl):
             os.close(fd)
             os.close(nw)
             os.close(r)
+
+
+# --- the private non-blocking description of timed and watched reads ---------------------------
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc/self/fd")
+
+
+def _fds_of_pipe(fd: int) -> int:
+    """How many fds of this process are open on the same pipe as ``fd`` (either end)."""
+    link = os.readlink(f"/proc/self/fd/{fd}")
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{name}") == link
+        except OSError:
+            pass  # closed while we looked
+    return count
+
+
+def test_timed_reads_never_make_the_inherited_fd_non_blocking(impl):
+    r, w = impl.pipe(False)
+    with r, w:
+        w.send_bytes(b"first")
+        assert r.recv_bytes(timeout=TIMEOUT) == b"first"
+        with pytest.raises(TimeoutError):
+            r.recv_bytes(timeout=0.01)
+        r.watch(os.getpid())
+        w.send_bytes(b"second")
+        assert r.recv_bytes(timeout=TIMEOUT) == b"second"
+        r.watch(None)
+        assert os.get_blocking(r.fileno())
+        pid = os.fork()
+        if pid == 0:  # a plain blocking os.read of the inherited fd must wait for the frame
+            code = 1
+            try:
+                code = 0 if os.read(r.fileno(), 100).endswith(b"hello") else 2
+            except BlockingIOError:
+                code = 3
+            finally:
+                os._exit(code)
+        time.sleep(0.2)
+        w.send_bytes(b"hello")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0  # 3: the description was non-blocking
+
+
+@linux_only
+@pytest.mark.parametrize("closefd", [True, False], ids=["closefd", "borrowed"])
+def test_the_private_read_description_closes_with_the_connection(impl, closefd):
+    rfd, wfd = os.pipe()
+    try:
+        conn = impl.Connection(rfd, writable=False, closefd=closefd)
+        os.write(wfd, struct.pack("=HQH", 0, 3, 0) + b"abc")
+        assert conn.recv_bytes() == b"abc"
+        assert _fds_of_pipe(wfd) == 2  # a plain read opens nothing
+        os.write(wfd, struct.pack("=HQH", 0, 3, 0) + b"def")
+        assert conn.recv_bytes(timeout=TIMEOUT) == b"def"
+        assert _fds_of_pipe(wfd) in (2, 3)  # 3 where the private description could be made
+        conn.close()
+        assert _fds_of_pipe(wfd) == (1 if closefd else 2)
+        if not closefd:  # the borrowed fd is still open and still works
+            os.write(wfd, b"raw")
+            assert os.read(rfd, 10) == b"raw"
+    finally:
+        if not closefd:
+            os.close(rfd)
+        os.close(wfd)
+
+
+def test_dropped_connections_after_timed_reads_leave_the_fd_count_unchanged(impl, fd_count):
+    gc.collect()  # fds of earlier tests' garbage must not close during the count
+    before = fd_count()
+    for _ in range(300):
+        r, w = impl.pipe(False)
+        w.send_bytes(b"x")
+        assert r.recv_bytes(timeout=TIMEOUT) == b"x"
+        del r, w
+    gc.collect()
+    assert fd_count() == before
+
+
+def test_a_forked_child_shares_timed_reads_of_an_inherited_connection(impl):
+    r, w = impl.pipe(False)
+    with r, w:
+        with pytest.raises(TimeoutError):
+            r.recv_bytes(timeout=0.01)  # the private description exists before the fork
+        for i in range(3):
+            w.send_bytes(b"frame %d" % i)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = 0 if r.recv_bytes(timeout=TIMEOUT) == b"frame 0" else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert r.recv_bytes(timeout=TIMEOUT) == b"frame 1"
+        assert r.recv_bytes(timeout=TIMEOUT) == b"frame 2"
+        with pytest.raises(TimeoutError):
+            r.recv_bytes(timeout=0.01)

@@ -47,13 +47,14 @@ cdef extern from "sys/uio.h" nogil:
 cdef extern from "fp.h" nogil:
     int FP_OK, FP_EOF, FP_TIMEOUT, FP_LIVENESS
     int FP_HEADER_SIZE, FP_DEAD_SIZE
-    int FP_MODE_BLOCK, FP_MODE_SOCKET, FP_MODE_PIPE
+    int FP_MODE_BLOCK, FP_MODE_SOCKET, FP_MODE_PIPE, FP_MODE_NONBLOCK
     double fp_now()
     void fp_header_encode(unsigned char *out, unsigned char check, uint64_t length)
     int fp_wait_readable(int fd, int liveness_fd, double deadline)
     int fp_wait_writable(int fd, double deadline)
     ssize_t fp_read(int fd, void *buf, size_t n, int mode)
     int fp_writev_all(int fd, iovec **iov, int *iovcnt)
+    int fp_reopen_nonblocking(int fd)
 
 
 DEF READ_CHUNK = 65536
@@ -122,6 +123,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
     cdef bint _pbulk, _bpoll_first
     cdef bint _readable, _writable, _closefd
     cdef int _mode
+    cdef int _nfd  # a private O_NONBLOCK description of the pipe (-1: not yet, -2: none)
     cdef bint _read_ahead
     cdef bint _poll_first
     cdef long long _max
@@ -154,6 +156,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         self._bfd = -1
         self._bwfd = -1
         self._lfd = -1
+        self._nfd = -1
         self._pkind = -1
         self._rlock = PyThread_allocate_lock()
         self._wlock = PyThread_allocate_lock()
@@ -193,6 +196,9 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             self._mode = FP_MODE_BLOCK
 
     def __dealloc__(self):
+        if self._nfd >= 0:
+            os.close(self._nfd)
+            self._nfd = -1
         if self._fd >= 0 and self._closefd:
             os.close(self._fd)
             if self._wfd != self._fd:
@@ -243,6 +249,9 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         if self._fd >= 0:
             fd, wfd, bfd, bwfd = self._fd, self._wfd, self._bfd, self._bwfd
             self._fd = self._wfd = self._bfd = self._bwfd = -1
+            if self._nfd >= 0:
+                os.close(self._nfd)  # ours whatever closefd says
+                self._nfd = -1
             F.stop_watch(self._liveness, self._watch_handle)
             self._liveness = self._watch_handle = None
             self._lfd = -1
@@ -477,7 +486,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         deadline and WriterDied when the watched writer died with nothing left to read.
         ``bulk`` reads the bulk fd instead of the pipe."""
         cdef ssize_t r
-        cdef int rc, err, lfd, fd = self._bfd if bulk else self._fd
+        cdef int rc, err, lfd, rfd, fd = self._bfd if bulk else self._fd
         cdef int mode = self._bmode if bulk else self._mode
         # With read-ahead, poll first: by the time poll() returns, more frames have arrived and
         # one read takes them all (measured: more messages/s than even a plain blocking read).
@@ -489,9 +498,13 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         cdef bint must_poll = deadline >= 0 or watched
         while True:
             if must_poll:
+                if mode == FP_MODE_PIPE and not bulk and self._nfd == -1:
+                    self._open_private()
+                    mode = self._mode
                 if mode != FP_MODE_BLOCK and not poll_first:
+                    rfd = self._nfd if mode == FP_MODE_NONBLOCK else fd
                     with nogil:
-                        r = fp_read(fd, dst, <size_t>n, mode)
+                        r = fp_read(rfd, dst, <size_t>n, mode)
                         err = errno
                     if r >= 0:
                         return r
@@ -555,6 +568,19 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             if err != EAGAIN:
                 raise _oserror(err)
             must_poll = True  # someone set O_NONBLOCK on the description: poll first
+
+    cdef int _open_private(self) except -1:
+        """Switch timed and watched reads of the pipe to a private O_NONBLOCK description
+        (see fp_reopen_nonblocking), or keep preadv2(RWF_NOWAIT) where there is none."""
+        cdef int nfd
+        with nogil:
+            nfd = fp_reopen_nonblocking(self._fd)
+        if nfd >= 0:
+            self._nfd = nfd
+            self._mode = FP_MODE_NONBLOCK
+        else:
+            self._nfd = -2  # tried: there is none
+        return 0
 
     cdef int _fill(self, double deadline, Py_ssize_t want) except -1:
         """Read up to ``want`` more bytes into the buffer; with read-ahead, as many as fit."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import select
 import stat
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +27,33 @@ _DEATH_GRACE = 0.1  # after EOF, how long to wait for a watched writer's death t
 _IOV_MAX = 1024
 _LIVENESS_SLICE = 0.01  # without a pidfd, a dead writer is noticed within this many seconds
 _POLLIN = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
+_POLL_WAITED = 20e-6  # a poll() that took longer had to wait for data
+
+
+def _reopen_nonblocking(fd: int) -> int:
+    """A private O_NONBLOCK open file description of the pipe read end ``fd``, or -2.
+
+    Opening ``/proc/self/fd/N`` of a pipe makes a second description of the same pipe, so
+    its O_NONBLOCK flag is this connection's alone: children that inherited ``fd`` keep
+    their blocking reads. Timed and watched reads try a read there before polling.
+    """
+    if not sys.platform.startswith("linux"):
+        return -2
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISFIFO(st.st_mode):
+            return -2
+        nfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return -2
+    try:
+        same = os.path.samestat(st, os.fstat(nfd))
+    except OSError:
+        same = False
+    if not same:
+        os.close(nfd)
+        return -2
+    return nfd
 
 
 def _deadline(timeout: float | None) -> float | None:
@@ -93,6 +121,8 @@ class Connection:
         self._closefd = closefd
         self._read_ahead = bool(read_ahead)
         self._is_socket = stat.S_ISSOCK(os.fstat(handle).st_mode)
+        self._nfd = -1  # a private O_NONBLOCK description of the pipe (-1: not yet, -2: none)
+        self._poll_first = False
         self._rlock = threading.Lock()
         self._wlock = threading.Lock()
         self._buf = bytearray()
@@ -145,6 +175,9 @@ class Connection:
         if self._fd >= 0:
             fd, wfd, bfd, bwfd = self._fd, self._wfd, self._bfd, self._bwfd
             self._fd = self._wfd = self._bfd = self._bwfd = -1
+            if self._nfd >= 0:
+                os.close(self._nfd)  # ours whatever closefd says
+                self._nfd = -1
             F.stop_watch(self._liveness, self._watch_handle)
             self._liveness = self._watch_handle = None
             if self._closefd:
@@ -314,12 +347,27 @@ class Connection:
         fd = self._bfd if bulk else self._fd
         while True:
             if deadline is not None or self._liveness is not None:
+                if not bulk:
+                    # Try a read first when the last poll found data already there: a
+                    # reader behind its writer then makes one syscall per read.
+                    if self._nfd == -1:
+                        self._nfd = _reopen_nonblocking(fd)
+                    if self._nfd >= 0 and not self._poll_first:
+                        try:
+                            if view is None:
+                                return os.read(self._nfd, want)
+                            return os.readv(self._nfd, [view])
+                        except BlockingIOError:
+                            pass
+                    started = time.monotonic()
                 try:
                     if not self._poll_once(deadline, bulk):
                         raise _Expired
                 except _Dead:
                     lost, expected = self._lost()
                     raise F.writer_died(self._liveness, lost, expected) from None
+                if not bulk:
+                    self._poll_first = time.monotonic() - started > _POLL_WAITED
             try:
                 if view is None:
                     return os.read(fd, want)
@@ -513,7 +561,9 @@ class Connection:
         try:
             if deadline is None:
                 self._rlock.acquire()
-            elif not self._rlock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            elif not self._rlock.acquire(False) and not self._rlock.acquire(
+                timeout=max(deadline - time.monotonic(), 0.0)
+            ):
                 raise _Expired
             try:
                 return read(deadline)
