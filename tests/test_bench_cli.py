@@ -182,3 +182,28 @@ def test_pinned_placement_runs_and_is_reported() -> None:
     report = json.loads(proc.stdout)
     assert report["settings"]["placement"] == "split"
     assert all(row["value"] > 0 for row in report["rows"])
+
+
+def test_detection_rows_kill_real_children_and_judge_only_small_ones() -> None:
+    proc = run_bench("--quick", "--json", "--only", "watch")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)["rows"]
+    methods = [r["impl"] for r in rows]
+    assert methods[:2] == [
+        "framepipe recv_bytes -> WriterDied",
+        "framepipe recv_bytes -> WriterDied, reader holds the write end",
+    ]
+    assert "multiprocessing.connection.wait([conn, sentinel])" in methods
+    for row in rows:
+        assert not row.get("error"), row
+        assert row["unit"] == "ms" and row["better"] == "lower"
+        assert 0 < row["value"] <= row["p90_ms"]
+        assert row["n"] == 5
+        judged = row["family"] == "framepipe" and row.get("small_child", True)
+        if judged:
+            assert row["target"] == "median <= 2 ms, p90 <= 5 ms"
+            assert row["met"] is (row["value"] <= 2.0 and row["p90_ms"] <= 5.0)
+        else:
+            assert row.get("target") is None and row["met"] is None
+    fork_row = next(r for r in rows if "fork child" in r["impl"])
+    assert fork_row["small_child"] is False

@@ -1,12 +1,17 @@
 """How fast a reader learns that its writer died: framepipe's watcher against the alternatives.
 
-Each trial starts a child (``fork`` context), lets the observer settle, sends it SIGKILL and
-measures with ``perf_counter`` the time from ``os.kill`` to the moment the observer knows.
+Each trial starts a small child (a fresh interpreter from the ``spawn`` context), lets the
+observer settle, sends it SIGKILL and measures with ``perf_counter`` the time from ``os.kill``
+to the moment the observer knows. Most of that time is the kernel tearing the child down: a
+child forked from a large parent takes longer to die (the last row shows it), whatever watches.
 Observers compared:
 
+- ``framepipe recv_bytes -> WriterDied``: a watched ``recv_bytes()`` blocked on a framepipe pipe
+  whose write end only the child holds, until it raises WriterDied;
+- the same read while this process still holds a copy of the write end (the case where the
+  stdlib hangs forever): only the pidfd can tell;
 - ``framepipe Watcher (pidfd/epoll)``: the callback of :func:`framepipe.watch.watcher`;
-- ``framepipe Liveness.fd in poll()``: a reader blocked in ``poll()`` on the pidfd, which is
-  how a framepipe read sees the death of its writer;
+- ``framepipe Liveness.fd in poll()``: a reader blocked in ``poll()`` on the pidfd;
 - ``multiprocessing.connection.wait``: a reader blocked in
   ``wait([conn, process.sentinel])``, the stdlib way;
 - ``psutil thread, 1 s cadence``: a thread that wakes every second and asks psutil whether the
@@ -28,6 +33,7 @@ from collections.abc import Callable
 from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
+from .errors import WriterDied
 from .watch import HAVE_PIDFD, Liveness, watcher
 
 __all__ = ["bench_detection"]
@@ -36,7 +42,8 @@ _SETTLE = 0.01  # let the observer block before the kill; not part of the measur
 _WAIT = 30.0
 
 
-def _sleeper() -> None:
+def _sleeper(*held: Any) -> None:
+    """The child: holds what it was given (a pipe's write end) until it is killed."""
     time.sleep(600)
 
 
@@ -78,6 +85,19 @@ def _trial_pidfd_poll(proc: Any) -> float:
 
 def _trial_mp_wait(proc: Any, conn: Any) -> float:
     return _kill_while_blocked(proc, lambda: mp_wait([conn, proc.sentinel], _WAIT))
+
+
+def _trial_recv(proc: Any, reader: Any) -> float:
+    reader.watch(proc)
+
+    def block() -> None:
+        try:
+            reader.recv_bytes(timeout=_WAIT)
+        except WriterDied:
+            return
+        raise RuntimeError("the read ended without WriterDied")
+
+    return _kill_while_blocked(proc, block)
 
 
 def _kill_while_blocked(proc: Any, block: Callable[[], object]) -> float:
@@ -150,8 +170,8 @@ class _PsutilLoop:
         self._thread.join()
 
 
-def _measure(n: int, trial: Trial) -> list[float]:
-    ctx = multiprocessing.get_context("fork")
+def _measure(n: int, trial: Trial, *, start: str = "spawn") -> list[float]:
+    ctx = multiprocessing.get_context(start)
     out = []
     for _ in range(n):
         proc = ctx.Process(target=_sleeper, daemon=True)
@@ -163,6 +183,38 @@ def _measure(n: int, trial: Trial) -> list[float]:
                 proc.kill()
             proc.join()
     return out
+
+
+def _measure_recv(n: int, *, keep_write_end: bool, start: str = "spawn") -> list[float]:
+    """Trials of :func:`_trial_recv`: the child gets the write end of a new framepipe pipe."""
+    from . import connection
+
+    ctx = multiprocessing.get_context(start)
+    out = []
+    for _ in range(n):
+        reader, writer = connection.Pipe(duplex=False)
+        proc = ctx.Process(target=_sleeper, args=(writer,), daemon=True)
+        try:
+            proc.start()
+            if not keep_write_end:
+                writer.close()
+            out.append(_trial_recv(proc, reader))
+        finally:
+            if proc.exitcode is None:
+                proc.kill()
+            proc.join()
+            reader.close()
+            writer.close()
+    return out
+
+
+def _rss_mb() -> float:
+    try:
+        import psutil
+
+        return float(psutil.Process().memory_info().rss) / 2**20
+    except Exception:  # noqa: BLE001 - a label only
+        return float("nan")
 
 
 def _row(method: str, seconds: list[float]) -> dict[str, Any]:
@@ -186,10 +238,15 @@ def bench_detection(n: int = 30, *, include_psutil: bool = True) -> dict[str, An
     if n < 1:
         raise ValueError("n must be at least 1")
     rows = [
+        _row("framepipe recv_bytes -> WriterDied", _measure_recv(n, keep_write_end=False)),
+        _row(
+            "framepipe recv_bytes -> WriterDied, reader holds the write end",
+            _measure_recv(n, keep_write_end=True),
+        ),
         _row(
             "framepipe Watcher (pidfd/epoll)" if HAVE_PIDFD else "framepipe Watcher (5 ms poll)",
             _measure(n, _trial_watcher),
-        )
+        ),
     ]
     if HAVE_PIDFD:
         rows.append(_row("framepipe Liveness.fd in poll()", _measure(n, _trial_pidfd_poll)))
@@ -203,6 +260,13 @@ def bench_detection(n: int = 30, *, include_psutil: bool = True) -> dict[str, An
             w.close()
 
     rows.append(_row("multiprocessing.connection.wait([conn, sentinel])", _measure(n, mp_trial)))
+    rows.append(
+        _row(
+            f"framepipe recv_bytes -> WriterDied, fork child of this {_rss_mb():.0f} MB process",
+            _measure_recv(n, keep_write_end=False, start="fork"),
+        )
+    )
+    rows[-1]["small_child"] = False
     if include_psutil:
         loop = _PsutilLoop()
         try:
