@@ -171,7 +171,7 @@ class _PsutilLoop:
 
 
 def _measure(n: int, trial: Trial, *, start: str = "spawn") -> list[float]:
-    ctx = multiprocessing.get_context(start)
+    ctx: Any = multiprocessing.get_context(start)
     out = []
     for _ in range(n):
         proc = ctx.Process(target=_sleeper, daemon=True)
@@ -189,7 +189,7 @@ def _measure_recv(n: int, *, keep_write_end: bool, start: str = "spawn") -> list
     """Trials of :func:`_trial_recv`: the child gets the write end of a new framepipe pipe."""
     from . import connection
 
-    ctx = multiprocessing.get_context(start)
+    ctx: Any = multiprocessing.get_context(start)
     out = []
     for _ in range(n):
         reader, writer = connection.Pipe(duplex=False)
