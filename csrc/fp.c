@@ -138,6 +138,19 @@ ssize_t fp_read(int fd, void *buf, size_t n, int mode)
     return read(fd, buf, n);
 }
 
+ssize_t fp_writev_nowait(int fd, const struct iovec *iov, int iovcnt)
+{
+#ifdef __linux__
+    return pwritev2(fd, iov, iovcnt > IOV_MAX ? IOV_MAX : iovcnt, -1, RWF_NOWAIT);
+#else
+    (void)fd;
+    (void)iov;
+    (void)iovcnt;
+    errno = EOPNOTSUPP;
+    return -1;
+#endif
+}
+
 int fp_reopen_nonblocking(int fd)
 {
 #ifdef __linux__

@@ -55,6 +55,11 @@ ssize_t fp_read(int fd, void *buf, size_t n, int mode);
  * system cannot (no /proc, no permission, not a pipe). */
 int fp_reopen_nonblocking(int fd);
 
+/* One writev() of iov that never blocks (pwritev2 with RWF_NOWAIT, a per-call flag, so the
+ * shared description stays blocking): bytes written, or -1 with errno (EAGAIN when the fd is
+ * full, EOPNOTSUPP when this system cannot). */
+ssize_t fp_writev_nowait(int fd, const struct iovec *iov, int iovcnt);
+
 /* Write every byte described by *iov (*iovcnt entries), looping over short writes. On return
  * *iov and *iovcnt describe what is left, so after -1 with errno EINTR the caller runs its
  * signal handlers and calls again to finish the same frame. FP_OK or -1 with errno. */

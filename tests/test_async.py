@@ -8,6 +8,7 @@ read timeout; no assertion is about elapsed time.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import pickle
@@ -295,20 +296,129 @@ def test_async_send_to_a_child_and_back(impl):
     run(main())
 
 
-def test_async_large_send_does_not_block_the_loop(impl):
-    # 8 MiB into a pipe nobody drains yet: the send waits off the loop while a reader task on
-    # the same loop drains the pipe.
+class NoThreads(concurrent.futures.ThreadPoolExecutor):
+    """An executor that fails the test if anything is handed to it."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        raise AssertionError(f"an async send used a thread: {fn!r}")
+
+
+@pytest.mark.parametrize("duplex", [False, True], ids=["oneway", "duplex"])
+@pytest.mark.parametrize("how", ["send_bytes_async", "send_async"])
+def test_async_large_send_does_not_block_the_loop_or_use_a_thread(impl, duplex, how):
+    # 8 MiB into a pipe nobody drains yet: the send waits on the loop's writer callback while a
+    # reader task on the same loop drains the pipe; no executor thread is involved.
     data = payload(8 * MIB, 2)
 
     async def main():
-        r, w = impl.pipe(False)
+        asyncio.get_running_loop().set_default_executor(NoThreads())
+        a, b = impl.pipe(duplex)
+        r, w = (a, b) if not duplex else (b, a)
         try:
-            reader = asyncio.ensure_future(r.recv_bytes_async(timeout=WAIT))
-            await w.send_bytes_async(data)
-            assert await reader == data
+            if how == "send_async":
+                reader = asyncio.ensure_future(r.recv_async(timeout=WAIT))
+                await w.send_async(("big", data))
+                assert await reader == ("big", data)
+            else:
+                reader = asyncio.ensure_future(r.recv_bytes_async(timeout=WAIT))
+                await w.send_bytes_async(data)
+                assert await reader == data
         finally:
             r.close()
             w.close()
+
+    run(main())
+
+
+def plain_pipe(impl):
+    """A one-way pair over one os.pipe(), without a bulk channel."""
+    rfd, wfd = os.pipe()
+    return impl.Connection(rfd, writable=False), impl.Connection(wfd, readable=False)
+
+
+@pytest.mark.parametrize("transport", ["plain", "bulk"])
+def test_a_cancelled_send_finishes_its_frame_in_the_background(impl, transport):
+    data = payload(300_000 if transport == "plain" else 32 * MIB, 3)
+
+    async def main():
+        r, w = plain_pipe(impl) if transport == "plain" else impl.pipe(False)
+        try:
+            sending = asyncio.ensure_future(w.send_bytes_async(data))
+            await asyncio.sleep(0.05)  # the pipe is full: the send waits for the writer callback
+            assert not sending.done()
+            sending.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await sending
+            # The next message queues behind the rest of the cancelled frame, which a reader
+            # on the same loop now drains: both arrive whole and in order.
+            later = asyncio.ensure_future(w.send_bytes_async(b"after"))
+            assert await r.recv_bytes_async(timeout=WAIT) == data
+            assert await r.recv_bytes_async(timeout=WAIT) == b"after"
+            await later
+            with pytest.raises(ReadTimeout):
+                await r.recv_bytes_async(timeout=0.05)
+        finally:
+            r.close()
+            w.close()
+
+    run(main())
+
+
+def test_async_and_thread_senders_never_interleave(impl):
+    # A thread sends 300 kB frames with the blocking send_bytes while coroutines send to the
+    # same connection; a reader thread checks that every frame arrives whole.
+    count, size = 20, 300_000
+
+    async def main():
+        r, w = impl.pipe(False)
+        got: list[bytes] = []
+
+        def read_all() -> None:
+            for _ in range(3 * count):
+                got.append(r.recv_bytes(timeout=WAIT))
+
+        reader = threading.Thread(target=read_all)
+        reader.start()
+        sender = threading.Thread(
+            target=lambda: [w.send_bytes(payload(size, 1000 + i)) for i in range(count)]
+        )
+        sender.start()
+        try:
+
+            async def coro(base: int) -> None:
+                for i in range(count):
+                    await w.send_bytes_async(payload(size + base, base + i))
+
+            await asyncio.gather(coro(0), coro(500))
+        finally:
+            sender.join(WAIT)
+            reader.join(WAIT)
+            r.close()
+            w.close()
+        assert not reader.is_alive() and len(got) == 3 * count
+        expected = (
+            [payload(size, 1000 + i) for i in range(count)]
+            + [payload(size, i) for i in range(count)]
+            + [payload(size + 500, 500 + i) for i in range(count)]
+        )
+        assert sorted(got) == sorted(expected)
+
+    run(main())
+
+
+def test_async_send_errors(impl):
+    async def main():
+        r, w = impl.pipe(False)
+        with pytest.raises(OSError, match="read-only"):
+            await r.send_bytes_async(b"x")
+        r.close()
+        with pytest.raises(BrokenPipeError):
+            await w.send_bytes_async(b"nobody reads")
+        w.close()
+        with pytest.raises(OSError, match="handle is closed"):
+            await w.send_bytes_async(b"x")
+        with pytest.raises(OSError, match="handle is closed"):
+            await w.send_async({"x": 1})
 
     run(main())
 

@@ -1,21 +1,29 @@
-"""asyncio for both cores: reads on the running loop's own reader callbacks, no thread.
+"""asyncio for both cores: reads and writes on the running loop's own reader and writer
+callbacks, no thread.
 
 A read first takes whatever the connection can complete without blocking (a read with a zero
 timeout keeps any partial frame on the connection); otherwise it waits for the fd, or the
 watched writer's pidfd, to become readable. A cancelled read therefore leaves the stream
 consistent: the bytes that arrived stay with the connection for the next read.
+
+A send writes what the pipe takes at once with non-blocking writes (pwritev2 with RWF_NOWAIT:
+the flag is per call, so children sharing the fd keep their blocking writes), then waits on
+the loop's writer callback for the rest. The frame holds the connection's write lock until it
+is whole, and a cancelled send finishes its frame in the background, so the reader never meets
+half a frame. Where there are no non-blocking writes, the default executor writes instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from . import _frames as F
 from .errors import ReadTimeout
 
-_INLINE_SEND = 64 * 1024  # larger frames are written from the default executor
+_CONTENDED = 0.0005  # how often an async send looks again at a write lock a thread holds
 
 
 async def _readable(fds: list[int], timeout: float | None) -> None:
@@ -62,9 +70,133 @@ async def recv_async(conn: Any, read: Callable[[float], Any], timeout: float | N
             pass  # the loop above reads once more, then reports the timeout
 
 
-async def send_async(conn: Any, parts: list[Any]) -> None:
-    size = sum(memoryview(p).nbytes for p in parts)
-    if size > _INLINE_SEND:
-        await asyncio.get_running_loop().run_in_executor(None, conn._send_parts, parts)
+class _Message:
+    """What is left to write of one message: ``(bulk, [memoryview, ...])`` steps in order,
+    the pipe's parts and, for a bulk frame, its payload on the bulk fd."""
+
+    def __init__(self, segments: list[Any]) -> None:
+        self.steps: list[tuple[bool, list[memoryview]]] = []
+        for i, segment in enumerate(segments):
+            bulk = bool(i & 1)  # [pipe_parts, bulk_payload, pipe_parts, ...]
+            views = [memoryview(p).cast("B") for p in ([segment] if bulk else segment)]
+            views = [v for v in views if v.nbytes]
+            if views:
+                self.steps.append((bulk, views))
+
+    def write_nowait(self, conn: Any) -> bool | None:
+        """Write what the fds take without blocking: True when all is written, False when a
+        fd is full, None when this system has no non-blocking write (nothing written)."""
+        while self.steps:
+            bulk, views = self.steps[0]
+            n = conn._write_nowait(views, bulk)
+            if n < 0:
+                return None
+            if n == 0:
+                return False
+            while views and n >= views[0].nbytes:
+                n -= views[0].nbytes
+                views.pop(0)
+            if n:
+                views[0] = views[0][n:]
+            if not views:
+                self.steps.pop(0)
+        return True
+
+    def fd(self, conn: Any) -> int:
+        """The fd the next bytes go to."""
+        _, wfd, _, bwfd = conn._handles()
+        fd = bwfd if self.steps and self.steps[0][0] else wfd
+        if fd < 0:
+            raise OSError("handle is closed")
+        return fd
+
+    async def finish(self, conn: Any) -> None:
+        """Write the rest, waiting on the loop's writer callbacks whenever a fd is full."""
+        loop = asyncio.get_running_loop()
+        while True:
+            fut = loop.create_future()
+            fd = self.fd(conn)
+
+            def wake(fut: asyncio.Future[None] = fut) -> None:
+                if not fut.done():
+                    fut.set_result(None)
+
+            loop.add_writer(fd, wake)
+            try:
+                await fut
+            finally:
+                loop.remove_writer(fd)
+            done = self.write_nowait(conn)
+            if done:
+                return
+            if done is None:
+                raise OSError("non-blocking writes stopped working in the middle of a frame")
+
+
+# Per connection: the loop its asyncio lock belongs to, and the lock.
+_locks: weakref.WeakKeyDictionary[Any, tuple[Any, asyncio.Lock]] = weakref.WeakKeyDictionary()
+
+
+async def _send(conn: Any, segments: list[Any]) -> None:
+    """Write one message from a coroutine.
+
+    Coroutines queue on an asyncio lock of the connection; the connection's own write lock is
+    then held for the whole frame, so no thread writes inside it. A full pipe suspends the
+    coroutine on the loop's writer callback. If the caller is cancelled in the middle of the
+    frame, the rest is written in the background (and the locks released after it): the stream
+    never holds half a frame.
+    """
+    message = _Message(segments)
+    loop = asyncio.get_running_loop()
+    owner, lock = _locks.get(conn, (None, None))
+    if lock is None or owner is not loop:
+        lock = asyncio.Lock()
+        _locks[conn] = (loop, lock)
+    await lock.acquire()
+    try:
+        while not conn._lock_write_nowait():  # a thread is writing a frame: let it finish
+            await asyncio.sleep(_CONTENDED)
+    except BaseException:
+        lock.release()
+        raise
+
+    def release(task: asyncio.Task[None] | None = None) -> None:
+        conn._unlock_write()
+        lock.release()
+        if task is not None and not task.cancelled():
+            task.exception()  # raised to the caller, or lost with a cancelled caller
+
+    try:
+        done = message.write_nowait(conn)
+    except BaseException:
+        release()
+        raise
+    if done:
+        release()
         return
-    conn._send_parts(parts)
+    if done is None:  # no non-blocking writes here: a thread writes, taking the locks itself
+        release()
+        await loop.run_in_executor(None, conn._send_segments, segments)
+        return
+    task = loop.create_task(message.finish(conn))
+    task.add_done_callback(release)
+    await asyncio.shield(task)
+
+
+async def send_bytes_async(conn: Any, buf: Any, offset: int, size: int | None) -> None:
+    m = memoryview(buf)
+    if m.itemsize > 1:
+        m = m.cast("B")
+    size = F.check_send_args(m.nbytes, offset, size)
+    payload = m[offset : offset + size]
+    if size >= F.BULK_MIN and conn._handles()[3] >= 0:
+        await _send(conn, [[F.header(F.KIND_BULK, size)], payload, []])
+    else:
+        await _send(conn, [[F.header(F.KIND_DATA, size), payload]])
+
+
+async def send_object_async(conn: Any, obj: Any) -> None:
+    if conn._handles()[3] >= 0:
+        await _send(conn, F.dumps_bulk(obj, F.BULK_MIN))
+    else:
+        await _send(conn, [F.dumps(obj)])

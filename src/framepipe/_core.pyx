@@ -55,11 +55,13 @@ cdef extern from "fp.h" nogil:
     ssize_t fp_read(int fd, void *buf, size_t n, int mode)
     int fp_writev_all(int fd, iovec **iov, int *iovcnt)
     int fp_reopen_nonblocking(int fd)
+    ssize_t fp_writev_nowait(int fd, const iovec *iov, int iovcnt)
 
 
 DEF READ_CHUNK = 65536
 DEF DIRECT_MIN = 16384
 DEF EOPNOTSUPP_ = 95
+DEF ENOSYS_ = 38
 
 cdef int K_DATA = F.KIND_DATA
 cdef int K_TIMEOUT = F.KIND_TIMEOUT
@@ -990,9 +992,63 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         """Whether reads may take more than the current frame from the fd (see the class)."""
         return self._read_ahead
 
-    def _send_parts(self, list parts):
+    def _send_segments(self, list segments):
+        """Write one message given as ``[pipe_parts, bulk_payload, pipe_parts, ...]``."""
         self._check_writable()
-        self._write_parts(parts)
+        if len(segments) > 1:
+            self._write_segments(segments)
+        else:
+            self._write_parts(segments[0])
+
+    def _lock_write_nowait(self):
+        """Take the write lock if it is free: True if taken (asyncio sends hold it across
+        awaits so that no thread writes inside their frame)."""
+        return bool(PyThread_acquire_lock(self._wlock, NOWAIT_LOCK))
+
+    def _unlock_write(self):
+        PyThread_release_lock(self._wlock)
+
+    def _write_nowait(self, list parts, bint bulk):
+        """One writev() of ``parts`` to the pipe (the bulk fd when ``bulk``) that never blocks:
+        the bytes written, 0 when the fd is full, -1 when this system has no non-blocking
+        write. The caller holds the write lock."""
+        cdef Py_ssize_t i, count = min(len(parts), 1024), held = 0
+        cdef Py_buffer *views
+        cdef iovec *iov
+        cdef ssize_t r
+        cdef int err, fd
+        self._check_writable()
+        fd = self._bwfd if bulk else self._wfd
+        if fd < 0:
+            raise OSError("handle is closed")
+        views = <Py_buffer *>PyMem_Malloc(count * sizeof(Py_buffer) + 1)
+        iov = <iovec *>PyMem_Malloc(count * sizeof(iovec) + 1)
+        if views == NULL or iov == NULL:
+            PyMem_Free(views)
+            PyMem_Free(iov)
+            raise MemoryError()
+        try:
+            for i in range(count):
+                PyObject_GetBuffer(parts[i], &views[i], PyBUF_SIMPLE)
+                held += 1
+                iov[i].iov_base = views[i].buf
+                iov[i].iov_len = <size_t>views[i].len
+            with nogil:
+                r = fp_writev_nowait(fd, iov, <int>count)
+                err = errno
+        finally:
+            for i in range(held):
+                PyBuffer_Release(&views[i])
+            PyMem_Free(views)
+            PyMem_Free(iov)
+        if r >= 0:
+            return r
+        if err == EAGAIN or err == EINTR:
+            PyErr_CheckSignals()
+            return 0
+        if err == EOPNOTSUPP_ or err == ENOSYS_:
+            return -1
+        raise _oserror(err)
 
     def _has_buffered(self):
         return self._fd >= 0 and self._bend > self._bstart
@@ -1019,21 +1075,19 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         return await recv_async(self, lambda t: self.recv(timeout=t), timeout)
 
     async def send_bytes_async(self, buf, offset=0, size=None):
-        """``send_bytes`` from a coroutine; frames over 64 KiB are written from the default
-        executor so a full pipe never blocks the event loop."""
-        from ._aio import send_async
+        """``send_bytes`` on the running event loop's writer callbacks: a full pipe suspends
+        the coroutine, never the loop, and no thread is used. A cancelled send finishes its
+        frame in the background, so the stream never holds half a frame."""
+        from ._aio import send_bytes_async
 
-        m = memoryview(buf)
-        if m.itemsize > 1:
-            m = m.cast("B")
-        size = F.check_send_args(m.nbytes, offset, size)
-        await send_async(self, [F.header(F.KIND_DATA, size), m[offset : offset + size]])
+        await send_bytes_async(self, buf, offset, size)
 
     async def send_async(self, obj):
-        """``send`` from a coroutine (see :meth:`send_bytes_async`)."""
-        from ._aio import send_async
+        """``send`` on the running event loop's writer callbacks (see
+        :meth:`send_bytes_async`)."""
+        from ._aio import send_object_async
 
-        await send_async(self, F.dumps(obj))
+        await send_object_async(self, obj)
 
     @property
     def _pending_bulk_fd(self):

@@ -6,6 +6,7 @@ where the extension is not built, and under ``FRAMEPIPE_NO_EXTENSIONS=1``.
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import stat
@@ -27,6 +28,7 @@ _DEATH_GRACE = 0.1  # after EOF, how long to wait for a watched writer's death t
 _IOV_MAX = 1024
 _LIVENESS_SLICE = 0.01  # without a pidfd, a dead writer is noticed within this many seconds
 _POLLIN = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
+_RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None) if hasattr(os, "pwritev") else None
 _POLL_WAITED = 20e-6  # a poll() that took longer had to wait for data
 
 
@@ -692,10 +694,42 @@ class Connection:
         """Whether reads may take more than the current frame from the fd (see the class)."""
         return self._read_ahead
 
-    def _send_parts(self, parts: list[Any]) -> None:
+    def _send_segments(self, segments: list[Any]) -> None:
+        """Write one message given as ``[pipe_parts, bulk_payload, pipe_parts, ...]``."""
         self._check_closed()
         self._check_writable()
-        self._write_parts(parts)
+        if len(segments) > 1:
+            self._write_segments(segments)
+        else:
+            self._write_parts(segments[0])
+
+    def _lock_write_nowait(self) -> bool:
+        """Take the write lock if it is free: True if taken (asyncio sends hold it across
+        awaits so that no thread writes inside their frame)."""
+        return self._wlock.acquire(False)
+
+    def _unlock_write(self) -> None:
+        self._wlock.release()
+
+    def _write_nowait(self, parts: list[Any], bulk: bool) -> int:
+        """One writev() of ``parts`` to the pipe (the bulk fd when ``bulk``) that never blocks:
+        the bytes written, 0 when the fd is full, -1 when this system has no non-blocking
+        write. The caller holds the write lock."""
+        self._check_closed()
+        self._check_writable()
+        fd = self._bwfd if bulk else self._wfd
+        if fd < 0:
+            raise OSError("handle is closed")
+        if _RWF_NOWAIT is None:
+            return -1
+        try:
+            return os.pwritev(fd, parts[:_IOV_MAX], -1, _RWF_NOWAIT)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
+                return -1
+            raise
 
     @property
     def _pending_bulk_fd(self) -> int | None:
@@ -733,21 +767,19 @@ class Connection:
         return await recv_async(self, lambda t: self.recv(timeout=t), timeout)
 
     async def send_bytes_async(self, buf: Any, offset: int = 0, size: int | None = None) -> None:
-        """``send_bytes`` from a coroutine; frames over 64 KiB are written from the default
-        executor so a full pipe never blocks the event loop."""
-        from ._aio import send_async
+        """``send_bytes`` on the running event loop's writer callbacks: a full pipe suspends
+        the coroutine, never the loop, and no thread is used. A cancelled send finishes its
+        frame in the background, so the stream never holds half a frame."""
+        from ._aio import send_bytes_async
 
-        m = memoryview(buf)
-        if m.itemsize > 1:
-            m = m.cast("B")
-        size = F.check_send_args(m.nbytes, offset, size)
-        await send_async(self, [F.header(F.KIND_DATA, size), m[offset : offset + size]])
+        await send_bytes_async(self, buf, offset, size)
 
     async def send_async(self, obj: Any) -> None:
-        """``send`` from a coroutine (see :meth:`send_bytes_async`)."""
-        from ._aio import send_async
+        """``send`` on the running event loop's writer callbacks (see
+        :meth:`send_bytes_async`)."""
+        from ._aio import send_object_async
 
-        await send_async(self, F.dumps(obj))
+        await send_object_async(self, obj)
 
 
 def _writev_all(fd: int, views: list[memoryview]) -> None:
