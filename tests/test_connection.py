@@ -9,6 +9,8 @@ import os
 import pickle
 import re
 import struct
+import threading
+import time
 from array import array
 
 import numpy as np
@@ -342,6 +344,49 @@ def test_read_timeouts_raise_read_timeout(oneway, method):
     assert isinstance(info.value, framepipe.FramepipeError)
     w.send_bytes(b"then data")
     assert r.recv_bytes(timeout=TIMEOUT) == b"then data"
+
+
+def _timer_slack() -> int:
+    with open(f"/proc/{threading.get_native_id()}/timerslack_ns") as file:
+        return int(file.read())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/timerslack_ns"), reason="Linux /proc")
+def test_short_timeouts_give_the_thread_its_timer_slack_back(oneway):
+    r, w = oneway
+    before = _timer_slack()
+    for timeout in (0.001, 0.01, 0.05, 0.2):
+        with pytest.raises(framepipe.ReadTimeout):
+            r.recv_bytes(timeout=timeout)
+        assert _timer_slack() == before
+
+    def late() -> None:
+        time.sleep(0.05)
+        w.send_bytes(b"late")
+
+    writer = Background(late)
+    assert r.recv_bytes(timeout=0.09) == b"late"  # a short wait that data ends
+    writer.join()
+    assert _timer_slack() == before
+
+
+def test_short_timeouts_on_fds_above_select_limits(impl):
+    # Short waits may use select(), which cannot watch fd 1024 and up: such fds still work.
+    rfd, wfd = os.pipe()
+    high_r = fcntl.fcntl(rfd, fcntl.F_DUPFD_CLOEXEC, 1500)
+    high_w = fcntl.fcntl(wfd, fcntl.F_DUPFD_CLOEXEC, 1500)
+    os.close(rfd)
+    os.close(wfd)
+    r = impl.Connection(high_r, writable=False)
+    w = impl.Connection(high_w, readable=False)
+    with r, w:
+        r.watch(os.getpid())
+        with pytest.raises(framepipe.ReadTimeout):
+            r.recv_bytes(timeout=0.02)
+        assert not r.poll(0.02)
+        w.send_bytes(b"high")
+        assert r.poll(0.05)
+        assert r.recv_bytes(timeout=0.05) == b"high"
 
 
 def test_timeout_zero_with_data_ready_returns_it(oneway):

@@ -29,6 +29,8 @@ _IOV_MAX = 1024
 _LIVENESS_SLICE = 0.01  # without a pidfd, a dead writer is noticed within this many seconds
 _POLLIN = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
 _RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None) if hasattr(os, "pwritev") else None
+_PRECISE_BELOW = 0.1  # waits shorter than this use select(), whose timeout is in microseconds
+_FD_SETSIZE = 1024  # select() cannot watch fds from this number up
 _POLL_WAITED = 20e-6  # a poll() that took longer had to wait for data
 
 
@@ -327,7 +329,16 @@ class Connection:
                 wait = 0.0
             elif live is not None and live.fd is None:
                 wait = _LIVENESS_SLICE if wait is None else min(wait, _LIVENESS_SLICE)
-            ready = poller.poll(None if wait is None else wait * 1000.0)
+            if wait is not None and 0.0 < wait < _PRECISE_BELOW and fd < _FD_SETSIZE:
+                # poll() takes whole milliseconds, rounded up: a short deadline would be
+                # missed by up to one. select() takes microseconds.
+                watch = [fd] if live is None or live.fd is None else [fd, live.fd]
+                if max(watch) < _FD_SETSIZE:
+                    ready = [(r, 0) for r in select.select(watch, [], [], wait)[0]]
+                else:
+                    ready = poller.poll(wait * 1000.0)
+            else:
+                ready = poller.poll(None if wait is None else wait * 1000.0)
             if any(rfd == fd for rfd, _ in ready):
                 return True
             if live is not None and not self._dead and (ready or live.fd is None):
