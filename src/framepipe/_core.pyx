@@ -93,6 +93,41 @@ cdef object _oserror(int err):
     return OSError(err, strerror(err).decode("utf-8", "replace"))
 
 
+cdef class _Iov:
+    """The buffers of the first ``count`` of ``parts`` as an iovec array, held until
+    :meth:`release` (or until collected)."""
+
+    cdef Py_buffer *views
+    cdef iovec *iov
+    cdef Py_ssize_t count, held
+
+    def __cinit__(self, list parts, Py_ssize_t count):
+        cdef Py_ssize_t i
+        self.views = <Py_buffer *>PyMem_Malloc(count * sizeof(Py_buffer) + 1)
+        self.iov = <iovec *>PyMem_Malloc(count * sizeof(iovec) + 1)
+        if self.views == NULL or self.iov == NULL:
+            raise MemoryError()
+        self.count = count
+        for i in range(count):
+            PyObject_GetBuffer(parts[i], &self.views[i], PyBUF_SIMPLE)
+            self.held += 1
+            self.iov[i].iov_base = self.views[i].buf
+            self.iov[i].iov_len = <size_t>self.views[i].len
+
+    cdef void release(self) noexcept:
+        cdef Py_ssize_t i
+        for i in range(self.held):
+            PyBuffer_Release(&self.views[i])
+        self.held = 0
+
+    def __dealloc__(self):
+        self.release()
+        PyMem_Free(self.views)
+        PyMem_Free(self.iov)
+        self.views = NULL
+        self.iov = NULL
+
+
 @cython.embedsignature(False)  # the docstring's first line is the exact signature
 cdef class Connection:
     """Connection(handle, readable=True, writable=True, *, write_handle=None, bulk_handle=None, bulk_write_handle=None, max_size=None, closefd=True, read_ahead=False)
@@ -433,25 +468,11 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         return 0
 
     cdef int _write_parts_locked(self, list parts, bint bulk) except -1:
-        cdef Py_ssize_t i, count = len(parts), held = 0
-        cdef Py_buffer *views = <Py_buffer *>PyMem_Malloc(count * sizeof(Py_buffer) + 1)
-        cdef iovec *iov = <iovec *>PyMem_Malloc(count * sizeof(iovec) + 1)
-        if views == NULL or iov == NULL:
-            PyMem_Free(views)
-            PyMem_Free(iov)
-            raise MemoryError()
+        cdef _Iov v = _Iov(parts, len(parts))
         try:
-            for i in range(count):
-                PyObject_GetBuffer(parts[i], &views[i], PyBUF_SIMPLE)
-                held += 1
-                iov[i].iov_base = views[i].buf
-                iov[i].iov_len = <size_t>views[i].len
-            self._writev_locked(iov, <int>count, bulk)
+            self._writev_locked(v.iov, <int>v.count, bulk)
         finally:
-            for i in range(held):
-                PyBuffer_Release(&views[i])
-            PyMem_Free(views)
-            PyMem_Free(iov)
+            v.release()
         return 0
 
     def send(self, obj):
@@ -1012,35 +1033,20 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         """One writev() of ``parts`` to the pipe (the bulk fd when ``bulk``) that never blocks:
         the bytes written, 0 when the fd is full, -1 when this system has no non-blocking
         write. The caller holds the write lock."""
-        cdef Py_ssize_t i, count = min(len(parts), 1024), held = 0
-        cdef Py_buffer *views
-        cdef iovec *iov
+        cdef _Iov v
         cdef ssize_t r
         cdef int err, fd
         self._check_writable()
         fd = self._bwfd if bulk else self._wfd
         if fd < 0:
             raise OSError("handle is closed")
-        views = <Py_buffer *>PyMem_Malloc(count * sizeof(Py_buffer) + 1)
-        iov = <iovec *>PyMem_Malloc(count * sizeof(iovec) + 1)
-        if views == NULL or iov == NULL:
-            PyMem_Free(views)
-            PyMem_Free(iov)
-            raise MemoryError()
+        v = _Iov(parts, min(len(parts), 1024))
         try:
-            for i in range(count):
-                PyObject_GetBuffer(parts[i], &views[i], PyBUF_SIMPLE)
-                held += 1
-                iov[i].iov_base = views[i].buf
-                iov[i].iov_len = <size_t>views[i].len
             with nogil:
-                r = fp_writev_nowait(fd, iov, <int>count)
+                r = fp_writev_nowait(fd, v.iov, <int>v.count)
                 err = errno
         finally:
-            for i in range(held):
-                PyBuffer_Release(&views[i])
-            PyMem_Free(views)
-            PyMem_Free(iov)
+            v.release()
         if r >= 0:
             return r
         if err == EAGAIN or err == EINTR:
