@@ -406,6 +406,35 @@ def test_async_and_thread_senders_never_interleave(impl):
     run(main())
 
 
+def test_a_blocking_send_under_an_open_async_frame_raises_instead_of_hanging(impl):
+    data = payload(300_000, 4)
+
+    async def main():
+        r, w = plain_pipe(impl)
+        try:
+            sending = asyncio.ensure_future(w.send_bytes_async(data))
+            await asyncio.sleep(0.05)  # the frame is open, waiting for the reader
+            assert not sending.done()
+            with pytest.raises(RuntimeError, match="in the middle of a frame"):
+                w.send_bytes(b"would deadlock the loop")
+            with pytest.raises(RuntimeError, match="in the middle of a frame"):
+                w.send({"would": "deadlock"})
+            # Another thread's blocking send just waits for the frame to finish.
+            other = threading.Thread(target=w.send_bytes, args=(b"from a thread",))
+            other.start()
+            assert await r.recv_bytes_async(timeout=WAIT) == data
+            await sending
+            assert await r.recv_bytes_async(timeout=WAIT) == b"from a thread"
+            other.join(WAIT)
+            w.send_bytes(b"and now from the loop")  # the frame is closed: no error
+            assert await r.recv_bytes_async(timeout=WAIT) == b"and now from the loop"
+        finally:
+            r.close()
+            w.close()
+
+    run(main())
+
+
 def test_async_send_errors(impl):
     async def main():
         r, w = impl.pipe(False)

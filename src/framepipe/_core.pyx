@@ -12,7 +12,7 @@ from cpython.exc cimport PyErr_CheckSignals
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.pythread cimport (
     NOWAIT_LOCK, PyThread_acquire_lock, PyThread_allocate_lock, PyThread_free_lock,
-    PyThread_release_lock, PyThread_type_lock,
+    PyThread_get_thread_ident, PyThread_release_lock, PyThread_type_lock,
 )
 from libc.errno cimport EAGAIN, EINTR, EINVAL, errno
 from libc.stdint cimport uint64_t
@@ -160,6 +160,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
     cdef bint _pbulk, _bpoll_first
     cdef bint _readable, _writable, _closefd
     cdef int _mode
+    cdef unsigned long _async_owner  # the thread whose asyncio send holds the write lock, or 0
     cdef int _nfd  # a private O_NONBLOCK description of the pipe (-1: not yet, -2: none)
     cdef bint _read_ahead
     cdef bint _poll_first
@@ -361,6 +362,8 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
     cdef int _lock_write(self) except -1:
         cdef int ok
         if not PyThread_acquire_lock(self._wlock, NOWAIT_LOCK):
+            if self._async_owner == PyThread_get_thread_ident():
+                raise F.blocking_send_under_async_send()
             with nogil:
                 ok = PyThread_acquire_lock_timed(self._wlock, -1, 0)
         return 0
@@ -1024,9 +1027,13 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
     def _lock_write_nowait(self):
         """Take the write lock if it is free: True if taken (asyncio sends hold it across
         awaits so that no thread writes inside their frame)."""
-        return bool(PyThread_acquire_lock(self._wlock, NOWAIT_LOCK))
+        if not PyThread_acquire_lock(self._wlock, NOWAIT_LOCK):
+            return False
+        self._async_owner = PyThread_get_thread_ident()
+        return True
 
     def _unlock_write(self):
+        self._async_owner = 0
         PyThread_release_lock(self._wlock)
 
     def _write_nowait(self, list parts, bint bulk):

@@ -113,6 +113,14 @@ def dead_error(status: int, liveness: Any) -> WriterDied:
     return WriterDied(None, exitcode_from_status_word(status))
 
 
+def blocking_send_under_async_send() -> RuntimeError:
+    return RuntimeError(
+        "an async send on this thread's event loop is in the middle of a frame on this "
+        "connection, so a blocking send here would wait for it forever; await the async send "
+        "first, or send with send_bytes_async()/send_async() here too"
+    )
+
+
 def writer_died(liveness: Any, lost: int, expected: int | None) -> WriterDied:
     return liveness.error(lost_bytes=lost, expected_bytes=expected)  # type: ignore[no-any-return]
 

@@ -125,6 +125,7 @@ class Connection:
         self._closefd = closefd
         self._read_ahead = bool(read_ahead)
         self._is_socket = stat.S_ISSOCK(os.fstat(handle).st_mode)
+        self._async_owner = 0  # the thread whose asyncio send holds the write lock, or 0
         self._nfd = -1  # a private O_NONBLOCK description of the pipe (-1: not yet, -2: none)
         self._poll_first = False
         self._rlock = threading.Lock()
@@ -249,25 +250,37 @@ class Connection:
 
     # -- writing -----------------------------------------------------------------------------
 
+    def _lock_write(self) -> None:
+        if not self._wlock.acquire(False):
+            if self._async_owner == threading.get_ident():
+                raise F.blocking_send_under_async_send()
+            self._wlock.acquire()
+
     def _write_parts(self, parts: list[Any]) -> None:
         views = [memoryview(p).cast("B") for p in parts]
-        with self._wlock:
+        self._lock_write()
+        try:
             fd = self._wfd
             if fd < 0:
                 raise OSError("handle is closed")
             _writev_all(fd, views)
+        finally:
+            self._wlock.release()
 
     def _write_segments(self, segments: list[Any]) -> None:
         """Write ``[pipe_parts, bulk_payload, pipe_parts, ...]`` (see ``F.dumps_bulk``) under
         one hold of the write lock: each BULK header reaches the pipe before its payload
         reaches the bulk fd."""
-        with self._wlock:
+        self._lock_write()
+        try:
             for i, seg in enumerate(segments):
                 fd = self._bwfd if i & 1 else self._wfd
                 if fd < 0:
                     raise OSError("handle is closed")
                 views = [memoryview(p).cast("B") for p in (seg if not i & 1 else [seg])]
                 _writev_all(fd, views)
+        finally:
+            self._wlock.release()
 
     def send_bytes(self, buf: Any, offset: int = 0, size: int | None = None) -> None:
         """Send the bytes of ``buf[offset:offset+size]`` (a bytes-like object) as one frame."""
@@ -717,9 +730,13 @@ class Connection:
     def _lock_write_nowait(self) -> bool:
         """Take the write lock if it is free: True if taken (asyncio sends hold it across
         awaits so that no thread writes inside their frame)."""
-        return self._wlock.acquire(False)
+        if not self._wlock.acquire(False):
+            return False
+        self._async_owner = threading.get_ident()
+        return True
 
     def _unlock_write(self) -> None:
+        self._async_owner = 0
         self._wlock.release()
 
     def _write_nowait(self, parts: list[Any], bulk: bool) -> int:
