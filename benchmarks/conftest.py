@@ -89,12 +89,13 @@ def echo(impl: _bench.Impl) -> Iterator[Any]:
 
 
 @pytest.fixture
-def stream(impl: _bench.Impl) -> Callable[[Callable[[], Any], str], Any]:
-    """``stream(make_payload, "send_bytes" | "send")`` starts a child that sends
-    ``make_payload()`` over and over; returns the reading end. Torn down after the test."""
+def stream_from(impl: _bench.Impl) -> Iterator[Callable[[Callable[[], Any], str], Any]]:
+    """``stream_from(make_payload, "send_bytes" | "send")`` starts a child that sends
+    ``make_payload()`` over and over; returns ``(reading end, the child's Process)``. Torn
+    down after the test."""
     peers: list[_bench.Peer] = []
 
-    def start(make: Callable[[], Any], method: str) -> Any:
+    def start(make: Callable[[], Any], method: str) -> tuple[Any, Any]:
         reader, writer = impl.oneway()
         peer = _bench.Peer(
             _stream(make, method),
@@ -106,8 +107,15 @@ def stream(impl: _bench.Impl) -> Callable[[Callable[[], Any], str], Any]:
         )
         peer.__enter__()
         peers.append(peer)
-        return reader
+        return reader, peer.process
 
     yield start
     for peer in peers:
         peer.__exit__(None, None, None)
+
+
+@pytest.fixture
+def stream(stream_from: Callable[..., Any]) -> Callable[[Callable[[], Any], str], Any]:
+    """``stream(make_payload, "send_bytes" | "send")``: the reading end of
+    :func:`stream_from`."""
+    return lambda make, method: stream_from(make, method)[0]
