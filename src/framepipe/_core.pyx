@@ -146,7 +146,10 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
     with :func:`framepipe.connection.wait` (or :meth:`poll`), which sees them. ``max_size``
     bounds the payload a frame may announce (None: no bound); ``write_handle`` makes a duplex
     connection that reads ``handle`` and writes ``write_handle``; ``closefd=False`` leaves
-    the fds open on :meth:`close`.
+    the fds open on :meth:`close`. On Linux, the first read of a pipe with a timeout or a
+    watched writer opens a second, private non-blocking description of the pipe (through
+    ``/proc/self/fd``), so the fd that children share stays blocking; :meth:`close` closes it
+    whatever ``closefd`` says.
 
     ``bulk_handle`` adds a bulk channel (a stream socket, made by :func:`pipe`): payloads of
     16 KiB or more are written to it while their frame header still goes through ``handle``
