@@ -167,14 +167,19 @@ def wait_until(predicate, what: str, timeout: float = WAIT) -> None:
         time.sleep(0.005)
 
 
-def proc_state(pid: int) -> str | None:
-    """The state letter of /proc/<pid>/stat (R, S, T, Z...), None when it is gone."""
+def proc_stat(pid: int, field: int) -> str | None:
+    """Field ``field`` of /proc/<pid>/stat counted from 3 (the state), None when it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read().decode("ascii", "replace")
     except OSError:
         return None
-    return raw[raw.rfind(")") + 2 :].split()[0]
+    return raw[raw.rfind(")") + 2 :].split()[field - 3]
+
+
+def proc_state(pid: int) -> str | None:
+    """The state letter of /proc/<pid>/stat (R, S, T, Z...), None when it is gone."""
+    return proc_stat(pid, 3)
 
 
 def unread(fd: int) -> int:

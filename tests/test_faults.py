@@ -29,6 +29,7 @@ from _fault_children import (
     header,
     impl_name,
     payload,
+    proc_stat,
     proc_state,
     running,
     send_then_die,
@@ -524,12 +525,7 @@ def test_writer_reaped_by_join_is_dead(impl, target):
 
 
 def _start_tick(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read().decode("ascii", "replace")
-    except OSError:
-        return None
-    return raw[raw.rfind(")") + 2 :].split()[19]
+    return proc_stat(pid, 22)  # starttime
 
 
 def _set_last_pid(pid: int) -> bool:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from _fault_children import die
 
 from framepipe.errors import WriterDied
 from framepipe.watch import (
@@ -46,18 +47,9 @@ WNOWAIT = os.WEXITED | os.WNOHANG | os.WNOWAIT
 # -- children --------------------------------------------------------------------------------
 
 
-def _finish(action: tuple[str, int]) -> None:
-    kind, value = action
-    if kind == "exit":
-        os._exit(value)
-    os.kill(os.getpid(), value)
-    time.sleep(WAIT)
-    os._exit(99)
-
-
 def _mp_child(go: Any, action: tuple[str, int]) -> None:
     go.wait(WAIT)
-    _finish(action)
+    die(action)
 
 
 def _sleeper() -> None:
