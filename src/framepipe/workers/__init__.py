@@ -1,0 +1,36 @@
+"""The layer users touch: worker processes over framepipe's channels.
+
+- :class:`Worker`: one process, one private channel, an actor (``call``, ``submit``,
+  ``stream``, ``ping``, ``cancel``, ``stack``, ``exec`` / ``store`` / ``load``).
+- :class:`Pool`: a ``concurrent.futures.Executor`` whose workers each have their own channel,
+  so one crash fails one task and the pool goes on.
+
+Failures explain themselves: :class:`WorkerCrashed` (which worker, pid, signal, task, peak
+RSS, OOM hint, native traceback, last stderr lines), :class:`TaskTimeout` (with the stuck
+worker's stack), :class:`PoolBroken`, :class:`WorkerCancelled`.
+"""
+
+from .errors import (
+    PoolBroken,
+    TaskTimeout,
+    WorkerCancelled,
+    WorkerCrashed,
+    WorkerError,
+    WorkerStartError,
+)
+from ._dispatch import worker_namespace
+from .pool import Pool
+from .worker import Stream, Worker
+
+__all__ = [
+    "Pool",
+    "PoolBroken",
+    "Stream",
+    "TaskTimeout",
+    "Worker",
+    "WorkerCancelled",
+    "WorkerCrashed",
+    "WorkerError",
+    "WorkerStartError",
+    "worker_namespace",
+]

@@ -1,0 +1,895 @@
+"""The dispatch core behind :class:`~framepipe.workers.Worker` and
+:class:`~framepipe.workers.Pool`.
+
+One manager thread owns the workers: it waits on every worker's data channel, health channel
+and stderr pipe at once (death arrives as :class:`framepipe.WriterDied` on the data channel,
+the moment the kernel reports it, after every result written before it), enforces deadlines
+and replaces workers. Callers never wait for that thread to send: a submitting thread pickles
+its task and, when a worker has room, writes it to that worker's pipe itself; the manager only
+hands out what had to wait.
+
+A worker runs its tasks in the order it received them, so the parent always knows which task
+a worker is running: the oldest one without a result. When a worker dies, that task fails with
+:class:`WorkerCrashed`; tasks queued behind it never started and go to another worker (a
+:class:`Pool`) or fail with the same error (a :class:`Worker`, whose state is gone).
+
+Sends never block on a worker that is itself blocked writing: a worker is given more work only
+while everything it has not answered fits in its pipe, unless it has nothing at all (it is then
+reading).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import collections
+import concurrent.futures
+import contextlib
+import itertools
+import os
+import pickle
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .. import connection as _connection
+from ..errors import WriterDied
+from ..remote import dumps_exception, loads_exception
+from . import _process
+from ._process import ChildContext, WorkerProcess
+from .errors import PoolBroken, TaskTimeout, WorkerCancelled, WorkerError, WorkerStartError
+
+# Operations, parent to worker (first item of the pickled tuple).
+CALL, STREAM, CLOSE = 0, 1, 2
+# Replies, worker to parent.
+RESULT, ERROR, ITEM, END, RECYCLE = 0, 1, 2, 3, 4
+
+PIPE_ROOM = 512 * 1024  # bytes a worker may owe us before it gets more (its pipe holds 1 MiB)
+MAX_INFLIGHT = 128  # tasks sent to one worker before its first answer
+QUEUE_SECONDS = 0.002  # a worker is given about this much work ahead
+STACK_WAIT = 0.25  # seconds to wait for a worker's stack dump at a deadline
+
+
+def _task_name(fn: Any) -> str:
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    if name is None:
+        return type(fn).__qualname__
+    module = getattr(fn, "__module__", None)
+    return name if module in (None, "__main__", "builtins") else f"{module}.{name}"
+
+
+# --------------------------------------------------------------------------------------------
+# Worker side
+# --------------------------------------------------------------------------------------------
+
+_context: ChildContext | None = None
+
+
+def worker_namespace() -> dict[str, Any]:
+    """The per-worker namespace of :meth:`Worker.exec`, ``store`` and ``load``."""
+    if _context is None:
+        raise RuntimeError("worker_namespace() is only available inside a framepipe worker")
+    return _context.namespace
+
+
+def _revivable(exc: BaseException) -> bytes:
+    return dumps_exception(exc)
+
+
+def task_loop(ctx: ChildContext) -> None:
+    """A worker's main loop: run tasks in the order they arrive, answer each."""
+    global _context
+    _context = ctx
+    conn = ctx.conn
+    recv_bytes = conn.recv_bytes
+    send = conn.send
+    loads = pickle.loads
+    max_rss = ctx.options.get("max_rss")
+    perf = time.perf_counter
+    while True:
+        try:
+            msg = loads(recv_bytes())
+        except EOFError:
+            return
+        op = msg[0]
+        if op == CALL:
+            tid, fn, args, kwargs = msg[1], msg[2], msg[3], msg[4]
+            start = perf()
+            ctx.current = tid
+            try:
+                if tid in ctx.cancelled:
+                    raise WorkerCancelled(f"task {tid} was cancelled before it started")
+                value = fn(*args, **kwargs)
+                ctx.current = None
+            except BaseException as exc:  # noqa: BLE001 - every failure goes to the caller
+                ctx.current = None
+                send((ERROR, tid, _revivable(exc)))
+            else:
+                try:
+                    send((RESULT, tid, value))
+                except Exception as exc:  # noqa: BLE001 - an unpicklable result
+                    err = WorkerError(
+                        f"the result of {_task_name(fn)} could not be sent back: "
+                        f"{type(exc).__name__}: {exc}"
+                    )
+                    err.__cause__ = exc
+                    send((ERROR, tid, _revivable(err)))
+            ctx.calls += 1
+            ctx.busy += perf() - start
+            if max_rss is not None:
+                rss = _process.current_rss(os.getpid())
+                if rss is not None and rss > max_rss:
+                    send((RECYCLE, rss))
+        elif op == STREAM:
+            _run_stream(ctx, msg[1], msg[2], msg[3], msg[4], msg[5])
+        elif op == CLOSE:
+            return
+
+
+def _run_stream(ctx: ChildContext, tid: int, fn: Any, args: Any, kwargs: Any, window: int) -> None:
+    send = ctx.conn.send
+    start = time.perf_counter()
+    ctx.open_stream(tid, window)
+    gen: Any = None
+    try:
+        ctx.current = tid
+        try:
+            gen = fn(*args, **kwargs)
+            it = iter(gen)
+        finally:
+            ctx.current = None
+        while ctx.wait_credit(tid):
+            ctx.current = tid
+            try:
+                item = next(it)
+            except StopIteration:
+                break
+            finally:
+                ctx.current = None
+            send((ITEM, tid, item))
+        if gen is not None and hasattr(gen, "close"):
+            ctx.current = tid
+            try:
+                gen.close()
+            finally:
+                ctx.current = None
+        send((END, tid))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
+        ctx.current = None
+        send((ERROR, tid, _revivable(exc)))
+    finally:
+        ctx.close_stream(tid)
+        ctx.calls += 1
+        ctx.busy += time.perf_counter() - start
+
+
+def _exec(code: str) -> None:
+    exec(compile(code, "<worker exec>", "exec"), worker_namespace())  # noqa: S102
+
+
+def _store(name: str, value: Any) -> None:
+    worker_namespace()[name] = value
+
+
+def _load(name: str) -> Any:
+    ns = worker_namespace()
+    if name not in ns:
+        raise KeyError(f"{name!r} is not in the worker's namespace; store() or exec() it first")
+    return ns[name]
+
+
+# --------------------------------------------------------------------------------------------
+# Parent side
+# --------------------------------------------------------------------------------------------
+
+
+class _End:
+    pass
+
+
+_END = _End()
+
+
+class ItemChannel:
+    """Items of one stream, from the manager thread to a consumer (sync or asyncio)."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[Any] = collections.deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
+
+    def put(self, item: Any) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify()
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            loop, fut = waiter
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                loop.call_soon_threadsafe(_wake, fut)
+
+    def get(self, timeout: float | None) -> tuple[bool, Any]:
+        """(True, item), or (False, None) when ``timeout`` passed first."""
+        with self._cond:
+            if not self._items:
+                self._cond.wait_for(lambda: self._items, timeout)
+            if not self._items:
+                return False, None
+            return True, self._items.popleft()
+
+    async def aget(self, timeout: float | None) -> tuple[bool, Any]:
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cond:
+                if self._items:
+                    return True, self._items.popleft()
+                fut: asyncio.Future[None] = loop.create_future()
+                self._waiter = (loop, fut)
+            try:
+                await asyncio.wait_for(fut, timeout)
+            except asyncio.TimeoutError:
+                with self._cond:
+                    self._waiter = None
+                    if self._items:
+                        return True, self._items.popleft()
+                return False, None
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class _Failure:
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class Task:
+    __slots__ = ("tid", "future", "name", "payload", "size", "timeout", "stream", "delivered",
+                 "slot")
+
+    def __init__(self, tid: int, future: concurrent.futures.Future[Any], name: str,
+                 payload: bytes, timeout: float | None, stream: ItemChannel | None) -> None:
+        self.tid = tid
+        self.future = future
+        self.name = name
+        self.payload = payload
+        self.size = len(payload)
+        self.timeout = timeout
+        self.stream = stream
+        self.delivered = False
+        self.slot: Slot | None = None
+
+    def fail(self, exc: BaseException) -> None:
+        if self.stream is not None:
+            self.stream.put(_Failure(exc))
+        if not self.future.done():
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                self.future.set_exception(exc)
+
+
+class Slot:
+    """The manager's view of one worker."""
+
+    def __init__(self, proc: WorkerProcess, index: int) -> None:
+        self.proc = proc
+        self.index = index
+        self.outstanding: collections.deque[Task] = collections.deque()
+        self.out_bytes = 0
+        self.ready = False
+        self.retiring = False  # given no more work; closed once it has answered everything
+        self.stopping: str | None = None  # why we are stopping it (its death is no crash)
+        self.kill_at: float | None = None
+        self.dead = False
+        self.sent = 0
+        self.head_since = 0.0
+        self.avg = 0.001
+        self.stderr_eof = False
+        self.health_waiters: dict[int, concurrent.futures.Future[Any]] = {}
+        self.last_rss_sample = 0.0
+        self.crash_reason: str | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.ready and not self.dead and not self.retiring and self.stopping is None
+
+    def cap(self) -> int:
+        return max(2, min(MAX_INFLIGHT, int(QUEUE_SECONDS / max(self.avg, 1e-7))))
+
+
+_live_cores: weakref.WeakSet[Core] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    for core in list(_live_cores):
+        with contextlib.suppress(Exception):
+            core.terminate(join=True)
+
+
+class Core:
+    """Workers, their queues and the manager thread. ``policy`` is ``"pool"`` (a crash fails
+    the running task only; the worker is replaced) or ``"actor"`` (a crash fails every queued
+    call; the worker is restarted for the next one)."""
+
+    def __init__(
+        self,
+        *,
+        max_workers: int,
+        mp_context: Any,
+        name: str,
+        policy: str,
+        initializer: Callable[..., Any] | None = None,
+        initargs: tuple[Any, ...] = (),
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        log_dir: str | None = None,
+        tee: bool = False,
+        max_restarts: int | None = None,
+        restart_window: float = 60.0,
+        task_timeout: float | None = None,
+        kill_grace: float = 1.0,
+        max_tasks_per_worker: int | None = None,
+        max_rss: int | None = None,
+        loop: Callable[[ChildContext], None] = task_loop,
+    ) -> None:
+        self.name = name
+        self.policy = policy
+        self._n = max_workers
+        self._mp = mp_context
+        self._proc_kw = dict(initializer=initializer, initargs=tuple(initargs), env=env,
+                             cwd=cwd, log_dir=log_dir, tee=tee,
+                             options={"max_rss": max_rss})
+        self._loop = loop
+        self.max_restarts = max_restarts
+        self.restart_window = restart_window
+        self.task_timeout = task_timeout
+        self.kill_grace = kill_grace
+        self.max_tasks = max_tasks_per_worker
+        self._lock = threading.RLock()
+        self._pending: collections.deque[Task] = collections.deque()
+        self._slots: list[Slot] = []
+        self._ids = itertools.count(1)
+        self._names = itertools.count(0)
+        self._tokens = itertools.count(1)
+        self._cancelled: set[int] = set()
+        self.closing = False
+        self._terminating = False
+        self.broken: BaseException | None = None
+        self.crashes: list[BaseException] = []
+        self._crash_times: collections.deque[float] = collections.deque()
+        self.restarts = 0
+        self.close_timeout = 5.0
+        self.last_exitcode: int | None = None
+        self._dispatch_lock = threading.Lock()
+        self._dispatch_wanted = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        _process.register_parent_side(self)
+        self.stopped = concurrent.futures.Future()  # type: ignore[var-annotated]
+        self._thread = threading.Thread(target=self._run, name=f"framepipe-{name}", daemon=True)
+        _live_cores.add(self)
+        self._thread.start()
+
+    def _close_in_child(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    # -- submitting (any thread) ------------------------------------------------------------
+
+    def submit(self, op: int, fn: Callable[..., Any], args: tuple[Any, ...],
+               kwargs: dict[str, Any], *, timeout: float | None = None,
+               window: int = 0) -> Task:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        tid = next(self._ids)
+        stream = ItemChannel() if op == STREAM else None
+        msg = (CALL, tid, fn, args, kwargs) if op == CALL else (
+            STREAM, tid, fn, args, kwargs, window)
+        try:
+            payload = pickle.dumps(msg, protocol=5)
+        except Exception as exc:  # noqa: BLE001 - goes to the future, as in concurrent.futures
+            err = TypeError(
+                f"cannot send {_task_name(fn)} and its arguments to a worker process: "
+                f"{type(exc).__name__}: {exc}; functions must be defined at module level and "
+                "arguments picklable"
+            )
+            err.__cause__ = exc
+            future.set_exception(err)
+            return Task(tid, future, _task_name(fn), b"", timeout, stream)
+        task = Task(tid, future, _task_name(fn), payload, timeout, stream)
+        with self._lock:
+            if self.broken is not None:
+                raise self.broken
+            if self.closing:
+                raise RuntimeError(f"cannot submit to {self.name}: it has been shut down")
+            self._pending.append(task)
+        self.kick()
+        return task
+
+    def kick(self) -> None:
+        """Hand pending tasks to workers with room (whoever holds the dispatch lock does it;
+        a thread that finds it taken leaves the work to the holder)."""
+        self._dispatch_wanted = True
+        while self._dispatch_wanted and self._dispatch_lock.acquire(blocking=False):
+            try:
+                self._dispatch_wanted = False
+                self._dispatch_locked()
+            finally:
+                self._dispatch_lock.release()
+
+    def _pick(self, task: Task) -> Slot | None:
+        best = None
+        for slot in self._slots:
+            if not slot.usable:
+                continue
+            n = len(slot.outstanding)
+            if n and (n >= slot.cap() or slot.out_bytes + task.size > PIPE_ROOM):
+                continue
+            if self.max_tasks is not None and slot.sent >= self.max_tasks:
+                continue
+            if best is None or n < len(best.outstanding):
+                best = slot
+        return best
+
+    def _dispatch_locked(self) -> None:
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                task = self._pending[0]
+                slot = self._pick(task)
+                if slot is None:
+                    return
+                self._pending.popleft()
+                if not task.future.set_running_or_notify_cancel():
+                    continue
+                if not slot.outstanding:
+                    slot.head_since = time.monotonic()
+                    if task.timeout is not None:
+                        self.wake()
+                slot.outstanding.append(task)
+                slot.out_bytes += task.size
+                slot.sent += 1
+                task.slot = slot
+                if self.max_tasks is not None and slot.sent >= self.max_tasks:
+                    slot.retiring = True
+                    self.wake()
+            try:
+                slot.proc.conn.send_bytes(task.payload)
+                task.delivered = True
+            except (OSError, ValueError):
+                pass  # the worker is gone: the manager sees its death and reschedules
+
+    def wake(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"!")
+
+    # -- health requests --
+
+    def health_request(self, slot: Slot, op: str, *args: Any) -> concurrent.futures.Future[Any]:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        token = next(self._tokens)
+        with self._lock:
+            slot.health_waiters[token] = fut
+        try:
+            slot.proc.notify((op, token, *args))
+        except (OSError, ValueError) as exc:
+            with self._lock:
+                slot.health_waiters.pop(token, None)
+            fut.set_exception(WorkerError(f"worker {slot.proc.name!r} is gone: {exc}"))
+        return fut
+
+    def health_notify(self, slot: Slot, op: str, *args: Any) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            slot.proc.notify((op, 0, *args))
+
+    # -- the manager thread -----------------------------------------------------------------
+
+    def _spawn(self) -> Slot:
+        index = next(self._names)
+        proc = WorkerProcess(self._mp, f"{self.name}-{index}", self._loop, **self._proc_kw)
+        slot = Slot(proc, index)
+        proc.start()
+        with self._lock:
+            self._slots.append(slot)
+        return slot
+
+    def _run(self) -> None:
+        try:
+            try:
+                for _ in range(self._n):
+                    self._spawn()
+            except BaseException as exc:  # noqa: BLE001 - every caller hears of it
+                self._break(WorkerStartError(f"cannot start the workers of {self.name}: {exc}"))
+            while True:
+                self._step()
+                if self._finished():
+                    break
+        except BaseException as exc:  # noqa: BLE001 - never leave callers waiting
+            self._break(WorkerError(f"the manager of {self.name} failed: "
+                                    f"{type(exc).__name__}: {exc}"))
+        finally:
+            self._shutdown_workers()
+            self.stopped.set_result(None)
+
+    def _finished(self) -> bool:
+        with self._lock:
+            if self._terminating:
+                return True
+            if not self.closing and self.broken is None:
+                return False
+            if self._pending:
+                return False
+            return all(not s.outstanding for s in self._slots)
+
+    def _step(self) -> None:
+        now = time.monotonic()
+        waits: list[Any] = [self._wake_r]
+        owners: dict[Any, tuple[Slot, str]] = {}
+        deadline: float | None = None
+        with self._lock:
+            slots = list(self._slots)
+        for slot in slots:
+            if not slot.dead:
+                waits.append(slot.proc.conn)
+                owners[id(slot.proc.conn)] = (slot, "data")
+                waits.append(slot.proc.health)
+                owners[id(slot.proc.health)] = (slot, "health")
+            fd = slot.proc.stderr_fd()
+            if fd is not None and not slot.stderr_eof:
+                waits.append(fd)
+                owners[id(fd)] = (slot, "stderr")
+            for t in self._deadlines(slot):
+                deadline = t if deadline is None else min(deadline, t)
+        timeout = None if deadline is None else max(0.0, deadline - now)
+        ready = _connection.wait(waits, timeout)
+        for obj in ready:
+            if obj is self._wake_r:
+                with contextlib.suppress(OSError):
+                    os.read(self._wake_r, 4096)
+                continue
+            slot, kind = owners[id(obj)]
+            if kind == "data":
+                self._drain(slot)
+            elif kind == "health":
+                self._drain_health(slot)
+            else:
+                slot.stderr_eof = slot.proc.pump_stderr()
+        self._check_deadlines()
+        self._maintain()
+        self.kick()
+
+    def _deadlines(self, slot: Slot) -> Iterator[float]:
+        if slot.kill_at is not None:
+            yield slot.kill_at
+        if slot.outstanding and not slot.dead and slot.stopping is None:
+            head = slot.outstanding[0]
+            if head.timeout is not None and head.stream is None:
+                yield slot.head_since + head.timeout
+
+    def _drain(self, slot: Slot) -> None:
+        conn = slot.proc.conn
+        try:
+            while conn.poll(0):
+                self._handle(slot, conn.recv())
+        except WriterDied as died:
+            self._on_death(slot, died)
+        except (EOFError, OSError) as exc:
+            self._on_death(slot, None, reason=f"its channel failed: {exc}")
+
+    def _drain_health(self, slot: Slot) -> None:
+        conn = slot.proc.health
+        try:
+            while conn.poll(0):
+                reply = conn.recv()
+                with self._lock:
+                    fut = slot.health_waiters.pop(reply[1], None)
+                if fut is not None and not fut.done():
+                    fut.set_result(reply[2])
+        except (EOFError, OSError):
+            if not slot.dead:
+                self._drain(slot)  # the data channel tells how it died
+
+    def _handle(self, slot: Slot, msg: Any) -> None:
+        kind = msg[0]
+        if kind == RESULT or kind == ERROR or kind == END:
+            now = time.monotonic()
+            with self._lock:
+                task = slot.outstanding.popleft()
+                slot.out_bytes -= task.size
+                elapsed = now - slot.head_since
+                slot.avg = slot.avg * 0.8 + elapsed * 0.2
+                slot.head_since = now
+            if task.tid != msg[1]:
+                raise WorkerError(f"worker {slot.proc.name} answered task {msg[1]} "
+                                  f"while task {task.tid} was due")
+            if kind == RESULT:
+                if task.tid in self._cancelled:
+                    self._cancelled.discard(task.tid)
+                    task.fail(WorkerCancelled(f"task {task.tid} was cancelled"))
+                elif not task.future.done():
+                    with contextlib.suppress(concurrent.futures.InvalidStateError):
+                        task.future.set_result(msg[2])
+            elif kind == ERROR:
+                self._cancelled.discard(task.tid)
+                task.fail(_revive(msg[2]))
+            else:
+                self._cancelled.discard(task.tid)
+                if task.stream is not None:
+                    task.stream.put(_END)
+                if not task.future.done():
+                    with contextlib.suppress(concurrent.futures.InvalidStateError):
+                        task.future.set_result(None)
+            if now - slot.last_rss_sample > 0.05:
+                slot.last_rss_sample = now
+                slot.proc.sample_rss()
+        elif kind == ITEM:
+            task = slot.outstanding[0]
+            slot.head_since = time.monotonic()
+            if task.stream is not None:
+                task.stream.put(msg[2])
+        elif kind == RECYCLE:
+            slot.retiring = True
+        elif kind == "ready":
+            slot.ready = True
+        elif kind == "init-failed":
+            exc = _revive(msg[2])
+            err = WorkerStartError(
+                f"the initializer of worker {slot.proc.name!r} (pid {msg[1]}) raised "
+                f"{type(exc).__name__}: {exc}"
+            )
+            err.__cause__ = exc
+            slot.stopping = "initializer failed"
+            self._break(err)
+        else:
+            raise WorkerError(f"unexpected message {kind!r} from worker {slot.proc.name}")
+
+    # -- deaths, deadlines, replacement --
+
+    def _on_death(self, slot: Slot, died: WriterDied | None, reason: str | None = None) -> None:
+        with self._lock:
+            if slot.dead:
+                return
+            slot.dead = True
+            orphans = list(slot.outstanding)
+            slot.outstanding.clear()
+            slot.out_bytes = 0
+            waiters = list(slot.health_waiters.values())
+            slot.health_waiters.clear()
+        expected = slot.stopping is not None or (slot.retiring and not orphans)
+        head = orphans[0] if orphans and orphans[0].delivered else None
+        err = slot.proc.crash_error(
+            died, head.name if head else None, head.tid if head else None,
+            reason or slot.crash_reason)
+        for fut in waiters:
+            if not fut.done():
+                fut.set_exception(err)
+        if head is not None:
+            orphans.pop(0)
+            head.fail(err)  # a task that timed out has failed already: this does nothing
+        if self.policy == "actor":
+            for task in orphans:
+                task.fail(err)
+        else:
+            with self._lock:
+                for task in reversed(orphans):
+                    task.delivered = False
+                    self._pending.appendleft(task)
+        if not expected and not self.closing:
+            self.crashes.append(err)
+            del self.crashes[:-20]
+            now = time.monotonic()
+            self._crash_times.append(now)
+            while self._crash_times and now - self._crash_times[0] > self.restart_window:
+                self._crash_times.popleft()
+            if self.max_restarts is not None and len(self._crash_times) > self.max_restarts:
+                self._break(PoolBroken(
+                    f"{self.name}: workers crashed {len(self._crash_times)} times within "
+                    f"{self.restart_window:g} s (max_restarts={self.max_restarts}); giving up",
+                    self.crashes,
+                ))
+        self._reap(slot)
+
+    def _reap(self, slot: Slot) -> None:
+        slot.proc.stop(timeout=1.0, grace=0.5)
+        slot.proc.close()
+        self.last_exitcode = slot.proc.exitcode
+        with self._lock:
+            if slot in self._slots:
+                self._slots.remove(slot)
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            slots = list(self._slots)
+        for slot in slots:
+            if slot.kill_at is not None and now >= slot.kill_at:
+                slot.kill_at = None
+                slot.proc.kill()
+            if slot.dead or slot.stopping is not None or not slot.outstanding:
+                continue
+            head = slot.outstanding[0]
+            if head.timeout is not None and head.stream is None and \
+                    now >= slot.head_since + head.timeout:
+                self.expire(slot, head, head.timeout, "task")
+
+    def expire(self, slot: Slot, task: Task, timeout: float, what: str) -> None:
+        """The deadline ladder: take the stack, fail the task with it, SIGTERM the worker's
+        group, SIGKILL it ``kill_grace`` later; a replacement starts now."""
+        with self._lock:
+            if slot.stopping is not None or slot.dead:
+                return
+            slot.stopping = f"{what} timeout"
+        stack = slot.proc.stack(STACK_WAIT)
+        task.fail(TaskTimeout(slot.proc.name, slot.proc.pid, timeout, task_name=task.name,
+                              task_id=task.tid, stack=stack, what=what))
+        slot.proc.signal_group(signal.SIGTERM)
+        slot.kill_at = time.monotonic() + self.kill_grace
+        self.wake()
+
+    def _maintain(self) -> None:
+        """Close retired workers that answered everything; keep the pool at strength."""
+        with self._lock:
+            slots = list(self._slots)
+            closing = self.closing or self.broken is not None
+        for slot in slots:
+            if slot.retiring and not slot.outstanding and slot.stopping is None and not slot.dead:
+                slot.stopping = "retired"
+                with contextlib.suppress(OSError, ValueError):
+                    slot.proc.conn.send_bytes(pickle.dumps((CLOSE,)))
+                slot.kill_at = time.monotonic() + 5.0
+        if closing or self._terminating:
+            return
+        with self._lock:
+            alive = sum(1 for s in self._slots if s.stopping is None and not s.retiring)
+            need = self._n - alive
+            if self.policy == "actor" and not self._pending and need > 0 and \
+                    any(s.stopping is None for s in self._slots):
+                need = 0
+        for _ in range(max(0, need)):
+            self.restarts += 1 if self._slots or self.crashes else 0
+            try:
+                self._spawn()
+            except BaseException as exc:  # noqa: BLE001
+                self._break(WorkerStartError(f"cannot start a worker for {self.name}: {exc}"))
+                return
+
+    def _break(self, exc: BaseException) -> None:
+        with self._lock:
+            if self.broken is None:
+                self.broken = exc
+            pending = list(self._pending)
+            self._pending.clear()
+            victims = [t for s in self._slots for t in s.outstanding]
+        for task in pending + victims:
+            task.fail(exc)
+        for slot in list(self._slots):
+            if slot.stopping is None:
+                slot.stopping = "broken"
+                slot.proc.signal_group(signal.SIGTERM)
+                slot.kill_at = time.monotonic() + self.kill_grace
+        self.wake()
+
+    # -- cancelling --
+
+    def cancel_all(self) -> int:
+        """Cancel the running task and every queued one: the running task gets
+        WorkerCancelled raised inside it; queued ones fail at once. Returns how many."""
+        with self._lock:
+            pending = list(self._pending)
+            self._pending.clear()
+            per_slot = [(s, list(s.outstanding)) for s in self._slots if s.outstanding]
+        err = WorkerCancelled("cancelled before it started")
+        for task in pending:
+            task.fail(err)
+        count = len(pending)
+        for slot, tasks in per_slot:
+            tids = [t.tid for t in tasks]
+            self._cancelled.update(tids)
+            for task in tasks[1:]:
+                task.fail(err)
+            self.health_notify(slot, "cancel", tids)
+            count += len(tasks)
+        return count
+
+    # -- ending --
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        with self._lock:
+            self.closing = True
+            if cancel_futures:
+                pending = list(self._pending)
+                self._pending.clear()
+            else:
+                pending = []
+        for task in pending:
+            task.future.cancel()
+            if task.stream is not None:
+                task.stream.put(_Failure(concurrent.futures.CancelledError()))
+        self.wake()
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def terminate(self, join: bool = True) -> None:
+        """Stop at once: pending and running tasks fail, workers are killed."""
+        with self._lock:
+            self.closing = True
+            self._terminating = True
+            pending = list(self._pending)
+            self._pending.clear()
+            running = [t for s in self._slots for t in s.outstanding]
+        err = WorkerCancelled(f"{self.name} was terminated")
+        for task in pending + running:
+            task.fail(err)
+        self.wake()
+        if join and threading.current_thread() is not self._thread:
+            self._thread.join(30)
+
+    def _shutdown_workers(self) -> None:
+        with self._lock:
+            slots = list(self._slots)
+            self._slots.clear()
+            self.closing = True
+        for slot in slots:
+            slot.stopping = slot.stopping or "shutdown"
+            if not slot.dead:
+                with contextlib.suppress(OSError, ValueError):
+                    slot.proc.conn.send_bytes(pickle.dumps((CLOSE,)))
+        for slot in slots:
+            timeout = 0.0 if self._terminating else self.close_timeout
+            if self._terminating:
+                slot.proc.signal_group(signal.SIGKILL)
+            slot.proc.stop(timeout=timeout, grace=self.kill_grace)
+            for task in list(slot.outstanding):
+                task.fail(WorkerError(f"{self.name} shut down before task {task.tid} finished"))
+            slot.proc.close()
+            self.last_exitcode = slot.proc.exitcode
+        with self._lock:
+            leftovers = list(self._pending)
+            self._pending.clear()
+        for task in leftovers:
+            task.fail(self.broken or WorkerError(f"{self.name} shut down"))
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+        _live_cores.discard(self)
+
+    # -- facts --
+
+    def slots(self) -> list[Slot]:
+        with self._lock:
+            return list(self._slots)
+
+    def live_slot(self, timeout: float | None = None) -> Slot:
+        """The (single) usable worker of an actor, waiting for it to be ready."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self.broken is not None:
+                    raise self.broken
+                for slot in self._slots:
+                    if slot.ready and not slot.dead and slot.stopping is None:
+                        return slot
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"{self.name} has no running worker")
+            time.sleep(0.001)
+
+
+def _revive(blob: bytes) -> BaseException:
+    exc = loads_exception(blob)
+    if not isinstance(exc, Exception):
+        # SystemExit, KeyboardInterrupt or GeneratorExit raised by a task: never re-raised as
+        # themselves in the caller, where they would end the program or look like a Ctrl-C.
+        err = WorkerError(f"the task raised {type(exc).__name__}({exc})")
+        err.__cause__ = exc
+        return err
+    return exc

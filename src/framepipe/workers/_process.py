@@ -1,0 +1,720 @@
+"""One worker process and its channels: the layer every worker class stands on.
+
+Parent side, :class:`WorkerProcess` starts a ``multiprocessing`` process (fork, spawn or
+forkserver) with four private channels:
+
+- data: a duplex framepipe connection (read-ahead on both ends), watched for the worker's
+  death, which a reader sees as :class:`framepipe.WriterDied` after every frame written before
+  it;
+- health: a second duplex connection served by its own thread in the worker (ping, stats,
+  cancel, stream credit), so a long call never starves it;
+- stderr: the worker's fd 2 is a pipe the parent drains (C-level writes and crash dumps
+  included) into a tail kept for crash reports, a log file and/or the console;
+- stack: faulthandler in the worker is registered on a real-time signal and writes every
+  thread's stack into a pipe the parent reads, even while the worker is stuck in C code.
+
+Child side, :func:`child_main` makes the process a good citizen before running the loop it
+was given: its own process group (Ctrl-C at the terminal reaches the parent only), death with
+its parent (``PR_SET_PDEATHSIG`` and a pidfd watch of the parent, then SIGKILL to its own
+group), no inherited parent-side descriptors after a fork.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import faulthandler
+import os
+import re
+import select
+import signal
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import connection as _connection
+from ..errors import WriterDied
+from .errors import WorkerCancelled, WorkerCrashed
+
+__all__ = ["WorkerProcess", "ChildContext", "child_main", "STACK_SIGNAL", "CANCEL_SIGNAL"]
+
+_RT = getattr(signal, "SIGRTMIN", None)
+#: faulthandler dumps every thread's stack to the stack pipe on this signal (queued, so two
+#: sent in a row give two dumps: the second one's start marks the end of the first).
+STACK_SIGNAL: int = _RT + 6 if _RT is not None else signal.SIGUSR2
+#: the health thread raises WorkerCancelled in the main thread with this signal.
+CANCEL_SIGNAL: int = _RT + 7 if _RT is not None else signal.SIGUSR1
+
+TAIL_BYTES = 64 * 1024
+TAIL_LINES = 20
+_PR_SET_PDEATHSIG = 1
+
+# Parent-side objects alive in this process: a forked worker closes them at once, so it never
+# holds another worker's channel (which would hide that worker's death from a reader).
+_parent_side: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def register_parent_side(obj: Any) -> None:
+    """``obj._close_in_child()`` will run in every worker forked from this process."""
+    _parent_side.add(obj)
+
+
+# --------------------------------------------------------------------------------------------
+# Child side
+# --------------------------------------------------------------------------------------------
+
+
+class _FdHandle:
+    """An fd that travels to a multiprocessing child (dup'd for spawn and forkserver)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> Any:
+        from multiprocessing import reduction
+
+        return (_rebuild_fd, (reduction.DupFd(self.fd),))
+
+
+def _rebuild_fd(dup: Any) -> _FdHandle:
+    return _FdHandle(dup.detach())
+
+
+@dataclass
+class _Boot:
+    """What a worker process needs to start: built by the parent, pickled for spawn."""
+
+    name: str
+    parent_pid: int
+    conn: Any
+    health: Any
+    stack_w: _FdHandle
+    stderr_w: _FdHandle
+    loop: Callable[[ChildContext], None]
+    initializer: Callable[..., Any] | None = None
+    initargs: tuple[Any, ...] = ()
+    env: dict[str, str] | None = None
+    cwd: str | None = None
+    stdout_path: str | None = None
+    pdeathsig: bool = True
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class ChildContext:
+    """The worker side of the channels, handed to the worker's loop.
+
+    ``conn`` is the data connection; ``name``; ``options`` (the loop's own settings);
+    ``namespace`` (a dict kept for the worker's lifetime). The loop marks the task it runs with
+    :meth:`running` so that a cancel request interrupts that task only; stream producers wait
+    for credit with :meth:`wait_credit`.
+    """
+
+    def __init__(self, boot: _Boot) -> None:
+        self.name = boot.name
+        self.conn = boot.conn
+        self.health = boot.health
+        self.options = boot.options
+        self.namespace: dict[str, Any] = {"__name__": "__worker__"}
+        self.current: int | None = None
+        self.cancelled: set[int] = set()
+        self.calls = 0
+        self.busy = 0.0
+        self._cond = threading.Condition()
+        self._credit: dict[int, int] = {}
+        self._stopped: set[int] = set()
+        self._main = threading.main_thread().ident
+
+    # -- called from the main thread --
+
+    @contextlib.contextmanager
+    def running(self, tid: int) -> Any:
+        """Mark task ``tid`` as running for the body: a cancel of ``tid`` raises
+        :class:`WorkerCancelled` inside it (and only inside it)."""
+        start = time.perf_counter()
+        self.current = tid
+        try:
+            if tid in self.cancelled:
+                raise WorkerCancelled(f"task {tid} was cancelled before it started")
+            yield
+        finally:
+            self.current = None
+            self.calls += 1
+            self.busy += time.perf_counter() - start
+
+    def open_stream(self, tid: int, window: int) -> None:
+        with self._cond:
+            self._credit[tid] = window
+
+    def wait_credit(self, tid: int) -> bool:
+        """Take one credit for stream ``tid``, waiting for the consumer; False once the
+        consumer stopped the stream."""
+        with self._cond:
+            while True:
+                if tid in self._stopped or tid in self.cancelled:
+                    return False
+                if self._credit.get(tid, 0) > 0:
+                    self._credit[tid] -= 1
+                    return True
+                self._cond.wait()
+
+    def close_stream(self, tid: int) -> None:
+        with self._cond:
+            self._credit.pop(tid, None)
+            self._stopped.discard(tid)
+
+    def stream_stopped(self, tid: int) -> bool:
+        return tid in self._stopped or tid in self.cancelled
+
+    # -- called from the health thread --
+
+    def _on_health(self, msg: Any) -> Any:
+        """One request ``(op, token, *args)``; the reply is ``(op, token, value)`` or None."""
+        op, token, args = msg[0], msg[1], msg[2:]
+        if op == "ping":
+            return (op, token, None)
+        if op == "stats":
+            return (op, token, self.stats())
+        if op == "cancel":
+            with self._cond:
+                self.cancelled.update(args[0])
+                self._cond.notify_all()
+            if self.current in self.cancelled:
+                signal.pthread_kill(self._main, CANCEL_SIGNAL)  # type: ignore[arg-type]
+            return None
+        if op == "credit":
+            with self._cond:
+                if args[0] in self._credit:
+                    self._credit[args[0]] += args[1]
+                    self._cond.notify_all()
+            return None
+        if op == "stop":
+            with self._cond:
+                self._stopped.add(args[0])
+                self._cond.notify_all()
+            return None
+        raise ValueError(f"unknown health request {op!r}")
+
+    def stats(self) -> dict[str, Any]:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        if sys.platform != "darwin":
+            peak *= 1024
+        return {"calls": self.calls, "busy_seconds": self.busy, "peak_rss": peak,
+                "rss": current_rss(os.getpid())}
+
+
+def current_rss(pid: int) -> int | None:
+    """The resident size of ``pid`` in bytes (Linux /proc; psutil elsewhere), None if gone."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+
+        return int(psutil.Process(pid).memory_info().rss)
+    except Exception:  # noqa: BLE001 - gone, or no permission
+        return None
+
+
+def peak_rss(pid: int) -> int | None:
+    """The high-water resident size of a live ``pid`` in bytes (VmHWM), None if unknown."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _set_pdeathsig() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _die_with_group() -> None:
+    with contextlib.suppress(OSError):
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    os._exit(128 + signal.SIGKILL)
+
+
+def _serve_health(ctx: ChildContext, parent_pid: int) -> None:
+    """The worker's health thread: answers the parent at once, and takes the whole worker
+    down (its process group) the moment the parent is gone."""
+    pidfd = None
+    with contextlib.suppress(OSError, AttributeError):
+        pidfd = os.pidfd_open(parent_pid)  # type: ignore[attr-defined]
+    if pidfd is None and not _alive(parent_pid):
+        _die_with_group()
+    watched: list[Any] = [ctx.health] + ([pidfd] if pidfd is not None else [])
+    while True:
+        try:
+            ready = _connection.wait(watched, None if pidfd is not None else 1.0)
+            if pidfd is not None and pidfd in ready:
+                _die_with_group()
+            if pidfd is None and not _alive(parent_pid):
+                _die_with_group()
+            if ctx.health in ready:
+                reply = ctx._on_health(ctx.health.recv())
+                if reply is not None:
+                    ctx.health.send(reply)
+        except (EOFError, OSError):
+            _die_with_group()  # the parent closed the channel or died: so do we
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return os.getppid() != 1 or pid == 1
+
+
+def child_main(boot: _Boot) -> None:
+    """A worker process's body: hygiene, redirects, health thread, initializer, then the loop."""
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    if boot.pdeathsig:
+        _set_pdeathsig()
+    for obj in list(_parent_side):
+        with contextlib.suppress(Exception):
+            obj._close_in_child()
+    _parent_side.clear()
+    os.dup2(boot.stderr_w.fd, 2)
+    os.close(boot.stderr_w.fd)
+    if boot.stdout_path:
+        fd = os.open(boot.stdout_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.close(fd)
+    if boot.env:
+        os.environ.update(boot.env)
+    if boot.cwd:
+        os.chdir(boot.cwd)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(STACK_SIGNAL, file=boot.stack_w.fd, all_threads=True, chain=False)
+    ctx = ChildContext(boot)
+
+    def on_cancel(signum: int, frame: Any) -> None:
+        tid = ctx.current
+        if tid is not None and tid in ctx.cancelled:
+            raise WorkerCancelled(f"task {tid} was cancelled")
+
+    signal.signal(CANCEL_SIGNAL, on_cancel)
+    threading.Thread(
+        target=_serve_health, args=(ctx, boot.parent_pid), name="framepipe-health", daemon=True
+    ).start()
+    from ..remote import dumps_exception
+
+    if boot.initializer is not None:
+        try:
+            boot.initializer(*boot.initargs)
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent, then we exit
+            boot.conn.send(("init-failed", os.getpid(), dumps_exception(exc)))
+            sys.stderr.flush()
+            os._exit(1)
+    boot.conn.send(("ready", os.getpid()))
+    boot.loop(ctx)
+
+
+# --------------------------------------------------------------------------------------------
+# Parent side
+# --------------------------------------------------------------------------------------------
+
+_FIRST_LINE = re.compile(rb"^(?:Current thread|Thread) (0x[0-9a-f]+)", re.M)
+
+
+def _set_nonblocking(fd: int) -> None:
+    os.set_blocking(fd, False)
+
+
+def _read_available(fd: int) -> tuple[bytes, bool]:
+    """Every byte readable now from a non-blocking fd: (data, at_eof)."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return b"".join(chunks), False
+        except InterruptedError:
+            continue
+        if not chunk:
+            return b"".join(chunks), True
+        chunks.append(chunk)
+
+
+class _Stderr:
+    """The parent's end of a worker's stderr pipe: a tail for reports, optional log file,
+    optional console copy (raw, or line by line with a ``[name]`` prefix)."""
+
+    def __init__(self, fd: int, name: str, log_path: str | None, console: str | None) -> None:
+        self.fd: int | None = fd
+        self.name = name
+        self.log_path = log_path
+        self.console = console  # None, "raw" or "prefix"
+        self.tail = bytearray()
+        self._partial = b""
+        self._log = open(log_path, "ab", buffering=0) if log_path else None  # noqa: SIM115
+
+    def pump(self) -> bool:
+        """Move what the worker wrote to the sinks; True at end of file."""
+        if self.fd is None:
+            return True
+        data, eof = _read_available(self.fd)
+        if data:
+            self._feed(data)
+        if eof:
+            self._flush_partial()
+        return eof
+
+    def _feed(self, data: bytes) -> None:
+        self.tail += data
+        if len(self.tail) > TAIL_BYTES:
+            del self.tail[: len(self.tail) - TAIL_BYTES]
+        if self._log is not None:
+            with contextlib.suppress(OSError):
+                self._log.write(data)
+        if self.console == "raw":
+            _write_console(data)
+        elif self.console == "prefix":
+            text = self._partial + data
+            lines = text.split(b"\n")
+            self._partial = lines.pop()
+            if lines:
+                prefix = f"[{self.name}] ".encode()
+                _write_console(b"".join(prefix + line + b"\n" for line in lines))
+
+    def _flush_partial(self) -> None:
+        if self.console == "prefix" and self._partial:
+            _write_console(f"[{self.name}] ".encode() + self._partial + b"\n")
+        self._partial = b""
+
+    def tail_text(self, lines: int = TAIL_LINES) -> str:
+        text = bytes(self.tail).decode("utf-8", "replace")
+        return "\n".join(text.rstrip("\n").split("\n")[-lines:]) if text.strip() else ""
+
+    def native_traceback(self) -> str | None:
+        text = bytes(self.tail).decode("utf-8", "replace")
+        at = text.rfind("Fatal Python error")
+        return text[at:].rstrip() if at >= 0 else None
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.pump()
+        self._flush_partial()
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def _write_console(data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        try:
+            sys.stderr.flush()
+        except (AttributeError, ValueError):
+            pass
+        fd = sys.stderr.fileno() if sys.stderr is not None else 2
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+
+
+class WorkerProcess:
+    """The parent's handle on one worker process (see the module docstring).
+
+    ``start()`` launches it; ``conn`` and ``health`` are the parent's ends of the channels;
+    ``pump_stderr()`` moves its output; ``stack()`` takes its threads' stacks;
+    ``signal_group()`` signals its process group; ``crash_error()`` turns a
+    :class:`~framepipe.WriterDied` into a :class:`WorkerCrashed`; ``close()`` releases
+    everything (the process must be dead or stopped first: see :meth:`stop`).
+    """
+
+    def __init__(
+        self,
+        ctx: Any,
+        name: str,
+        loop: Callable[[ChildContext], None],
+        *,
+        initializer: Callable[..., Any] | None = None,
+        initargs: tuple[Any, ...] = (),
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        log_dir: str | None = None,
+        tee: bool = False,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        self.name = name
+        self._ctx = ctx
+        self._loop = loop
+        self._initializer = initializer
+        self._initargs = tuple(initargs)
+        self._env = dict(env) if env else None
+        self._cwd = cwd
+        self._log_dir = log_dir
+        self._tee = tee
+        self._options = dict(options or {})
+        self.process: Any = None
+        self.conn: Any = None
+        self.health: Any = None
+        self.stderr: _Stderr | None = None
+        self._stack_r: int | None = None
+        self.pid: int | None = None
+        self.peak_rss: int | None = None
+        self.started_at = 0.0
+        self._health_lock = threading.Lock()
+        self._closed = False
+        self._exitcode: int | None = None
+        register_parent_side(self)
+
+    def __repr__(self) -> str:
+        return f"<WorkerProcess {self.name!r} pid={self.pid}>"
+
+    # -- start --
+
+    def start(self) -> None:
+        conn, child_conn = _connection.Pipe(True, read_ahead=True)
+        health, child_health = _connection.Pipe(True)
+        stack_r, stack_w = os.pipe()
+        err_r, err_w = os.pipe()
+        self.conn, self.health, self._stack_r = conn, health, stack_r
+        log_path = stdout_path = None
+        if self._log_dir:
+            d = os.path.join(self._log_dir, self.name)
+            os.makedirs(d, exist_ok=True)
+            log_path = os.path.join(d, "stderr.log")
+            stdout_path = os.path.join(d, "stdout.log")
+        console = ("prefix" if self._tee else None) if self._log_dir else (
+            "prefix" if self._tee else "raw")
+        self.stderr = _Stderr(err_r, self.name, log_path, console)
+        boot = _Boot(
+            name=self.name,
+            parent_pid=os.getpid(),
+            conn=child_conn,
+            health=child_health,
+            stack_w=_FdHandle(stack_w),
+            stderr_w=_FdHandle(err_w),
+            loop=self._loop,
+            initializer=self._initializer,
+            initargs=self._initargs,
+            env=self._env,
+            cwd=self._cwd,
+            stdout_path=stdout_path,
+            pdeathsig=True,
+            options=self._options,
+        )
+        try:
+            self.process = self._ctx.Process(
+                target=child_main, args=(boot,), name=self.name, daemon=False
+            )
+            self.process.start()
+        finally:
+            child_conn.close()
+            child_health.close()
+            os.close(stack_w)
+            os.close(err_w)
+        self.pid = self.process.pid
+        self.started_at = time.monotonic()
+        with contextlib.suppress(OSError):
+            os.setpgid(self.pid, self.pid)  # before the child does it too (fork)
+        _set_nonblocking(stack_r)
+        _set_nonblocking(err_r)
+        conn.watch(self.process)
+        health.watch(self.process)
+
+    def _close_in_child(self) -> None:
+        for c in (self.conn, self.health):
+            if c is not None:
+                c.close()
+        for fd in (self._stack_r, self.stderr.fd if self.stderr else None):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    # -- facts --
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self.process is not None and self.process.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        if self._closed or self.process is None:
+            return self._exitcode
+        return self.process.exitcode
+
+    def sample_rss(self) -> None:
+        if self.pid is not None:
+            peak = peak_rss(self.pid)
+            if peak is not None and (self.peak_rss is None or peak > self.peak_rss):
+                self.peak_rss = peak
+
+    def pump_stderr(self) -> bool:
+        return self.stderr.pump() if self.stderr is not None else True
+
+    def stderr_fd(self) -> int | None:
+        return None if self.stderr is None else self.stderr.fd
+
+    # -- health requests (caller threads) --
+
+    def request(self, msg: Any, timeout: float | None) -> Any:
+        """Send ``msg`` on the health channel and return the reply."""
+        with self._health_lock:
+            self.health.send(msg)
+            return self.health.recv(timeout=timeout)
+
+    def notify(self, msg: Any) -> None:
+        """Send ``msg`` on the health channel; no reply."""
+        self.health.send(msg)
+
+    # -- stacks and signals --
+
+    def stack(self, timeout: float = 1.0) -> str | None:
+        """Every thread's stack in the worker (faulthandler's text), or None when no dump came
+        within ``timeout`` seconds (the process is stopped, gone, or blocks the signal)."""
+        fd = self._stack_r
+        if fd is None or self.pid is None:
+            return None
+        _read_available(fd)  # anything left from an earlier request
+        try:
+            os.kill(self.pid, STACK_SIGNAL)
+            os.kill(self.pid, STACK_SIGNAL)  # queued: its dump starts where the first ends
+        except ProcessLookupError:
+            return None
+        deadline = time.monotonic() + timeout
+        data = b""
+        quiet_since: float | None = None
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        while True:
+            m = _FIRST_LINE.search(data)
+            if m:
+                again = data.find(b"0x", m.end())
+                second = _FIRST_LINE.search(data, m.end())
+                if second and second.group(1) == m.group(1) and again >= 0:
+                    return data[: second.start()].decode("utf-8", "replace").rstrip()
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if data and quiet_since is not None and now - quiet_since > 0.05:
+                break  # one dump only (signals coalesced): take it after 50 ms of quiet
+            try:
+                events = poller.poll(min(deadline - now, 0.01) * 1000)
+            except InterruptedError:
+                continue
+            if events:
+                chunk, eof = _read_available(fd)
+                data += chunk
+                quiet_since = time.monotonic()
+                if eof:
+                    break
+        return data.decode("utf-8", "replace").rstrip() or None
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the worker's process group (and to the worker itself, in case it
+        has not made its group yet)."""
+        if self.pid is None or self.process is None or self.process.exitcode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, sig)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(self.pid, sig)
+
+    def stop(self, timeout: float = 5.0, grace: float = 2.0) -> None:
+        """Make sure the worker is gone and reaped: wait up to ``timeout`` for it to exit,
+        then SIGTERM its group, wait ``grace``, SIGKILL its group."""
+        proc = self.process
+        if proc is None:
+            return
+        proc.join(timeout)
+        if proc.exitcode is None:
+            self.signal_group(signal.SIGTERM)
+            proc.join(grace)
+        if proc.exitcode is None:
+            self.signal_group(signal.SIGKILL)
+            proc.join(5.0)
+        # its group may still hold children of its own
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)  # type: ignore[arg-type]
+
+    def kill(self) -> None:
+        self.signal_group(signal.SIGKILL)
+
+    # -- reports --
+
+    def crash_error(
+        self,
+        died: WriterDied | None,
+        task_name: str | None = None,
+        task_id: int | None = None,
+        reason: str | None = None,
+    ) -> WorkerCrashed:
+        """The report of this worker's death, with what it held."""
+        if self.stderr is not None:
+            with contextlib.suppress(OSError):
+                self.pump_stderr()
+        exitcode = died.exitcode if died is not None else self.exitcode
+        native = (died.native_traceback if died is not None else None) or (
+            self.stderr.native_traceback() if self.stderr is not None else None)
+        tail = self.stderr.tail_text() if self.stderr is not None else ""
+        if native and tail:
+            # the dump is shown once, as the native traceback
+            tail = "\n".join(line for line in tail.split("\n") if line not in native) or ""
+        return WorkerCrashed(
+            self.name,
+            self.pid,
+            exitcode,
+            core_dumped=bool(died.core_dumped) if died is not None else False,
+            task_name=task_name,
+            task_id=task_id,
+            peak_rss=self.peak_rss,
+            oom_killed=died.oom_killed if died is not None else None,
+            native_traceback=native,
+            stderr_tail=tail,
+            log_path=self.stderr.log_path if self.stderr is not None else None,
+            reason=reason,
+        )
+
+    # -- end --
+
+    def close(self) -> None:
+        """Release every descriptor (idempotent). Call :meth:`stop` first."""
+        if self._closed:
+            return
+        for c in (self.conn, self.health):
+            if c is not None:
+                c.close()
+        if self._stack_r is not None:
+            fd, self._stack_r = self._stack_r, None
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if self.stderr is not None:
+            self.stderr.close()
+        if self.process is not None:
+            self._exitcode = self.process.exitcode
+            if self._exitcode is not None:
+                with contextlib.suppress(ValueError, AttributeError):
+                    self.process.close()
+        self._closed = True
+        _parent_side.discard(self)
+
+
+def is_eintr(exc: OSError) -> bool:
+    return exc.errno == errno.EINTR

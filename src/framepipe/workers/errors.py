@@ -1,0 +1,201 @@
+"""The errors of the worker layer.
+
+Each is a :class:`framepipe.FramepipeError` and, where one exists, the stdlib class that code
+using ``concurrent.futures`` already catches: :class:`TaskTimeout` is a ``TimeoutError``,
+:class:`WorkerCancelled` a ``concurrent.futures.CancelledError``, :class:`PoolBroken` a
+``concurrent.futures.BrokenExecutor``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+from ..errors import FramepipeError, signal_name
+
+__all__ = [
+    "WorkerError",
+    "WorkerCrashed",
+    "TaskTimeout",
+    "WorkerCancelled",
+    "PoolBroken",
+    "WorkerStartError",
+    "format_bytes",
+]
+
+
+def format_bytes(n: int | None) -> str:
+    """``3.1 GiB`` for 3.1 * 2**30; ``unknown`` for None."""
+    if n is None:
+        return "unknown"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"  # pragma: no cover - the loop always returns
+
+
+def _task_text(task_name: str | None, task_id: int | None) -> str:
+    if task_name is None:
+        return "while idle"
+    return f"while running {task_name}" + ("" if task_id is None else f" (task {task_id})")
+
+
+class WorkerError(FramepipeError):
+    """Base class of the worker layer's errors."""
+
+
+class WorkerStartError(WorkerError):
+    """A worker could not start: its initializer raised (the exception is ``__cause__``), or
+    the process died before it was ready."""
+
+
+class WorkerCrashed(WorkerError):
+    """A worker process died while callers were waiting on it.
+
+    Attributes: ``worker`` (its name), ``pid``, ``exitcode`` (negative for a signal, as
+    ``subprocess.Popen`` reports it; None when unknown), ``signal_name``, ``core_dumped``,
+    ``task_name`` and ``task_id`` (the task it was running, None when idle), ``peak_rss``
+    (bytes, the highest resident size seen; None when unknown), ``oom_killed`` (True when the
+    cgroup's OOM-kill counter rose, None when unknown), ``native_traceback`` (faulthandler's dump
+    of a crash in C code), ``stderr_tail`` (the last lines the worker wrote to its stderr, at
+    the fd level) and ``log_path`` (where its whole stderr was kept, when it was).
+    """
+
+    def __init__(
+        self,
+        worker: str,
+        pid: int | None,
+        exitcode: int | None,
+        *,
+        core_dumped: bool = False,
+        task_name: str | None = None,
+        task_id: int | None = None,
+        peak_rss: int | None = None,
+        oom_killed: bool | None = None,
+        native_traceback: str | None = None,
+        stderr_tail: str = "",
+        log_path: str | None = None,
+        reason: str | None = None,
+    ) -> None:
+        self.worker = worker
+        self.pid = pid
+        self.exitcode = exitcode
+        self.core_dumped = core_dumped
+        self.task_name = task_name
+        self.task_id = task_id
+        self.peak_rss = peak_rss
+        self.oom_killed = oom_killed
+        self.native_traceback = native_traceback
+        self.stderr_tail = stderr_tail
+        self.log_path = log_path
+        self.reason = reason
+        self.signal_name = (
+            signal_name(-exitcode) if exitcode is not None and exitcode < 0 else None
+        )
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        who = f"worker {self.worker!r} (pid {self.pid})"
+        if self.exitcode is None:
+            how = "died (its exit status could not be read)"
+        elif self.exitcode < 0:
+            how = f"was killed by {self.signal_name}"
+            if self.core_dumped:
+                how += " (core dumped)"
+        else:
+            how = f"exited with code {self.exitcode}"
+        msg = f"{who} {how} {_task_text(self.task_name, self.task_id)}"
+        if self.reason:
+            msg += f" ({self.reason})"
+        if self.oom_killed:
+            msg += f"; likely the OOM killer: peak RSS {format_bytes(self.peak_rss)}"
+        elif self.peak_rss is not None:
+            msg += f"; peak RSS {format_bytes(self.peak_rss)}"
+        if self.native_traceback:
+            msg += "\n\nnative traceback:\n" + self.native_traceback.rstrip()
+        if self.stderr_tail:
+            msg += "\n\nlast stderr:\n" + self.stderr_tail.rstrip()
+        elif self.log_path:
+            msg += f"\n(its stderr is in {self.log_path})"
+        return msg
+
+    def __reduce__(self) -> Any:
+        state = {k: v for k, v in self.__dict__.items() if k not in ("worker", "pid", "exitcode")}
+        state.pop("signal_name", None)
+        return (_rebuild, (type(self), (self.worker, self.pid, self.exitcode), state))
+
+
+class TaskTimeout(WorkerError, TimeoutError):
+    """A task (or a stream's next item) did not finish within its deadline.
+
+    ``stack`` holds every thread's stack in the worker, taken with faulthandler before the
+    worker was stopped (None when the worker did not answer); ``worker``, ``pid``,
+    ``task_name``, ``task_id`` and ``timeout`` say which task, where and how long it had."""
+
+    def __init__(
+        self,
+        worker: str,
+        pid: int | None,
+        timeout: float,
+        *,
+        task_name: str | None = None,
+        task_id: int | None = None,
+        stack: str | None = None,
+        what: str = "task",
+    ) -> None:
+        self.worker = worker
+        self.pid = pid
+        self.timeout = timeout
+        self.task_name = task_name
+        self.task_id = task_id
+        self.stack = stack
+        self.what = what
+        task = task_name or "a task"
+        if task_id is not None:
+            task += f" (task {task_id})"
+        msg = (
+            f"worker {worker!r} (pid {pid}) did not finish {task} within {timeout:g} s"
+            if what == "task"
+            else f"worker {worker!r} (pid {pid}) produced no {what} of {task} within {timeout:g} s"
+        )
+        msg += "; the worker was stopped and will be replaced"
+        if stack:
+            msg += "\n\nits stack when the deadline passed:\n" + stack.rstrip()
+        else:
+            msg += " (its stack could not be taken: the worker did not answer)"
+        super().__init__(msg)
+
+    def __reduce__(self) -> Any:
+        state = dict(self.__dict__)
+        args = (state.pop("worker"), state.pop("pid"), state.pop("timeout"))
+        return (_rebuild, (type(self), args, state))
+
+
+class WorkerCancelled(WorkerError, concurrent.futures.CancelledError):
+    """The call was cancelled with :meth:`Worker.cancel`: raised in the worker's main thread
+    inside the running call, and to every caller whose call was running or queued."""
+
+
+class PoolBroken(WorkerError, concurrent.futures.BrokenExecutor):
+    """The pool gave up: its workers crashed more than ``max_restarts`` times within
+    ``restart_window`` seconds, or their initializer failed. ``crashes`` lists the last
+    :class:`WorkerCrashed` errors (newest last)."""
+
+    def __init__(self, message: str, crashes: list[BaseException] | None = None) -> None:
+        self.reason = message
+        self.crashes = list(crashes or [])
+        text = message
+        if self.crashes:
+            text += "\n\nlast crashes:\n" + "\n".join(
+                f"  - {str(c).splitlines()[0]}" for c in self.crashes[-5:]
+            )
+        super().__init__(text)
+
+    def __reduce__(self) -> Any:
+        return (type(self), (self.reason, self.crashes))
+
+
+def _rebuild(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return cls(*args, **kwargs)
