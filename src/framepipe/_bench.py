@@ -1530,6 +1530,15 @@ def format_report(report: dict[str, Any]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` subcommand's options."""
     parser.add_argument(
+        "suite",
+        nargs="?",
+        default="core",
+        choices=SUITES,
+        help="core: framed pipes against multiprocessing.connection (default); "
+        "workers: the Pool and Worker against concurrent.futures, multiprocessing.Pool, "
+        "loky, pebble, mpire; loader: the DataLoader against torch's",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="short runs (one of ~0.1 s a cell; default: best of 5 of ~0.3 s)",
@@ -1557,8 +1566,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", "-v", action="store_true", help="progress on stderr")
 
 
+SUITES = ("core", "workers", "loader")
+
+
 def main(args: argparse.Namespace) -> int:
     """Run ``python -m framepipe bench`` with parsed ``args``."""
+    if args.suite == "workers":
+        from . import _bench_workers
+
+        return _bench_workers.main(args)
+    if args.suite == "loader":
+        from . import _bench_loader
+
+        return _bench_loader.main(args)
     if args.list:
         for sec in SECTIONS:
             print(f"{sec.name:<18} {sec.title}")
