@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import os
 import pickle
+import select
 import signal
 import threading
 import time
@@ -36,7 +37,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import connection as _connection
-from ..errors import WriterDied
+from ..errors import ReadTimeout, WriterDied
 from ..remote import dumps_exception, loads_exception
 from . import _process
 from ._process import ChildContext, WorkerProcess
@@ -51,6 +52,8 @@ PIPE_ROOM = 512 * 1024  # bytes a worker may owe us before it gets more (its pip
 MAX_INFLIGHT = 128  # tasks sent to one worker before its first answer
 QUEUE_SECONDS = 0.002  # a worker is given about this much work ahead
 STACK_WAIT = 0.25  # seconds to wait for a worker's stack dump at a deadline
+_PARTIAL_WAIT = 1.0  # the manager waits this long for the rest of a frame that has started
+_WAKE, _DATA, _HEALTH, _STDERR = range(4)
 
 
 def _task_name(fn: Any) -> str:
@@ -291,6 +294,7 @@ class Slot:
         self.head_since = 0.0
         self.avg = 0.001
         self.stderr_eof = False
+        self.partial = False
         self.health_waiters: dict[int, concurrent.futures.Future[Any]] = {}
         self.last_rss_sample = 0.0
         self.crash_reason: str | None = None
@@ -367,6 +371,12 @@ class Core:
         self.restarts = 0
         self.close_timeout = 5.0
         self.last_exitcode: int | None = None
+        self._version = 1  # bumped whenever the set of fds to wait on changes
+        self._version_seen = 0
+        self._poller: Any = None
+        self._owners: dict[int, tuple[Slot | None, int]] = {}
+        self._timers = task_timeout is not None
+        self._dirty = True  # _maintain() has work: a death, a retirement, a start
         self._dispatch_lock = threading.Lock()
         self._dispatch_wanted = False
         self._wake_r, self._wake_w = os.pipe()
@@ -411,6 +421,10 @@ class Core:
             if self.closing:
                 raise RuntimeError(f"cannot submit to {self.name}: it has been shut down")
             self._pending.append(task)
+            if self.policy == "actor" and not any(
+                    s.stopping is None and not s.dead for s in self._slots):
+                self._dirty = True  # the manager starts a new process for it
+                self.wake()
         self.kick()
         return task
 
@@ -454,19 +468,23 @@ class Core:
                 if not slot.outstanding:
                     slot.head_since = time.monotonic()
                     if task.timeout is not None:
+                        self._timers = True
                         self.wake()
+                elif task.timeout is not None:
+                    self._timers = True
                 slot.outstanding.append(task)
                 slot.out_bytes += task.size
                 slot.sent += 1
                 task.slot = slot
                 if self.max_tasks is not None and slot.sent >= self.max_tasks:
                     slot.retiring = True
+                    self._dirty = True
                     self.wake()
+            task.delivered = True  # before the write: the worker may die of it at once
             try:
                 slot.proc.conn.send_bytes(task.payload)
-                task.delivered = True
             except (OSError, ValueError):
-                pass  # the worker is gone: the manager sees its death and reschedules
+                task.delivered = False  # the worker is gone: its death reschedules the task
 
     def wake(self) -> None:
         with contextlib.suppress(OSError):
@@ -500,6 +518,7 @@ class Core:
         proc.start()
         with self._lock:
             self._slots.append(slot)
+            self._version += 1
         return slot
 
     def _run(self) -> None:
@@ -530,42 +549,76 @@ class Core:
                 return False
             return all(not s.outstanding for s in self._slots)
 
-    def _step(self) -> None:
-        now = time.monotonic()
-        waits: list[Any] = [self._wake_r]
-        owners: dict[Any, tuple[Slot, str]] = {}
-        deadline: float | None = None
+    def _rebuild_poller(self) -> None:
+        """Register every fd the manager waits on: per worker its data channel (or the bulk
+        socket a frame's payload is pending on), its death (pidfd), health channel and stderr
+        pipe; and the wake pipe. Rebuilt only when that set changes."""
+        poller = select.poll()
+        owners: dict[int, tuple[Slot | None, int]] = {}
+
+        def add(fd: int | None, slot: Slot | None, kind: int) -> None:
+            if fd is not None and fd >= 0 and fd not in owners:
+                owners[fd] = (slot, kind)
+                poller.register(fd, select.POLLIN | select.POLLPRI)
+
+        self._version_seen = self._version
+        add(self._wake_r, None, _WAKE)
         with self._lock:
             slots = list(self._slots)
         for slot in slots:
             if not slot.dead:
-                waits.append(slot.proc.conn)
-                owners[id(slot.proc.conn)] = (slot, "data")
-                waits.append(slot.proc.health)
-                owners[id(slot.proc.health)] = (slot, "health")
+                conn = slot.proc.conn
+                bulk = conn._pending_bulk_fd
+                add(conn.fileno() if bulk is None else bulk, slot, _DATA)
+                add(conn._liveness_fd, slot, _DATA)
+                add(slot.proc.health.fileno(), slot, _HEALTH)
             fd = slot.proc.stderr_fd()
-            if fd is not None and not slot.stderr_eof:
-                waits.append(fd)
-                owners[id(fd)] = (slot, "stderr")
-            for t in self._deadlines(slot):
-                deadline = t if deadline is None else min(deadline, t)
-        timeout = None if deadline is None else max(0.0, deadline - now)
-        ready = _connection.wait(waits, timeout)
-        for obj in ready:
-            if obj is self._wake_r:
+            if not slot.stderr_eof:
+                add(fd, slot, _STDERR)
+        self._poller, self._owners = poller, owners
+
+    def _step(self) -> None:
+        if self._version != self._version_seen:
+            self._rebuild_poller()
+        timeout = None
+        if self._timers:
+            deadline = None
+            with self._lock:
+                slots = list(self._slots)
+            for slot in slots:
+                for t in self._deadlines(slot):
+                    deadline = t if deadline is None else min(deadline, t)
+            if deadline is None:
+                self._timers = False
+            else:
+                timeout = max(0.0, deadline - time.monotonic()) * 1000.0
+        try:
+            events = self._poller.poll(timeout)
+        except InterruptedError:
+            events = []
+        owners = self._owners
+        for fd, _ in events:
+            slot, kind = owners.get(fd, (None, -1))
+            if kind == _DATA:
+                if not slot.dead:  # type: ignore[union-attr]
+                    self._drain(slot)  # type: ignore[arg-type]
+            elif kind == _WAKE:
                 with contextlib.suppress(OSError):
                     os.read(self._wake_r, 4096)
-                continue
-            slot, kind = owners[id(obj)]
-            if kind == "data":
-                self._drain(slot)
-            elif kind == "health":
-                self._drain_health(slot)
-            else:
-                slot.stderr_eof = slot.proc.pump_stderr()
-        self._check_deadlines()
-        self._maintain()
-        self.kick()
+            elif kind == _HEALTH:
+                if not slot.dead:  # type: ignore[union-attr]
+                    self._drain_health(slot)  # type: ignore[arg-type]
+            elif kind == _STDERR:
+                if slot.proc.pump_stderr():  # type: ignore[union-attr]
+                    slot.stderr_eof = True  # type: ignore[union-attr]
+                    self._version += 1
+        if self._timers:
+            self._check_deadlines()
+        if self._dirty:
+            self._dirty = False
+            self._maintain()
+        if self._pending:
+            self.kick()
 
     def _deadlines(self, slot: Slot) -> Iterator[float]:
         if slot.kill_at is not None:
@@ -576,10 +629,21 @@ class Core:
                 yield slot.head_since + head.timeout
 
     def _drain(self, slot: Slot) -> None:
+        """Handle every message the worker has sent (its death last, after them)."""
         conn = slot.proc.conn
         try:
-            while conn.poll(0):
-                self._handle(slot, conn.recv())
+            while True:
+                try:
+                    msg = conn.recv(timeout=_PARTIAL_WAIT)
+                except ReadTimeout:
+                    self._version += 1  # mid-frame: wait on wherever the rest will come from
+                    return
+                self._handle(slot, msg)
+                if not conn._has_buffered():
+                    if conn._pending_bulk_fd is not None or slot.partial:
+                        slot.partial = conn._pending_bulk_fd is not None
+                        self._version += 1
+                    return
         except WriterDied as died:
             self._on_death(slot, died)
         except (EOFError, OSError) as exc:
@@ -638,6 +702,7 @@ class Core:
                 task.stream.put(msg[2])
         elif kind == RECYCLE:
             slot.retiring = True
+            self._dirty = True
         elif kind == "ready":
             slot.ready = True
         elif kind == "init-failed":
@@ -659,6 +724,8 @@ class Core:
             if slot.dead:
                 return
             slot.dead = True
+            self._version += 1
+            self._dirty = True
             orphans = list(slot.outstanding)
             slot.outstanding.clear()
             slot.out_bytes = 0
@@ -705,6 +772,7 @@ class Core:
         with self._lock:
             if slot in self._slots:
                 self._slots.remove(slot)
+                self._version += 1
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
@@ -733,6 +801,7 @@ class Core:
                               task_id=task.tid, stack=stack, what=what))
         slot.proc.signal_group(signal.SIGTERM)
         slot.kill_at = time.monotonic() + self.kill_grace
+        self._timers = True
         self.wake()
 
     def _maintain(self) -> None:
@@ -746,6 +815,7 @@ class Core:
                 with contextlib.suppress(OSError, ValueError):
                     slot.proc.conn.send_bytes(pickle.dumps((CLOSE,)))
                 slot.kill_at = time.monotonic() + 5.0
+                self._timers = True
         if closing or self._terminating:
             return
         with self._lock:
@@ -776,6 +846,7 @@ class Core:
                 slot.stopping = "broken"
                 slot.proc.signal_group(signal.SIGTERM)
                 slot.kill_at = time.monotonic() + self.kill_grace
+                self._timers = True
         self.wake()
 
     # -- cancelling --
