@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
 
+import psutil
 import pytest
 
 from framepipe import _impl
@@ -40,3 +42,48 @@ def fd_count():
         return sum(1 for fd in os.listdir("/proc/self/fd") if not _is_background_fd(fd))
 
     return count
+
+
+@pytest.fixture
+def engine(impl, monkeypatch):
+    """Run the layers above the engine (connection.Pipe, the workers) on ``impl``: channels
+    made in this process use it, and a worker process rebuilds them with the same engine."""
+    monkeypatch.setattr(_impl, "core", impl)
+    return impl
+
+
+
+def _own_children():
+    """This process's descendants, less multiprocessing's own helpers (the forkserver and the
+    resource tracker, which outlive a test by design) and zombies."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if "multiprocessing.forkserver" in cmd or "multiprocessing.resource_tracker" in cmd:
+            continue
+        out.append(p)
+    return out
+
+
+@pytest.fixture
+def no_leftover_processes():
+    """Fails the test if it leaves a process of its own behind (and kills what it left)."""
+    before = {p.pid for p in _own_children()}
+    yield
+    deadline = time.monotonic() + 10
+    while True:
+        left = [p for p in _own_children() if p.pid not in before]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for p in left:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    assert not left, f"processes left behind: {[p.pid for p in left]}"

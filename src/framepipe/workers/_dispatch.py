@@ -255,7 +255,7 @@ class _Failure:
 
 class Task:
     __slots__ = ("tid", "future", "name", "payload", "size", "timeout", "stream", "delivered",
-                 "slot")
+                 "slot", "running")
 
     def __init__(self, tid: int, future: concurrent.futures.Future[Any], name: str,
                  payload: bytes, timeout: float | None, stream: ItemChannel | None) -> None:
@@ -267,6 +267,7 @@ class Task:
         self.timeout = timeout
         self.stream = stream
         self.delivered = False
+        self.running = False
         self.slot: Slot | None = None
 
     def fail(self, exc: BaseException) -> None:
@@ -370,6 +371,7 @@ class Core:
         self._crash_times: collections.deque[float] = collections.deque()
         self.restarts = 0
         self.close_timeout = 5.0
+        self._close_deadline: float | None = None
         self.last_exitcode: int | None = None
         self._version = 1  # bumped whenever the set of fds to wait on changes
         self._version_seen = 0
@@ -463,8 +465,10 @@ class Core:
                 if slot is None:
                     return
                 self._pending.popleft()
-                if not task.future.set_running_or_notify_cancel():
-                    continue
+                if not task.running:  # a task rescheduled after a crash is running already
+                    if not task.future.set_running_or_notify_cancel():
+                        continue
+                    task.running = True
                 if not slot.outstanding:
                     slot.head_since = time.monotonic()
                     if task.timeout is not None:
@@ -516,6 +520,8 @@ class Core:
         proc = WorkerProcess(self._mp, f"{self.name}-{index}", self._loop, **self._proc_kw)
         slot = Slot(proc, index)
         proc.start()
+        if index >= self._n:
+            self.restarts += 1  # every process after the first max_workers
         with self._lock:
             self._slots.append(slot)
             self._version += 1
@@ -543,6 +549,8 @@ class Core:
         with self._lock:
             if self._terminating:
                 return True
+            if self._close_deadline is not None and time.monotonic() >= self._close_deadline:
+                return True  # closing took too long: the workers are stopped as they are
             if not self.closing and self.broken is None:
                 return False
             if self._pending:
@@ -621,6 +629,8 @@ class Core:
             self.kick()
 
     def _deadlines(self, slot: Slot) -> Iterator[float]:
+        if self._close_deadline is not None:
+            yield self._close_deadline
         if slot.kill_at is not None:
             yield slot.kill_at
         if slot.outstanding and not slot.dead and slot.stopping is None:
@@ -825,7 +835,6 @@ class Core:
                     any(s.stopping is None for s in self._slots):
                 need = 0
         for _ in range(max(0, need)):
-            self.restarts += 1 if self._slots or self.crashes else 0
             try:
                 self._spawn()
             except BaseException as exc:  # noqa: BLE001
@@ -873,9 +882,15 @@ class Core:
 
     # -- ending --
 
-    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False,
+                 timeout: float | None = None) -> None:
+        """Stop taking tasks; the manager ends once every task has finished, or ``timeout``
+        seconds from now, whichever comes first (then the workers are stopped as they are)."""
         with self._lock:
             self.closing = True
+            if timeout is not None:
+                self._close_deadline = time.monotonic() + timeout
+                self._timers = True
             if cancel_futures:
                 pending = list(self._pending)
                 self._pending.clear()
@@ -916,6 +931,8 @@ class Core:
                     slot.proc.conn.send_bytes(pickle.dumps((CLOSE,)))
         for slot in slots:
             timeout = 0.0 if self._terminating else self.close_timeout
+            if self._close_deadline is not None:
+                timeout = max(0.0, self._close_deadline - time.monotonic())
             if self._terminating:
                 slot.proc.signal_group(signal.SIGKILL)
             slot.proc.stop(timeout=timeout, grace=self.kill_grace)

@@ -286,6 +286,22 @@ def _alive(pid: int) -> bool:
     return os.getppid() != 1 or pid == 1
 
 
+def _rebind_stream(name: str, fd: int) -> None:
+    """Make ``sys.<name>`` write to ``fd`` (a forked child may have inherited a stream on
+    another descriptor, e.g. a test runner's capture file), so its output is captured too."""
+    stream = getattr(sys, name, None)
+    try:
+        if stream is not None and stream.fileno() == fd:
+            return
+    except (AttributeError, OSError, ValueError):
+        pass
+    with contextlib.suppress(OSError, ValueError):
+        if stream is not None:
+            stream.flush()
+    setattr(sys, name, open(fd, "w", buffering=1, errors="backslashreplace",  # noqa: SIM115
+                            closefd=False))
+
+
 def child_main(boot: _Boot) -> None:
     """A worker process's body: hygiene, redirects, health thread, initializer, then the loop."""
     with contextlib.suppress(OSError):
@@ -306,7 +322,10 @@ def child_main(boot: _Boot) -> None:
         os.environ.update(boot.env)
     if boot.cwd:
         os.chdir(boot.cwd)
-    faulthandler.enable(file=sys.stderr, all_threads=True)
+    _rebind_stream("stderr", 2)
+    if boot.stdout_path:
+        _rebind_stream("stdout", 1)
+    faulthandler.enable(file=2, all_threads=True)
     faulthandler.register(STACK_SIGNAL, file=boot.stack_w.fd, all_threads=True, chain=False)
     ctx = ChildContext(boot)
 

@@ -320,11 +320,11 @@ class Worker:
         """Finish the queued calls, then ask the worker to exit; after ``timeout`` seconds
         SIGTERM, a grace period, SIGKILL to its whole process group. Reaped; every descriptor
         closed on both sides. Idempotent."""
-        self._core.close_timeout = timeout
-        self._core.shutdown(wait=True)
+        self._core.shutdown(wait=True, timeout=timeout)
 
     async def aclose(self, timeout: float = 5.0) -> None:
-        self._core.shutdown(wait=False)
+        """``close`` for asyncio."""
+        self._core.shutdown(wait=False, timeout=timeout)
         await asyncio.wrap_future(self._core.stopped)
 
     def terminate(self) -> None:

@@ -1,0 +1,168 @@
+"""Functions the worker tests run in worker processes (importable by spawn and forkserver
+children: pytest puts this directory on sys.path and multiprocessing passes it on)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import sys
+import time
+
+from framepipe.workers import worker_namespace
+
+
+class TwoArgError(Exception):
+    """An exception whose constructor takes two required arguments."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(f"code {code}: {detail}")
+        self.code = code
+        self.detail = detail
+
+
+def add(a, b):
+    return a + b
+
+
+def identity(x):
+    return x
+
+
+def square(x):
+    return x * x
+
+
+def getpid(_=None):
+    return os.getpid()
+
+
+def env(name):
+    return os.environ.get(name)
+
+
+def cwd():
+    return os.getcwd()
+
+
+def raise_two_arg(code, detail):
+    raise TwoArgError(code, detail)
+
+
+def raise_key(key):
+    raise KeyError(key)
+
+
+def raise_system_exit(code):
+    raise SystemExit(code)
+
+
+def kill_self_if(x, victims):
+    """Return x * 2, unless x is in ``victims``: then say so on stderr and die by SIGKILL."""
+    if x in victims:
+        os.write(2, f"task {x} is about to die\n".encode())
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x * 2
+
+
+def die_with(message, sig=signal.SIGKILL):
+    os.write(2, message.encode() + b"\n")
+    os.kill(os.getpid(), sig)
+    time.sleep(10)
+
+
+def exit_hard(code):
+    os._exit(code)
+
+
+def segfault():
+    ctypes.string_at(0)
+
+
+def sleep_for(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def hang_in_sleep_loop():
+    while True:
+        time.sleep(0.01)
+
+
+def stuck_in_c_holding_the_gil():
+    # catastrophic backtracking: seconds in the regex engine without releasing the GIL
+    return re.match(r"(a+)+$", "a" * 32 + "b")
+
+
+def count_up(n, progress_file=None, closed_file=None):
+    """Yield 0..n-1, recording in ``progress_file`` how many were produced, and in
+    ``closed_file`` that the generator was closed."""
+    try:
+        for i in range(n):
+            if progress_file:
+                with open(progress_file, "w") as f:
+                    f.write(str(i + 1))
+            yield i
+    finally:
+        if closed_file:
+            with open(closed_file, "w") as f:
+                f.write("closed")
+
+
+def slow_items(n, delay):
+    for i in range(n):
+        time.sleep(delay)
+        yield i
+
+
+def yield_then_hang():
+    yield 1
+    while True:
+        time.sleep(0.01)
+
+
+def append_to(name, value):
+    worker_namespace().setdefault(name, []).append(value)
+
+
+def write_stderr(nbytes):
+    chunk = b"x" * 1023 + b"\n"
+    left = nbytes
+    while left > 0:
+        n = min(left, len(chunk))
+        os.write(2, chunk[:n])
+        left -= n
+    return nbytes
+
+
+def print_to_stderr(text):
+    print(text, file=sys.stderr, flush=True)
+    return text
+
+
+def hold_memory(nbytes):
+    worker_namespace()["ballast"] = bytearray(nbytes)
+    return os.getpid()
+
+
+def set_global(value):
+    global _initialized
+    _initialized = value
+
+
+_initialized = None
+
+
+def get_global():
+    return _initialized
+
+
+def failing_initializer():
+    raise TwoArgError(7, "no database")
+
+
+def array(nbytes):
+    import numpy as np
+
+    return np.full(nbytes, 7, dtype=np.uint8)

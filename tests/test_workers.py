@@ -1,0 +1,465 @@
+"""The worker layer: Worker (an actor) and Pool (an Executor), with real processes, on both
+engines (the ``engine`` fixture: ids c / py)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import os
+import pickle
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+from _worker_tasks import (
+    TwoArgError,
+    add,
+    append_to,
+    count_up,
+    cwd,
+    env,
+    exit_hard,
+    failing_initializer,
+    get_global,
+    getpid,
+    hang_in_sleep_loop,
+    identity,
+    kill_self_if,
+    print_to_stderr,
+    raise_key,
+    raise_system_exit,
+    raise_two_arg,
+    segfault,
+    set_global,
+    sleep_for,
+    slow_items,
+    square,
+    stuck_in_c_holding_the_gil,
+    write_stderr,
+    yield_then_hang,
+)
+
+from framepipe.workers import (
+    Pool,
+    PoolBroken,
+    TaskTimeout,
+    Worker,
+    WorkerCancelled,
+    WorkerCrashed,
+    WorkerError,
+    WorkerStartError,
+)
+
+WAIT = 60  # a hang guard only
+
+
+@pytest.fixture(autouse=True)
+def _clean(no_leftover_processes):
+    yield
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_until(predicate, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+# -- Worker ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_worker_call_and_exception_on_every_start_method(engine, method):
+    with Worker(start_method=method) as w:
+        assert w.call(add, 2, 3) == 5
+        assert w.pid != os.getpid()
+        with pytest.raises(TwoArgError) as info:
+            w.call(raise_two_arg, 404, "not found")
+        assert type(info.value) is TwoArgError
+        assert (info.value.code, info.value.detail) == (404, "not found")
+        # the worker's traceback travels with it
+        text = "".join(__import__("traceback").format_exception(info.value))
+        assert "raise_two_arg" in text and "_worker_tasks.py" in text
+        assert w.call(add, 1, 1) == 2  # the channel is intact
+
+
+def test_worker_calls_queue_in_order_and_submit_returns_futures(engine):
+    with Worker(start_method="fork") as w:
+        futures = [w.submit(append_to, "seen", i) for i in range(200)]
+        assert all(isinstance(f, cf.Future) for f in futures)
+        cf.wait(futures, WAIT)
+        assert w.load("seen") == list(range(200))
+        with pytest.raises(KeyError, match="missing"):
+            w.submit(raise_key, "missing").result(WAIT)
+
+
+def test_worker_exec_store_load_any_size_both_ways(engine):
+    big = os.urandom(64 << 20)
+    with Worker(start_method="fork") as w:
+        w.store("blob", big)
+        w.exec("reply = blob[::-1]\nsize = len(blob)")
+        assert w.load("size") == len(big)
+        # a 64 MiB request queued while a 64 MiB reply is on its way: no deadlock
+        reply = w.submit(__import__("_worker_tasks").identity, big)
+        w.store("blob2", big)
+        assert reply.result(WAIT) == big
+        assert w.load("reply") == big[::-1]
+        with pytest.raises(KeyError, match="not in the worker's namespace"):
+            w.load("nothing")
+        with pytest.raises(TypeError):
+            w.exec(b"x = 1")
+
+
+def test_worker_stream_items_backpressure_and_early_close(engine, tmp_path):
+    progress = tmp_path / "progress"
+    closed = tmp_path / "closed"
+    with Worker(start_method="fork") as w:
+        assert list(w.stream(count_up, 50)) == list(range(50))
+        stream = w.stream(count_up, 1000, str(progress), str(closed), window=4)
+        got = [next(stream) for _ in range(3)]
+        assert got == [0, 1, 2]
+        time.sleep(0.3)  # the producer runs as far as its credit allows, no further
+        produced = int(progress.read_text())
+        assert produced <= 3 + 4, produced
+        stream.close()
+        assert _wait_until(closed.exists), "the generator was not closed in the worker"
+        assert int(progress.read_text()) < 1000
+        assert w.call(add, 1, 2) == 3  # the worker goes on after the stream stopped
+
+
+def test_worker_stream_errors_and_item_timeout(engine):
+    with Worker(start_method="fork") as w:
+        with pytest.raises(TypeError):
+            list(w.stream(add, 1, 2))  # not a generator: an int is not iterable
+        pid = w.pid
+        stream = w.stream(yield_then_hang, item_timeout=0.5)
+        assert next(stream) == 1
+        with pytest.raises(TaskTimeout) as info:
+            next(stream)
+        assert info.value.stack and "yield_then_hang" in info.value.stack
+        assert _wait_until(lambda: _gone(pid))
+        assert w.call(add, 2, 2) == 4  # a new process took over
+        assert w.pid != pid
+        with pytest.raises(ValueError):
+            w.stream(count_up, 3, window=0)
+
+
+def test_worker_ping_while_a_long_call_runs(engine):
+    with Worker(start_method="fork") as w:
+        assert w.ping() < 5
+        long = w.submit(sleep_for, 3)
+        time.sleep(0.2)
+        rtts = [w.ping(timeout=2.0) for _ in range(5)]
+        assert max(rtts) < 2.0
+        assert not long.done()  # answered while the call was still running
+        w.cancel()
+
+
+def test_worker_cancel_running_and_queued(engine):
+    with Worker(start_method="fork") as w:
+        pid = w.pid or w.call(getpid)
+        running = w.submit(hang_in_sleep_loop)
+        queued = [w.submit(add, i, i) for i in range(3)]
+        time.sleep(0.3)
+        assert w.cancel() == 4
+        for fut in [running, *queued]:
+            with pytest.raises(WorkerCancelled):
+                fut.result(WAIT)
+        # raised inside the running call, in the worker: its traceback shows where
+        text = "".join(__import__("traceback").format_exception(running.exception()))
+        assert "hang_in_sleep_loop" in text
+        assert w.call(add, 5, 5) == 10
+        assert w.call(getpid) == pid  # the same process: cancelling kills nothing
+
+
+def test_worker_stack_even_when_stuck_in_c_holding_the_gil(engine):
+    with Worker(start_method="fork") as w:
+        fut = w.submit(hang_in_sleep_loop)
+        time.sleep(0.3)
+        text = w.stack()
+        assert "hang_in_sleep_loop" in text and "_worker_tasks.py" in text
+        w.cancel()
+        with pytest.raises(WorkerCancelled):
+            fut.result(WAIT)
+        fut = w.submit(stuck_in_c_holding_the_gil)
+        time.sleep(0.3)
+        start = time.monotonic()
+        text = w.stack(timeout=5.0)
+        assert time.monotonic() - start < 5.0
+        assert "stuck_in_c_holding_the_gil" in text
+        w.terminate()
+
+
+def test_worker_call_timeout_takes_the_stack_then_replaces_the_worker(engine):
+    with Worker(start_method="fork") as w:
+        pid = w.call(getpid)
+        start = time.monotonic()
+        with pytest.raises(TaskTimeout) as info:
+            w.call(hang_in_sleep_loop, timeout=0.5)
+        elapsed = time.monotonic() - start
+        assert isinstance(info.value, TimeoutError)
+        assert 0.5 <= elapsed < 5.0
+        assert "hang_in_sleep_loop" in info.value.stack
+        assert info.value.pid == pid and info.value.task_name.endswith("hang_in_sleep_loop")
+        assert _wait_until(lambda: _gone(pid))
+        assert w.call(getpid) != pid
+        assert w.stats["restarts"] == 1
+        with pytest.raises(ValueError):
+            w.call(add, 1, 2, timeout=float("nan"))
+
+
+def test_worker_crash_report_and_restart(engine):
+    with Worker(start_method="fork", name="loader") as w:
+        pid = w.call(getpid)
+        queued = w.submit(add, 1, 1)  # queued behind nothing yet: runs first
+        assert queued.result(WAIT) == 2
+        dying = w.submit(kill_self_if, 3, {3})
+        behind = w.submit(add, 2, 2)
+        with pytest.raises(WorkerCrashed) as info:
+            dying.result(WAIT)
+        err = info.value
+        assert err.pid == pid and err.exitcode == -signal.SIGKILL
+        assert err.signal_name == "SIGKILL" and err.worker == "loader-0"
+        assert err.task_name.endswith("kill_self_if") and err.task_id is not None
+        assert "task 3 is about to die" in err.stderr_tail
+        assert "'loader-0'" in str(err) and "SIGKILL" in str(err) and "kill_self_if" in str(err)
+        assert err.peak_rss is None or err.peak_rss > 0
+        # an actor's queued calls fail with it: its state is gone
+        with pytest.raises(WorkerCrashed):
+            behind.result(WAIT)
+        assert w.call(add, 3, 3) == 6
+        assert w.pid != pid
+        assert w.stats["restarts"] == 1
+        assert pickle.loads(pickle.dumps(err)).pid == pid
+
+
+def test_worker_native_crash_and_exit_codes(engine):
+    with Worker(start_method="fork") as w:
+        with pytest.raises(WorkerCrashed) as info:
+            w.call(segfault)
+        assert info.value.signal_name == "SIGSEGV"
+        assert "Fatal Python error" in info.value.native_traceback
+        assert "segfault" in info.value.native_traceback
+        with pytest.raises(WorkerCrashed) as info:
+            w.call(exit_hard, 0)
+        assert info.value.exitcode == 0 and "exited with code 0" in str(info.value)
+        with pytest.raises(WorkerError, match="SystemExit") as info:
+            w.call(raise_system_exit, 3)  # never re-raised as SystemExit here
+        assert not isinstance(info.value, SystemExit)
+        assert w.call(add, 1, 1) == 2
+
+
+def test_worker_close_reaps_and_closes_every_fd(engine, fd_count):
+    before = fd_count()
+    threads = threading.active_count()
+    w = Worker(start_method="fork")
+    pid = w.call(getpid)
+    assert w.alive and w.exitcode is None
+    w.close()
+    assert not w.alive and w.exitcode == 0
+    assert _gone(pid)
+    with pytest.raises(psutil.NoSuchProcess):
+        psutil.Process(pid).status()  # reaped: not even a zombie
+    assert fd_count() == before
+    assert _wait_until(lambda: threading.active_count() <= threads)
+    with pytest.raises(RuntimeError, match="shut down"):
+        w.call(add, 1, 1)
+
+
+def test_worker_close_escalates_to_sigkill(engine):
+    w = Worker(start_method="fork", kill_grace=0.2)
+    pid = w.call(getpid)
+    w.submit(sleep_for, 30)
+    start = time.monotonic()
+    w.close(timeout=0.3)
+    assert time.monotonic() - start < 10
+    assert _gone(pid)
+
+
+def test_worker_initializer_env_cwd(engine, tmp_path):
+    with Worker(start_method="spawn", initializer=set_global, initargs=("ready",),
+                env={"FP_TEST_VAR": "42"}, cwd=str(tmp_path)) as w:
+        assert w.call(get_global) == "ready"
+        assert w.call(env, "FP_TEST_VAR") == "42"
+        assert w.call(cwd) == str(tmp_path)
+    with Worker(start_method="fork", initializer=failing_initializer) as w:
+        with pytest.raises(WorkerStartError) as info:
+            w.call(add, 1, 1)
+        assert isinstance(info.value.__cause__, TwoArgError)
+
+
+def test_worker_stderr_log_dir_and_tee(engine, tmp_path, capfd):
+    with Worker(start_method="fork", name="w", log_dir=str(tmp_path), tee=True) as w:
+        w.call(print_to_stderr, "hello from the worker")
+        w.call(write_stderr, 10 << 20)  # 10 MB: never blocks the worker
+        w.call(print_to_stderr, "last line")
+    log = (tmp_path / "w-0" / "stderr.log").read_bytes()
+    assert b"hello from the worker" in log and log.endswith(b"last line\n")
+    assert len(log) > 10 << 20
+    err = capfd.readouterr().err
+    assert "[w-0] hello from the worker" in err
+    assert "[w-0] last line" in err
+
+
+def test_worker_asyncio_api(engine):
+    async def main():
+        async with Worker(start_method="fork") as w:
+            assert await w.acall(add, 1, 2) == 3
+            with pytest.raises(TwoArgError):
+                await w.acall(raise_two_arg, 1, "x")
+            items = [i async for i in w.stream(slow_items, 5, 0.01)]
+            assert items == [0, 1, 2, 3, 4]
+            assert await w.aping() < 5
+            # the loop stays free while a call runs
+            ticks = 0
+            call = asyncio.ensure_future(w.acall(sleep_for, 0.3))
+            while not call.done():
+                ticks += 1
+                await asyncio.sleep(0.01)
+            assert ticks >= 5
+            with pytest.raises(TaskTimeout):
+                await w.acall(hang_in_sleep_loop, timeout=0.3)
+            return w.pid
+
+    pid = asyncio.run(main())
+    assert _wait_until(lambda: pid is None or _gone(pid))
+
+
+# -- Pool --------------------------------------------------------------------------------------
+
+
+def test_pool_is_an_executor(engine):
+    with Pool(2, start_method="fork") as pool:
+        assert isinstance(pool, cf.Executor)
+        futures = [pool.submit(square, i) for i in range(100)]
+        done, not_done = cf.wait(futures, WAIT)
+        assert not not_done
+        assert [f.result() for f in futures] == [i * i for i in range(100)]
+        assert sorted(f.result() for f in cf.as_completed(futures, WAIT)) == \
+            sorted(i * i for i in range(100))
+        assert list(pool.map(add, range(50), range(50))) == [2 * i for i in range(50)]
+        assert list(pool.map(square, range(50), chunksize=7)) == [i * i for i in range(50)]
+        assert sorted(pool.imap_unordered(square, range(30))) == [i * i for i in range(30)]
+        with pytest.raises(TimeoutError):
+            list(pool.map(sleep_for, [2, 2, 2, 2], timeout=0.2))
+
+        async def use_from_asyncio():
+            return await asyncio.wrap_future(pool.submit(add, 20, 22))
+
+        assert asyncio.run(use_from_asyncio()) == 42
+        assert len(pool.pids) == 2
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(add, 1, 2)
+
+
+def test_pool_task_exceptions_never_break_it(engine):
+    with Pool(2, start_method="fork") as pool:
+        futures = [pool.submit(raise_two_arg, i, "bad") for i in range(20)]
+        for i, fut in enumerate(futures):
+            exc = fut.exception(WAIT)
+            assert type(exc) is TwoArgError and exc.code == i
+        fut = pool.submit(identity, lambda: 1)  # not picklable: fails this task only
+        with pytest.raises(TypeError, match="cannot send"):
+            fut.result(WAIT)
+        assert pool.submit(add, 1, 1).result(WAIT) == 2
+        assert pool.crashes == []
+
+
+def test_pool_crash_fails_one_task_and_the_queue_goes_on(engine):
+    with Pool(2, start_method="fork") as pool:
+        victim = pool.submit(kill_self_if, 0, {0})
+        others = [pool.submit(kill_self_if, i, {0}) for i in range(1, 200)]
+        with pytest.raises(WorkerCrashed) as info:
+            victim.result(WAIT)
+        assert info.value.task_name.endswith("kill_self_if")
+        assert [f.result(WAIT) for f in others] == [2 * i for i in range(1, 200)]
+        assert len(pool.crashes) == 1
+        assert _wait_until(lambda: len(pool.pids) == 2)
+
+
+def test_pool_restart_budget_turns_a_crash_loop_into_pool_broken(engine):
+    with Pool(1, start_method="fork", max_restarts=2, restart_window=60) as pool:
+        errors = []
+        for _ in range(3):
+            errors.append(pool.submit(kill_self_if, 1, {1}).exception(WAIT))
+        assert all(isinstance(e, WorkerCrashed) for e in errors)
+        assert _wait_until(lambda: pool.broken is not None)
+        assert isinstance(pool.broken, PoolBroken)
+        assert "max_restarts=2" in str(pool.broken) and "SIGKILL" in str(pool.broken)
+        with pytest.raises(PoolBroken):
+            pool.submit(add, 1, 1)
+
+
+def test_pool_task_timeout_ladder(engine):
+    with Pool(2, start_method="fork", task_timeout=0.5, kill_grace=0.2) as pool:
+        pids = set(pool.map(getpid, range(20)))
+        start = time.monotonic()
+        hung = pool.submit(hang_in_sleep_loop)
+        quick = [pool.submit(add, i, i) for i in range(50)]
+        with pytest.raises(TaskTimeout) as info:
+            hung.result(WAIT)
+        late = time.monotonic() - start - 0.5
+        assert -0.05 < late < 3.0
+        assert "hang_in_sleep_loop" in info.value.stack
+        assert info.value.pid in pids
+        assert [f.result(WAIT) for f in quick] == [2 * i for i in range(50)]
+        assert _wait_until(lambda: _gone(info.value.pid))
+        assert pool.crashes == []  # a timeout is not a crash
+
+
+def test_pool_recycles_workers(engine):
+    with Pool(1, start_method="fork", max_tasks_per_worker=5) as pool:
+        pids = [pool.submit(getpid).result(WAIT) for _ in range(12)]
+        assert len(set(pids)) == 3
+        assert pids[:5] == [pids[0]] * 5
+    with Pool(1, start_method="fork", max_rss=200 << 20) as pool:
+        from _worker_tasks import hold_memory
+
+        first = pool.submit(hold_memory, 300 << 20).result(WAIT)
+        assert _wait_until(lambda: pool.submit(getpid).result(WAIT) != first)
+
+
+def test_pool_initializer(engine):
+    with Pool(2, start_method="spawn", initializer=set_global, initargs=(7,)) as pool:
+        assert {pool.submit(get_global).result(WAIT) for _ in range(10)} == {7}
+    pool = Pool(2, start_method="fork", initializer=failing_initializer)
+    fut = pool.submit(add, 1, 1)
+    with pytest.raises(WorkerStartError) as info:
+        fut.result(WAIT)
+    assert isinstance(info.value.__cause__, TwoArgError)
+    pool.shutdown()
+
+
+def test_pool_shutdown_cancel_futures_and_stats(engine):
+    pool = Pool(1, start_method="fork")
+    assert pool.submit(add, 1, 1).result(WAIT) == 2
+    first = pool.submit(sleep_for, 0.3)
+    rest = [pool.submit(add, i, i) for i in range(500)]
+    stats = pool.stats()
+    assert len(stats) == 1 and stats[0]["pid"] in pool.pids
+    pool.shutdown(wait=True, cancel_futures=True)
+    assert first.result(WAIT) == 0.3
+    assert any(f.cancelled() for f in rest)
+    assert all(f.done() for f in rest)
+
+
+def test_pool_argument_checks():
+    with pytest.raises(ValueError):
+        Pool(0)
+    with pytest.raises(ValueError):
+        Pool(2, task_timeout=-1)
+    with pytest.raises(ValueError, match="start_method"):
+        Pool(2, start_method="teleport")
+    with pytest.raises(TypeError):
+        Pool(2, initializer=5)
