@@ -40,3 +40,13 @@ def fd_count():
         return sum(1 for fd in os.listdir("/proc/self/fd") if not _is_background_fd(fd))
 
     return count
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fuzz-minutes",
+        type=float,
+        default=0,
+        help="run each frame-fuzzing property for about this many minutes (default: the "
+        "quick profile of a few hundred cases per core)",
+    )
