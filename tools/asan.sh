@@ -10,19 +10,26 @@
 # CPython itself is not instrumented, so the sanitizer runtimes are preloaded; leak detection
 # is off because CPython keeps memory alive at exit on purpose, and an allocation too large to
 # satisfy returns NULL (a MemoryError, which the cores must handle) instead of aborting, as in
-# CPython's own sanitizer builds. PYTHONMALLOC=malloc sends
-# every Python allocation through the instrumented malloc, so an overrun of a frame's bytes
-# object is caught too. Any finding aborts the process and fails the run.
+# CPython's own sanitizer builds. Crash signals are left to Python: the tests crash children on
+# purpose (SIGSEGV in C code) and check the exit signal and faulthandler's native traceback.
+# PYTHONMALLOC=malloc sends every Python allocation through the instrumented malloc, so an
+# overrun of a frame's bytes object is caught too. Any finding fails the run and is printed.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 work=$(mktemp -d "${TMPDIR:-/tmp}/framepipe-asan.XXXXXX")
+status=0
 report() {
+    rc=$?
     # pytest captures stderr, and an abort loses it: the sanitizers write to log files.
-    if ls "$work"/logs/*.* >/dev/null 2>&1; then
+    # (A refused huge allocation is only a warning: the cores must handle that NULL.)
+    if grep -l -E "ERROR: AddressSanitizer|runtime error" "$work"/logs/*.* >/dev/null 2>&1; then
         echo "tools/asan.sh: sanitizer findings:" >&2
-        cat "$work"/logs/*.* >&2
+        grep -l -E "ERROR: AddressSanitizer|runtime error" "$work"/logs/*.* | xargs cat >&2
+        status=1
     fi
     rm -rf "$work"
+    [ "$rc" -ne 0 ] && exit "$rc"
+    exit "$status"
 }
 trap report EXIT
 cp -r "$root/src" "$root/csrc" "$root/setup.py" "$root/pyproject.toml" "$root/README.md" "$work/"
@@ -44,7 +51,7 @@ if [ "$#" -eq 0 ]; then
     set -- tests
 fi
 env LD_PRELOAD="$preload" \
-    ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:allocator_may_return_null=1:detect_stack_use_after_return=1:log_path=$work/logs/asan" \
+    ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:allocator_may_return_null=1:detect_stack_use_after_return=1:handle_segv=0:handle_sigbus=0:handle_sigfpe=0:handle_sigill=0:handle_abort=0:log_path=$work/logs/asan" \
     UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$work/logs/ubsan" \
     PYTHONMALLOC=malloc \
     PYTHONPATH="$work/src" \
