@@ -182,6 +182,19 @@ def proc_state(pid: int) -> str | None:
     return proc_stat(pid, 3)
 
 
+def kill_and_wait_dead(pid: int, signum: int = signal.SIGKILL) -> None:
+    """Send ``signum`` to ``pid`` and wait until it is dead (a zombie, or gone), without
+    reaping it.
+
+    A writer blocked on a full pipe or socket handles even SIGKILL only when its write has to
+    wait again: if the reader drains the buffer first, the kernel goes on copying the rest of
+    the write and the frame arrives whole. A test that needs a frame cut short by the death
+    must therefore not read before the writer is dead.
+    """
+    os.kill(pid, signum)
+    wait_until(lambda: proc_state(pid) in ("Z", None), f"the death of process {pid}")
+
+
 def unread(fd: int) -> int:
     """Bytes sitting in the pipe of ``fd`` (either end), not yet read by anyone."""
     import array

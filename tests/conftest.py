@@ -87,3 +87,12 @@ def no_leftover_processes():
         except psutil.Error:
             pass
     assert not left, f"processes left behind: {[p.pid for p in left]}"
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fuzz-minutes",
+        type=float,
+        default=0,
+        help="run each frame-fuzzing property for about this many minutes (default: the "
+        "quick profile of a few hundred cases per core)",
+    )

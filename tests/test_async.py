@@ -22,6 +22,7 @@ from _fault_children import (
     WAIT,
     echo,
     header,
+    kill_and_wait_dead,
     payload,
     running,
     send_then_die,
@@ -170,7 +171,7 @@ def test_async_sigkill_mid_frame(impl):
             for i in range(2):
                 assert await r.recv_bytes_async(timeout=WAIT) == payload(10 + i, i)
             assert r.poll(WAIT)
-            os.kill(proc.pid, signal.SIGKILL)
+            kill_and_wait_dead(proc.pid)  # else the frame may still arrive whole
             with pytest.raises(WriterDied) as info:
                 await r.recv_bytes_async(timeout=WAIT)
             assert info.value.exitcode == -9

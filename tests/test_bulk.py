@@ -19,6 +19,7 @@ import threading
 
 import numpy as np
 import pytest
+from _fault_children import kill_and_wait_dead
 
 from framepipe import FrameError, ReadTimeout, WriterDied
 from framepipe.errors import MessageTooLong
@@ -330,7 +331,7 @@ def test_writer_killed_in_the_middle_of_a_bulk_payload(impl, method, close_write
         assert r.poll(WAIT)  # the header is in the pipe
         # Part of the payload is on the bulk fd; the rest cannot fit: the child is blocked.
         assert select.select([r._handles()[2]], [], [], WAIT)[0]
-        os.kill(proc.pid, signal.SIGKILL)
+        kill_and_wait_dead(proc.pid)  # else the frame may still arrive whole
         with pytest.raises(WriterDied) as info:
             r.recv_bytes(timeout=WAIT)
         err = info.value

@@ -28,6 +28,7 @@ from _fault_children import (
     echo,
     header,
     impl_name,
+    kill_and_wait_dead,
     payload,
     proc_stat,
     proc_state,
@@ -240,7 +241,7 @@ def test_sigkill_in_the_middle_of_a_16_mib_frame(impl, method):
         # blocked on a full buffer, so it cannot finish the frame while we read.
         bulk = r._handles()[2]
         wait_until(lambda: proc_state(proc.pid) == "S" and unread(bulk) > 0, "the writer blocks")
-        os.kill(proc.pid, signal.SIGKILL)
+        kill_and_wait_dead(proc.pid)  # else the frame may still arrive whole
         with pytest.raises(WriterDied) as info:
             r.recv_bytes(timeout=WAIT)
         err = info.value

@@ -226,7 +226,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         self._readable = bool(readable)
         self._writable = bool(writable)
         self._max_size = max_size
-        self._max = -1 if max_size is None else min(max_size, (1 << 62))
+        self._max = F.frame_cap(max_size)
         self._closefd = bool(closefd)
         self._read_ahead = bool(read_ahead)
         if stat.S_ISSOCK(mode):
@@ -697,18 +697,18 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                         memcpy(&length, p + 2, 8)
                         self._bstart += FP_DEAD_SIZE
                         self._consumed += FP_DEAD_SIZE
-                        self._dead = True
+                        self._dead = self._liveness is not None
                         raise F.dead_error(length, self._liveness)
                 elif avail >= FP_HEADER_SIZE:
                     if p[10] != p[0] or p[11] != p[1]:
                         raise self._break(F.mismatched_checks(bytes(p[:2]), bytes(p[10:12]), self._consumed))
                     memcpy(&length, p + 2, 8)
-                    if (self._max >= 0 and length > <uint64_t>self._max) or length > <uint64_t>(1 << 62):
-                        raise self._break(F.too_large(length, self._max_size if self._max_size is not None else (1 << 62), self._consumed))
+                    if length > <uint64_t>self._max:
+                        raise self._break(F.too_large(length, self._max_size, self._consumed))
+                    if kind == K_BULK and self._bfd < 0:
+                        raise self._break(F.no_bulk_channel(length, self._consumed))
                     self._pbulk = kind == K_BULK
                     if self._pbulk:
-                        if self._bfd < 0:
-                            raise self._break(F.no_bulk_channel(length, self._consumed))
                         # a data frame at a message boundary, a buffer inside an object
                         kind = K_DATA if self._object is None else K_BUFFER
                     self._bstart += FP_HEADER_SIZE
@@ -788,12 +788,19 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             elif into != NULL and self._pkind == K_DATA and n <= intolen:
                 self._pptr = into
                 self._pexternal = True
-            elif mutable:
-                self._pobj = PyByteArray_FromStringAndSize(NULL, n)
-                self._pptr = PyByteArray_AS_STRING(self._pobj)
             else:
-                self._pobj = PyBytes_FromStringAndSize(NULL, n)
-                self._pptr = PyBytes_AS_STRING(self._pobj)
+                try:
+                    if mutable:
+                        self._pobj = PyByteArray_FromStringAndSize(NULL, n)
+                        self._pptr = PyByteArray_AS_STRING(self._pobj)
+                    else:
+                        self._pobj = PyBytes_FromStringAndSize(NULL, n)
+                        self._pptr = PyBytes_AS_STRING(self._pobj)
+                except MemoryError:
+                    # a pending frame without a destination would be read into NULL
+                    self._pkind = -1
+                    self._pbulk = False
+                    raise self._break(F.unallocatable(n, self._consumed - FP_HEADER_SIZE)) from None
         try:
             self._pump(deadline)
         except BaseException:

@@ -39,6 +39,17 @@ BULK_MIN = 16 * 1024
 BULK_BUFFER_SIZE = 4 << 20  # SO_SNDBUF / SO_RCVBUF of the bulk socketpairs (best effort)
 _META = struct.Struct("QQ")  # (length, flags) of each out-of-band buffer
 FLAG_BYTES = 1  # the buffer is rebuilt as an immutable bytes object
+# The frame cap: the largest payload a frame may announce on a connection without max_size.
+# Both cores refuse a longer length before allocating anything (no process can hold 2**62
+# bytes, so such a length is garbage: 2**63 and 2**64-1 would not even fit a Py_ssize_t). A
+# length under the cap that the process cannot allocate is refused the same way, after the
+# attempt; max_size lowers the cap.
+FRAME_CAP = 1 << 62
+
+
+def frame_cap(max_size: int | None) -> int:
+    """The cap on announced payload lengths for a connection with this ``max_size``."""
+    return FRAME_CAP if max_size is None else min(max_size, FRAME_CAP)
 
 
 def header(kind: int, length: int) -> bytes:
@@ -71,11 +82,23 @@ def mismatched_checks(first: bytes, second: bytes, offset: int) -> FrameError:
     )
 
 
-def too_large(length: int, max_size: int, offset: int) -> FrameError:
+def too_large(length: int, max_size: int | None, offset: int) -> FrameError:
+    if max_size is None or max_size > FRAME_CAP:
+        limit = f"the frame cap of {FRAME_CAP:,} (2**62)"
+    else:
+        limit = f"this connection's max_size of {max_size:,}"
     return FrameError(
-        f"frame at stream offset {offset:,} announces {length:,} bytes, over this connection's "
-        f"max_size of {max_size:,}; nothing was allocated and the connection is now broken "
-        "(raise max_size if such frames are expected)"
+        f"frame at stream offset {offset:,} announces {length:,} bytes, over {limit}; nothing "
+        "was allocated and the connection is now broken (raise max_size if such frames are "
+        "expected)"
+    )
+
+
+def unallocatable(length: int, offset: int) -> FrameError:
+    return FrameError(
+        f"frame at stream offset {offset:,} announces {length:,} bytes, more than this process "
+        "could allocate (MemoryError); the connection is now broken (pass max_size= to refuse "
+        "such frames before allocating)"
     )
 
 
@@ -271,6 +294,8 @@ def _dumps(obj: Any, bulk_min: int) -> list[Any]:
 
 def parse_object(payload: bytes) -> tuple[bytes, list[tuple[int, int]]]:
     """Split an OBJECT frame into its pickle and the (length, flags) of each buffer."""
+    if len(payload) < LENGTH.size:
+        raise FrameError(f"object frame of {len(payload):,} bytes is too short for its table")
     (n,) = LENGTH.unpack_from(payload, 0)
     end = LENGTH.size + n * _META.size
     if end > len(payload):

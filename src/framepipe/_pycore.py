@@ -125,6 +125,7 @@ class Connection:
         self._readable = bool(readable)
         self._writable = bool(writable)
         self._max_size = max_size
+        self._cap = F.frame_cap(max_size)
         self._closefd = closefd
         self._read_ahead = bool(read_ahead)
         self._is_socket = stat.S_ISSOCK(os.fstat(handle).st_mode)
@@ -484,19 +485,21 @@ class Connection:
                     raise F.sentinel_timeout()
                 if kind == F.KIND_DEAD and avail >= F.DEAD_SIZE:
                     data = self._consume(F.DEAD_SIZE)
-                    self._dead = True
+                    # Only a watched writer's death is remembered: without a watch there is
+                    # nothing to report it again with, and a later read is an ordinary read.
+                    self._dead = self._liveness is not None
                     raise F.dead_error(F.dead_status(data[2:]), self._liveness)
                 if kind != F.KIND_DEAD and avail >= F.HEADER_SIZE:
                     second = bytes(self._buf[s + 10 : s + 12])
                     if second != check:
                         raise self._break(F.mismatched_checks(check, second, self._consumed))
                     (length,) = F.LENGTH.unpack_from(self._buf, s + 2)
-                    if self._max_size is not None and length > self._max_size:
+                    if length > self._cap:
                         raise self._break(F.too_large(length, self._max_size, self._consumed))
+                    if kind == F.KIND_BULK and self._bfd < 0:
+                        raise self._break(F.no_bulk_channel(length, self._consumed))
                     self._pbulk = kind == F.KIND_BULK
                     if self._pbulk:
-                        if self._bfd < 0:
-                            raise self._break(F.no_bulk_channel(length, self._consumed))
                         # a data frame at a message boundary, a buffer inside an object
                         kind = F.KIND_DATA if self._object is None else F.KIND_BUFFER
                     self._consume(F.HEADER_SIZE)
@@ -564,7 +567,12 @@ class Connection:
             elif into is not None and self._pkind == F.KIND_DATA and n <= into.nbytes:
                 self._pdest, self._pexternal = into, True
             else:
-                self._pdest = bytearray(n)
+                try:
+                    self._pdest = bytearray(n)
+                except MemoryError:
+                    self._pkind, self._pbulk = -1, False
+                    offset = self._consumed - F.HEADER_SIZE
+                    raise self._break(F.unallocatable(n, offset)) from None
         try:
             self._pump(deadline)
         except BaseException:
