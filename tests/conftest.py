@@ -88,6 +88,7 @@ def no_leftover_processes():
             pass
     assert not left, f"processes left behind: {[p.pid for p in left]}"
 
+
 def pytest_addoption(parser):
     parser.addoption(
         "--fuzz-minutes",
