@@ -339,7 +339,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
 
     cdef int _close_owned(self, int fd, int wfd, int bfd, int bwfd) noexcept:
         """Close the distinct fds that are still the files this connection took (see
-        fp_close_if_same); an fd whose identity was unknown is closed as given. Returns 0 or
+        fp_close_if_same); an fd that was not open when taken is left alone. Returns 0 or
         the errno of the first close() that failed."""
         cdef int fds[4]
         cdef int i, j, rc, err = 0
@@ -354,10 +354,9 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                 if fds[j] == fds[i]:
                     break
             else:
-                if self._known[i]:
-                    rc = fp_close_if_same(fds[i], self._dev[i], self._ino[i])
-                else:
-                    rc = c_close(fds[i])
+                if not self._known[i]:
+                    continue  # not open when taken: a bad handle, never ours to close
+                rc = fp_close_if_same(fds[i], self._dev[i], self._ino[i])
                 if rc < 0 and err == 0:
                     err = errno
         return err

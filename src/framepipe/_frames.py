@@ -176,17 +176,15 @@ def fd_identity(fd: int) -> tuple[int, int] | None:
 
 def close_owned(fds: tuple[int, ...], identities: tuple[Any, ...]) -> None:
     """Close each distinct fd of ``fds`` that is still the file it was when the connection
-    took it (same ``fd_identity``): a number that was closed behind the connection's back and
-    reused since (by framepipe's watcher, or anything else) is left alone. An fd whose
-    identity was unknown is closed as given (``OSError`` as ``os.close`` raises it)."""
+    took it (same ``fd_identity``). A number closed behind the connection's back and reused
+    since (by framepipe's watcher, or anything else) is left alone, and so is an fd that was
+    not open when the connection took it (a bad handle, which failed on its first use)."""
     seen = set()
     for fd, ident in zip(fds, identities):
         if fd < 0 or fd in seen:
             continue
         seen.add(fd)
-        if ident is None:
-            os.close(fd)
-        elif fd_identity(fd) == ident:
+        if ident is not None and fd_identity(fd) == ident:
             os.close(fd)
 
 

@@ -277,6 +277,7 @@ class Connection:
             if self._gen != _fork_gen:
                 self._rlock = threading.Lock()
                 self._wlock = threading.Lock()
+                self._poller = self._bpoller = None  # may be marked busy by a parent thread
                 self._async_owner = 0
                 self._gen = _fork_gen
 
