@@ -241,3 +241,26 @@ int fp_writev_all(int fd, struct iovec **iovp, int *iovcntp)
     *iovcntp = 0;
     return FP_OK;
 }
+
+/* A connection may outlive its fds: a caller that closes "its copy" of a handle with os.close()
+ * frees the number, and the next open (a pidfd of the watcher, a file) may get it. Closing by
+ * number then would close someone else's descriptor. The identity recorded when the connection
+ * took the fd tells the two apart: an open pipe or socket keeps its inode, and no other open
+ * file shares it. */
+int fp_identity(int fd, uint64_t *dev, uint64_t *ino)
+{
+    struct stat st;
+    if (fstat(fd, &st) < 0)
+        return -1;
+    *dev = (uint64_t)st.st_dev;
+    *ino = (uint64_t)st.st_ino;
+    return FP_OK;
+}
+
+int fp_close_if_same(int fd, uint64_t dev, uint64_t ino)
+{
+    uint64_t d, i;
+    if (fp_identity(fd, &d, &i) < 0 || d != dev || i != ino)
+        return FP_EOF;
+    return close(fd) < 0 ? -1 : FP_OK;
+}

@@ -65,4 +65,13 @@ ssize_t fp_writev_nowait(int fd, const struct iovec *iov, int iovcnt);
  * signal handlers and calls again to finish the same frame. FP_OK or -1 with errno. */
 int fp_writev_all(int fd, struct iovec **iov, int *iovcnt);
 
+/* The identity of fd's open file (device and inode), for fp_close_if_same. FP_OK, or -1 with
+ * errno (EBADF: not an open fd). */
+int fp_identity(int fd, uint64_t *dev, uint64_t *ino);
+
+/* Close fd only if it is still the file whose identity was recorded when a connection took
+ * it: FP_OK when closed, FP_EOF when the number now names another file (or nothing) and was
+ * left alone, -1 with errno when close() failed. */
+int fp_close_if_same(int fd, uint64_t dev, uint64_t ino);
+
 #endif

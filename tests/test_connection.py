@@ -380,7 +380,7 @@ def test_short_timeouts_on_fds_above_select_limits(impl):
     r = impl.Connection(high_r, writable=False)
     w = impl.Connection(high_w, readable=False)
     with r, w:
-        r.watch(os.getpid())
+        r.watch(os.getppid())
         with pytest.raises(framepipe.ReadTimeout):
             r.recv_bytes(timeout=0.02)
         assert not r.poll(0.02)

@@ -281,7 +281,7 @@ def test_timed_reads_never_make_the_inherited_fd_non_blocking(impl):
         assert r.recv_bytes(timeout=TIMEOUT) == b"first"
         with pytest.raises(TimeoutError):
             r.recv_bytes(timeout=0.01)
-        r.watch(os.getpid())
+        r.watch(os.getppid())
         w.send_bytes(b"second")
         assert r.recv_bytes(timeout=TIMEOUT) == b"second"
         r.watch(None)

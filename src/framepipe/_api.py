@@ -23,12 +23,16 @@ def _pipe_size(fd: int) -> None:
         pass  # best effort: an unprivileged process may be capped lower
 
 
-def _bulk_pair() -> tuple[int, int]:
-    """One direction of a bulk channel: ``(read fd, write fd)`` of a stream socketpair whose
-    buffers are raised to 4 MiB where the system allows; each end is only ever used one way."""
+def _stream_pair(both_ways: bool = False) -> tuple[int, int]:
+    """A stream socketpair whose buffers are raised to 4 MiB where the system allows:
+    ``(a, b)``. A bulk channel uses it one way (``a`` reads, ``b`` writes); ``both_ways``
+    raises both buffers of both ends, for a duplex connection over the pair."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        for s, opt in ((a, socket.SO_RCVBUF), (b, socket.SO_SNDBUF)):
+        opts = ((a, socket.SO_RCVBUF), (b, socket.SO_SNDBUF))
+        if both_ways:
+            opts += ((a, socket.SO_SNDBUF), (b, socket.SO_RCVBUF))
+        for s, opt in opts:
             try:
                 s.setsockopt(socket.SOL_SOCKET, opt, F.BULK_BUFFER_SIZE)
             except OSError:
@@ -50,33 +54,25 @@ def _close_all(fds: list[int]) -> None:
 def build_api(Connection: Any) -> tuple[Callable[..., Any], type]:
     def pipe(duplex: bool = True, *, read_ahead: bool = False) -> tuple[Connection, Connection]:
         """A pair of connected Connections, like ``multiprocessing.Pipe``: ``(reader, writer)``
-        over an ``os.pipe()``, or when ``duplex``, two connections that each read one pipe and
-        write the other (measured faster than a socketpair here: half the round-trip latency
-        and over twice the small-message rate). Each direction also gets a bulk channel, a
-        socketpair that carries the payloads of frames of 16 KiB and more (over twice the
-        throughput of a pipe for large frames) while their headers stay in the pipe."""
+        over an ``os.pipe()``, or when ``duplex``, two connections over one stream socketpair,
+        as the stdlib makes them (2 fds in all, ``fileno()`` a Unix socket, so
+        ``multiprocessing.reduction.send_handle``/``recv_handle`` work over it; 4 MiB socket
+        buffers carry large frames as fast as a separate bulk channel would). A one-way pipe
+        also gets a bulk channel, a socketpair that carries the payloads of frames of 16 KiB
+        and more (over twice the throughput of a pipe for large frames) while their headers
+        stay in the pipe: 4 fds in all."""
         fds: list[int] = []
         try:
             if duplex:
-                r1, w1 = os.pipe()
-                fds += (r1, w1)
-                r2, w2 = os.pipe()
-                fds += (r2, w2)
-                br1, bw1 = _bulk_pair()
-                fds += (br1, bw1)
-                br2, bw2 = _bulk_pair()
-                fds += (br2, bw2)
-                _pipe_size(w1)
-                _pipe_size(w2)
-                c1 = Connection(r1, write_handle=w2, bulk_handle=br1, bulk_write_handle=bw2,
-                                read_ahead=read_ahead)
-                fds = [r2, w1, br2, bw1]
-                c2 = Connection(r2, write_handle=w1, bulk_handle=br2, bulk_write_handle=bw1,
-                                read_ahead=read_ahead)
+                a, b = _stream_pair(both_ways=True)
+                fds += (a, b)
+                c1 = Connection(a, read_ahead=read_ahead)
+                fds = [b]
+                c2 = Connection(b, read_ahead=read_ahead)
             else:
                 r, w = os.pipe()
                 fds += (r, w)
-                br, bw = _bulk_pair()
+                br, bw = _stream_pair()
                 fds += (br, bw)
                 _pipe_size(w)
                 c1 = Connection(r, writable=False, bulk_handle=br, read_ahead=read_ahead)

@@ -56,6 +56,12 @@ cdef extern from "fp.h" nogil:
     int fp_writev_all(int fd, iovec **iov, int *iovcnt)
     int fp_reopen_nonblocking(int fd)
     ssize_t fp_writev_nowait(int fd, const iovec *iov, int iovcnt)
+    int fp_identity(int fd, uint64_t *dev, uint64_t *ino)
+    int fp_close_if_same(int fd, uint64_t dev, uint64_t ino)
+
+
+cdef extern from "unistd.h" nogil:
+    int c_close "close"(int fd)
 
 
 DEF READ_CHUNK = 65536
@@ -77,6 +83,20 @@ cdef double LIVENESS_SLICE = 0.01
 cdef double POLL_WAITED = 20e-6  # a poll() that took longer had to wait for data
 
 
+# Locks held by threads of the parent stay held in a forked child, where those threads do not
+# exist: a connection first used in a child after a fork takes fresh locks.
+cdef unsigned long long _fork_gen = 0
+
+
+def _after_fork_in_child():
+    global _fork_gen
+    _fork_gen += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class _Expired(Exception):
     """Internal: the read's deadline passed; the public method says which timeout."""
 
@@ -86,6 +106,8 @@ cdef inline double _deadline(timeout) except? -2.0:
     if timeout is None:
         return -1.0
     t = timeout
+    if t != t:
+        F.check_timeout(t)  # raises: the message is shared with the twin
     return fp_now() + (t if t > 0.0 else 0.0)
 
 
@@ -187,6 +209,10 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
     cdef object _watch_handle
     cdef int _lfd
     cdef bint _dead
+    cdef unsigned long long _gen
+    cdef uint64_t _dev[4]
+    cdef uint64_t _ino[4]
+    cdef bint _known[4]  # whether _dev/_ino of (fd, wfd, bfd, bwfd) were read
     cdef public object _peer
     cdef public long long _sentinel_sent
     cdef object __weakref__
@@ -211,14 +237,29 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         bfd, bwfd = F.check_bulk_handles(bulk_handle, bulk_write_handle, readable, writable)
         if max_size is not None and max_size < 0:
             raise ValueError("max_size must be None or a non-negative number of bytes")
-        mode = os.fstat(handle).st_mode
+        try:
+            mode = os.fstat(handle).st_mode
+        except OSError:
+            mode = 0  # like the stdlib: a bad handle fails on first use
+        self._gen = _fork_gen
         self._fd = handle
         self._wfd = wfd
         self._bfd = bfd
         self._bwfd = bwfd
         self._bmode = FP_MODE_BLOCK
+        cdef int i
+        cdef int fds[4]
+        fds[0] = handle
+        fds[1] = wfd
+        fds[2] = bfd
+        fds[3] = bwfd
+        for i in range(4):
+            self._known[i] = fds[i] >= 0 and fp_identity(fds[i], &self._dev[i], &self._ino[i]) == 0
         if bfd >= 0:
-            bmode = os.fstat(bfd).st_mode
+            try:
+                bmode = os.fstat(bfd).st_mode
+            except OSError:
+                bmode = 0
             if stat.S_ISSOCK(bmode):
                 self._bmode = FP_MODE_SOCKET
             elif stat.S_ISFIFO(bmode):
@@ -238,16 +279,11 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
 
     def __dealloc__(self):
         if self._nfd >= 0:
-            os.close(self._nfd)
+            c_close(self._nfd)
             self._nfd = -1
+        # No Python here: at interpreter shutdown the modules may already be torn down.
         if self._fd >= 0 and self._closefd:
-            os.close(self._fd)
-            if self._wfd != self._fd:
-                os.close(self._wfd)
-            if self._bfd >= 0:
-                os.close(self._bfd)
-            if self._bwfd >= 0 and self._bwfd != self._bfd:
-                os.close(self._bwfd)
+            self._close_owned(self._fd, self._wfd, self._bfd, self._bwfd)
         self._fd = self._wfd = self._bfd = self._bwfd = -1
         if self._buf != NULL:
             PyMem_Free(self._buf)
@@ -297,13 +333,33 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             self._liveness = self._watch_handle = None
             self._lfd = -1
             if self._closefd:
-                os.close(fd)
-                if wfd != fd:
-                    os.close(wfd)
-                if bfd >= 0:
-                    os.close(bfd)
-                if bwfd >= 0 and bwfd != bfd:
-                    os.close(bwfd)
+                err = self._close_owned(fd, wfd, bfd, bwfd)
+                if err:
+                    raise _oserror(err)
+
+    cdef int _close_owned(self, int fd, int wfd, int bfd, int bwfd) noexcept:
+        """Close the distinct fds that are still the files this connection took (see
+        fp_close_if_same); an fd that was not open when taken is left alone. Returns 0 or
+        the errno of the first close() that failed."""
+        cdef int fds[4]
+        cdef int i, j, rc, err = 0
+        fds[0] = fd
+        fds[1] = wfd
+        fds[2] = bfd
+        fds[3] = bwfd
+        for i in range(4):
+            if fds[i] < 0:
+                continue
+            for j in range(i):
+                if fds[j] == fds[i]:
+                    break
+            else:
+                if not self._known[i]:
+                    continue  # not open when taken: a bad handle, never ours to close
+                rc = fp_close_if_same(fds[i], self._dev[i], self._ino[i])
+                if rc < 0 and err == 0:
+                    err = errno
+        return err
 
     def __enter__(self):
         return self
@@ -344,6 +400,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         Returns the connection. ``watch(None)`` stops watching.
         """
         self._check_closed()
+        F.check_watch(target, self._readable)
         F.stop_watch(self._liveness, self._watch_handle)
         self._liveness = self._watch_handle = None
         self._lfd = -1
@@ -362,8 +419,28 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
 
     # -- writing -----------------------------------------------------------------------------
 
+    cdef int _renew_locks_after_fork(self) except -1:
+        """First use in a forked child: the inherited locks may be held by parent threads
+        that do not exist here. (The GIL is held throughout: no other thread can interleave.)"""
+        cdef PyThread_type_lock r = PyThread_allocate_lock(), w = PyThread_allocate_lock()
+        if r == NULL or w == NULL:
+            if r != NULL:
+                PyThread_free_lock(r)
+            if w != NULL:
+                PyThread_free_lock(w)
+            raise MemoryError()
+        PyThread_free_lock(self._rlock)
+        PyThread_free_lock(self._wlock)
+        self._rlock = r
+        self._wlock = w
+        self._async_owner = 0
+        self._gen = _fork_gen
+        return 0
+
     cdef int _lock_write(self) except -1:
         cdef int ok
+        if self._gen != _fork_gen:
+            self._renew_locks_after_fork()
         if not PyThread_acquire_lock(self._wlock, NOWAIT_LOCK):
             if self._async_owner == PyThread_get_thread_ident():
                 raise F.blocking_send_under_async_send()
@@ -498,6 +575,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         from .remote import dumps_exception
 
         self._check_writable()
+        F.check_exception(exc)
         payload = dumps_exception(exc)
         self._write_parts([F.header(K_ERROR, len(payload)), payload])
 
@@ -840,6 +918,8 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
     cdef int _lock_read(self, double deadline) except -1:
         cdef PyLockStatus st
         cdef PY_TIMEOUT_T us
+        if self._gen != _fork_gen:
+            self._renew_locks_after_fork()
         if PyThread_acquire_lock(self._rlock, NOWAIT_LOCK):
             return 0
         if deadline < 0:
@@ -915,7 +995,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             finally:
                 PyThread_release_lock(self._rlock)
         except _Expired:
-            raise F.timeout_error(timeout) from None
+            raise F.timeout_error(timeout, *self._lost()) from None
 
     def recv_bytes_into(self, buf, offset=0, *, timeout=None):
         """Receive one message into ``buf`` at byte ``offset``; returns its size in bytes.
@@ -958,7 +1038,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                     finally:
                         PyThread_release_lock(self._rlock)
                 except _Expired:
-                    raise F.timeout_error(timeout) from None
+                    raise F.timeout_error(timeout, *self._lost()) from None
                 if len(result) > view.len - off:
                     raise BufferTooShort(result)
                 memcpy(<char *>view.buf + off, PyBytes_AS_STRING(result), len(result))
@@ -979,7 +1059,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             finally:
                 PyThread_release_lock(self._rlock)
         except _Expired:
-            raise F.timeout_error(timeout) from None
+            raise F.timeout_error(timeout, *self._lost()) from None
 
     def poll(self, timeout=0.0):
         """Whether there is data to read (or end of file), waiting up to ``timeout`` seconds
@@ -1037,6 +1117,8 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
     def _lock_write_nowait(self):
         """Take the write lock if it is free: True if taken (asyncio sends hold it across
         awaits so that no thread writes inside their frame)."""
+        if self._gen != _fork_gen:
+            self._renew_locks_after_fork()
         if not PyThread_acquire_lock(self._wlock, NOWAIT_LOCK):
             return False
         self._async_owner = PyThread_get_thread_ident()

@@ -7,6 +7,7 @@ so the two raise the same errors with the same text.
 
 from __future__ import annotations
 
+import os
 import pickle
 import struct
 from typing import Any
@@ -113,11 +114,101 @@ def broken(reason: BaseException) -> FrameError:
     return FrameError(f"connection is broken by an earlier protocol error: {reason}")
 
 
-def timeout_error(timeout: float | None) -> ReadTimeout:
-    return ReadTimeout(
-        f"no complete frame arrived within {timeout} s; nothing was lost (a partially "
-        "received frame is kept and the next read returns it whole)"
-    )
+def timeout_error(timeout: float | None, lost: int = 0, expected: int | None = None) -> ReadTimeout:
+    """The read deadline passed; ``lost`` and ``expected`` are what the connection's
+    ``_lost()`` says of the frame in progress (``expected`` None: between frames)."""
+    if expected is not None:
+        state = (
+            f"{lost:,} of the {expected:,} bytes of a frame (header included) had arrived; "
+            "they are kept and the next read returns the frame whole"
+        )
+    elif lost:
+        state = (
+            f"{lost:,} bytes of the next frame's header had arrived; they are kept and the "
+            "next read returns the frame whole"
+        )
+    else:
+        state = "between frames, no byte of the next frame had arrived; nothing was lost"
+    return ReadTimeout(f"timed out after {timeout} s: {state}")
+
+
+def check_timeout(timeout: Any) -> float | None:
+    """A read or poll timeout as seconds (None: no deadline); NaN is refused like the stdlib
+    refuses it, a negative timeout means "do not wait", as in the stdlib's ``poll()``."""
+    if timeout is None:
+        return None
+    t = float(timeout)
+    if t != t:
+        raise ValueError(
+            "timeout is NaN; pass a number of seconds (0 or less: do not wait) or None to "
+            "wait without a deadline"
+        )
+    return t
+
+
+def check_exception(exc: Any) -> None:
+    """send_exception() takes an exception instance; anything else is refused here, at the
+    sender, rather than discovered by the reader."""
+    if not isinstance(exc, BaseException):
+        if isinstance(exc, type) and issubclass(exc, BaseException):
+            hint = f"an instance, e.g. send_exception({exc.__name__}(...)), not the class"
+        else:
+            hint = "an exception instance; send ordinary objects with send()"
+        raise TypeError(f"send_exception() takes {hint}; got {type(exc).__name__}: {exc!r:.80}")
+
+
+def check_watch(target: Any, readable: bool) -> None:
+    """Refuse watches that cannot work: on a connection that cannot read, of this process
+    itself (it can never be seen dead by itself), and of a pid that does not exist."""
+    if target is None:
+        return
+    if not readable:
+        raise ValueError(
+            "cannot watch a writer on a write-only connection: a watch makes reads raise "
+            "WriterDied; watch the writer on the connection that reads from it"
+        )
+    from .watch import resolve_target
+
+    pid, obj = resolve_target(target)
+    if pid == os.getpid():
+        raise ValueError(
+            f"cannot watch pid {pid}: it is this process, which can never see its own death; "
+            "watch the process that writes to this connection"
+        )
+    if obj is None:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            raise ProcessLookupError(
+                f"cannot watch pid {pid}: no such process (it never existed or has already "
+                "exited and been reaped); watch the Process or Popen object instead of its pid "
+                "to get its exit status even after it was reaped"
+            ) from None
+        except PermissionError:
+            pass  # it exists, owned by someone else
+
+
+def fd_identity(fd: int) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of ``fd``, or None when it cannot be read (a bad fd)."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def close_owned(fds: tuple[int, ...], identities: tuple[Any, ...]) -> None:
+    """Close each distinct fd of ``fds`` that is still the file it was when the connection
+    took it (same ``fd_identity``). A number closed behind the connection's back and reused
+    since (by framepipe's watcher, or anything else) is left alone, and so is an fd that was
+    not open when the connection took it (a bad handle, which failed on its first use)."""
+    seen = set()
+    for fd, ident in zip(fds, identities):
+        if fd < 0 or fd in seen:
+            continue
+        seen.add(fd)
+        if ident is not None and fd_identity(fd) == ident:
+            os.close(fd)
 
 
 def sentinel_timeout() -> ReadTimeout:

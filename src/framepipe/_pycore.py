@@ -61,9 +61,26 @@ def _reopen_nonblocking(fd: int) -> int:
 
 
 def _deadline(timeout: float | None) -> float | None:
-    if timeout is None:
+    t = F.check_timeout(timeout)
+    if t is None:
         return None
-    return time.monotonic() + max(float(timeout), 0.0)
+    return time.monotonic() + max(t, 0.0)
+
+
+# Locks held by threads of the parent stay held in a forked child, where those threads do not
+# exist: a connection first used in a child after a fork takes fresh locks.
+_fork_gen = 0
+_fork_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _fork_gen, _fork_lock
+    _fork_gen += 1
+    _fork_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Dead(Exception):
@@ -128,7 +145,12 @@ class Connection:
         self._cap = F.frame_cap(max_size)
         self._closefd = closefd
         self._read_ahead = bool(read_ahead)
-        self._is_socket = stat.S_ISSOCK(os.fstat(handle).st_mode)
+        try:
+            self._is_socket = stat.S_ISSOCK(os.fstat(handle).st_mode)
+        except OSError:
+            self._is_socket = False  # like the stdlib: a bad handle fails on first use
+        self._ids = tuple(F.fd_identity(fd) if fd >= 0 else None for fd in (handle, wfd, bfd, bwfd))
+        self._gen = _fork_gen
         self._async_owner = 0  # the thread whose asyncio send holds the write lock, or 0
         self._nfd = -1  # a private O_NONBLOCK description of the pipe (-1: not yet, -2: none)
         self._poll_first = False
@@ -190,13 +212,7 @@ class Connection:
             F.stop_watch(self._liveness, self._watch_handle)
             self._liveness = self._watch_handle = None
             if self._closefd:
-                os.close(fd)
-                if wfd != fd:
-                    os.close(wfd)
-                if bfd >= 0:
-                    os.close(bfd)
-                if bwfd >= 0 and bwfd != bfd:
-                    os.close(bwfd)
+                F.close_owned((fd, wfd, bfd, bwfd), self._ids)
 
     def __del__(self) -> None:
         try:
@@ -238,6 +254,7 @@ class Connection:
         Returns the connection. ``watch(None)`` stops watching.
         """
         self._check_closed()
+        F.check_watch(target, self._readable)
         F.stop_watch(self._liveness, self._watch_handle)
         self._liveness = self._watch_handle = None
         self._dead = False
@@ -254,7 +271,20 @@ class Connection:
 
     # -- writing -----------------------------------------------------------------------------
 
+    def _renew_locks_after_fork(self) -> None:
+        """First use in a forked child: the inherited locks may be held by parent threads
+        that do not exist here."""
+        with _fork_lock:
+            if self._gen != _fork_gen:
+                self._rlock = threading.Lock()
+                self._wlock = threading.Lock()
+                self._poller = self._bpoller = None  # may be marked busy by a parent thread
+                self._async_owner = 0
+                self._gen = _fork_gen
+
     def _lock_write(self) -> None:
+        if self._gen != _fork_gen:
+            self._renew_locks_after_fork()
         if not self._wlock.acquire(False):
             if self._async_owner == threading.get_ident():
                 raise F.blocking_send_under_async_send()
@@ -319,6 +349,7 @@ class Connection:
 
         self._check_closed()
         self._check_writable()
+        F.check_exception(exc)
         payload = dumps_exception(exc)
         self._write_parts([F.header(F.KIND_ERROR, len(payload)), payload])
 
@@ -595,6 +626,8 @@ class Connection:
     def _locked(self, timeout: float | None, read: Callable[[float | None], Any]) -> Any:
         """Run ``read(deadline)`` holding the read lock (readers queue, never interleave)."""
         deadline = _deadline(timeout)
+        if self._gen != _fork_gen:
+            self._renew_locks_after_fork()
         try:
             if deadline is None:
                 self._rlock.acquire()
@@ -607,7 +640,7 @@ class Connection:
             finally:
                 self._rlock.release()
         except _Expired:
-            raise F.timeout_error(timeout) from None
+            raise F.timeout_error(timeout, *self._lost()) from None
 
     def _read_message(self, deadline: float | None, raw: bool) -> Any:
         """The next message: bytes (``raw``) or an object. Error frames raise."""
@@ -741,6 +774,8 @@ class Connection:
     def _lock_write_nowait(self) -> bool:
         """Take the write lock if it is free: True if taken (asyncio sends hold it across
         awaits so that no thread writes inside their frame)."""
+        if self._gen != _fork_gen:
+            self._renew_locks_after_fork()
         if not self._wlock.acquire(False):
             return False
         self._async_owner = threading.get_ident()

@@ -1,10 +1,11 @@
 """The reference names, over :mod:`framepipe.remote` and :mod:`framepipe.guard`.
 
-Code written against the reference ``subprocess_rpc`` exception helpers or the reference
-collector guard migrates by importing these names from here instead:
+Code written against the reference ``subprocess_rpc`` module or the reference collector guard
+migrates by importing these names from here instead (``from framepipe.compat import *``):
 
-- ``SerializedException.from_exception(e, tb)`` / ``SerializedException.raise_from(se)``,
-  ``UnserializableException`` and ``ChildTraceException``;
+- everything of :mod:`framepipe.subprocess_rpc` (``Pipe``, ``run_loop``, the protocol's
+  constants, ``SerializedException.from_exception(e, tb)`` / ``raise_from(se)``,
+  ``UnserializableException``, ``ChildTraceException``, ``ExceptionUnpickler``...);
 - ``ExceptionWrapper(where=...)`` with ``reraise()``, ``create_error_pipe()`` and
   ``collector_error_guard(...)``.
 
@@ -20,105 +21,29 @@ in its cause chain, where the reference raised ``exc_type(<the traceback text>)`
 
 from __future__ import annotations
 
-import dataclasses
 import sys
-import types
 from contextlib import AbstractContextManager
 from typing import Any, NoReturn
 
+from . import subprocess_rpc
 from .guard import Guard
-from .remote import (
-    RemoteError,
-    RemoteTraceback,
-    _chain_end,
-    dumps_exception,
-    format_exception_text,
-    qualified_name,
-    revive,
+from .remote import dumps_exception, format_exception_text, qualified_name
+from .subprocess_rpc import *  # noqa: F403 - the reference module's names, all of them
+from .subprocess_rpc import (
+    ChildTraceException,
+    SerializedException,
+    UnserializableException,
+    _log_progress,
+    _revive,
+    _run_block,
 )
 
 __all__ = [
-    "ChildTraceException",
+    *subprocess_rpc.__all__,
     "ExceptionWrapper",
-    "SerializedException",
-    "UnserializableException",
     "collector_error_guard",
     "create_error_pipe",
 ]
-
-
-class UnserializableException(RemoteError, Exception):
-    """An exception whose class could not be revived in this process.
-
-    Revived stand-ins are instances of this class *and* of the nearest base of the remote
-    class that could be revived (see :class:`framepipe.RemoteError`). ``type_repr`` reads like
-    ``"<class 'module.Name'>"`` and ``args_repr`` is the ``repr`` of the remote args.
-    """
-
-    def __init__(self, type_repr: str, args_repr: str) -> None:
-        super().__init__(type_repr, args_repr)
-        self.remote_type = type_repr
-        self.remote_args = args_repr
-
-    @property
-    def type_repr(self) -> str:
-        name = self.remote_type
-        return name if name.startswith("<") else f"<class '{name}'>"
-
-    @property
-    def args_repr(self) -> str:
-        return self.remote_args
-
-
-class ChildTraceException(RemoteTraceback):
-    """The worker's formatted traceback, at the end of a revived exception's cause chain."""
-
-
-@dataclasses.dataclass(init=True, frozen=True)
-class SerializedException:
-    """An exception and its traceback as data (``dataclasses.asdict`` gives bytes and strings,
-    so ``marshal`` can carry it as the reference's worker loop does)."""
-
-    _payload: bytes
-    _type_repr: str
-    _args_repr: str
-    _traceback_print: str
-
-    @staticmethod
-    def from_exception(
-        e: BaseException, tb: types.TracebackType | None = None
-    ) -> SerializedException:
-        """Record ``e`` (with traceback ``tb``, when it is not already ``e``'s); never raises."""
-        if tb is not None and e.__traceback__ is not tb:
-            e = e.with_traceback(tb)
-        return SerializedException(
-            _payload=dumps_exception(e),
-            _type_repr=_hardened(repr, type(e)),
-            _args_repr=_hardened(repr, getattr(e, "args", None)),
-            _traceback_print=format_exception_text(e),
-        )
-
-    @staticmethod
-    def raise_from(serialized_e: SerializedException, extra_context: str | None = None) -> NoReturn:
-        """Revive and raise; the cause chain ends in a :class:`ChildTraceException` holding the
-        worker's traceback text (with ``extra_context`` appended)."""
-        raise _revive(serialized_e._payload, extra_context)
-
-
-def _hardened(fn: Any, obj: Any) -> str:
-    try:
-        return str(fn(obj))
-    except Exception:
-        return "< Unknown >"
-
-
-def _revive(payload: bytes, extra_context: str | None = None) -> BaseException:
-    exc = revive(payload, marker=UnserializableException, trace=ChildTraceException)
-    trace = _chain_end(exc)
-    if extra_context and isinstance(trace, ChildTraceException):
-        trace.text = f"{trace.text.rstrip()}\n{extra_context}"
-        trace.args = (trace.text, *trace.args[1:])
-    return exc
 
 
 class ExceptionWrapper:

@@ -8,19 +8,39 @@ same situations, with additions: ``recv_bytes``, ``recv_bytes_into`` and ``recv`
 dead writer into :class:`framepipe.WriterDied` instead of a hang, and errors sent with
 ``send_exception`` are raised by the reader. A Connection can be passed to a
 ``multiprocessing`` child (fork, spawn or forkserver) like the stdlib's.
+
+``Listener``, ``Client``, ``answer_challenge`` and ``deliver_challenge`` connect processes over
+Unix sockets or TCP with the stdlib's authkey handshake; the connections they make are framepipe
+Connections (frames, timeouts, ``watch``, asyncio), so both ends must be framepipe. There is no
+TLS: wrap the socket yourself (or tunnel) when the network is not trusted.
 """
 
 from __future__ import annotations
 
+import hmac
+import os
 import select
+import socket
 import time
 from collections.abc import Iterable
+from multiprocessing import AuthenticationError
+from multiprocessing import connection as _mpc
 from typing import Any
 
 from . import _impl
-from .errors import BufferTooShort
+from .errors import BufferTooShort, FrameError
 
-__all__ = ["Pipe", "Connection", "wait", "BufferTooShort"]
+__all__ = [
+    "AuthenticationError",
+    "BufferTooShort",
+    "Client",
+    "Connection",
+    "Listener",
+    "Pipe",
+    "answer_challenge",
+    "deliver_challenge",
+    "wait",
+]
 
 Connection = _impl.core.Connection
 
@@ -77,6 +97,159 @@ def wait(object_list: Iterable[Any], timeout: float | None = None) -> list[Any]:
             return [o for o in objects if any(o is f for f in found)]
         if deadline is not None and time.monotonic() >= deadline:
             return []
+
+
+# -- Listener and Client ---------------------------------------------------------------------
+
+MESSAGE_LENGTH = 20
+CHALLENGE = b"#CHALLENGE#"
+WELCOME = b"#WELCOME#"
+FAILURE = b"#FAILURE#"
+HANDSHAKE_MAX = 256  # no handshake message is larger: a bigger frame is refused unread
+_DIGEST = "sha256"
+
+
+def _check_authkey(authkey: Any) -> None:
+    if not isinstance(authkey, bytes):
+        raise ValueError(f"Authkey must be bytes, not {type(authkey)!s}")
+
+
+def _handshake_conn(connection: Any) -> Any:
+    """A view of ``connection``'s fds for the handshake: frames over ``HANDSHAKE_MAX`` bytes
+    are refused before anything is allocated or read, so a peer that has not authenticated
+    cannot make this process read or allocate more than that."""
+    if connection._has_buffered():
+        raise ValueError("cannot authenticate a connection that has already read ahead")
+    rfd, wfd, _, _ = connection._handles()
+    return type(connection)(
+        rfd, write_handle=None if wfd == rfd else wfd, max_size=HANDSHAKE_MAX, closefd=False
+    )
+
+
+def _handshake_recv(conn: Any) -> bytes:
+    try:
+        return conn.recv_bytes()  # type: ignore[no-any-return]
+    except FrameError as exc:
+        raise AuthenticationError(
+            f"the peer did not follow the handshake (nothing else was read): {exc}"
+        ) from exc
+
+
+def deliver_challenge(connection: Any, authkey: bytes) -> None:
+    """Challenge the peer to prove it knows ``authkey`` (an HMAC of a random message);
+    raises ``multiprocessing.AuthenticationError`` when it does not."""
+    _check_authkey(authkey)
+    with _handshake_conn(connection) as conn:
+        message = os.urandom(MESSAGE_LENGTH)
+        conn.send_bytes(CHALLENGE + message)
+        digest = hmac.new(authkey, message, _DIGEST).digest()
+        response = _handshake_recv(conn)
+        if hmac.compare_digest(response, digest):
+            conn.send_bytes(WELCOME)
+        else:
+            conn.send_bytes(FAILURE)
+            raise AuthenticationError("digest received was wrong")
+
+
+def answer_challenge(connection: Any, authkey: bytes) -> None:
+    """Answer the peer's :func:`deliver_challenge` with ``authkey``; raises
+    ``multiprocessing.AuthenticationError`` when the peer rejects the answer."""
+    _check_authkey(authkey)
+    with _handshake_conn(connection) as conn:
+        message = _handshake_recv(conn)
+        if not message.startswith(CHALLENGE):
+            raise AuthenticationError(f"expected a challenge from the peer, got {message[:32]!r}")
+        digest = hmac.new(authkey, message[len(CHALLENGE) :], _DIGEST).digest()
+        conn.send_bytes(digest)
+        response = _handshake_recv(conn)
+        if response != WELCOME:
+            raise AuthenticationError("digest sent was rejected")
+
+
+def _family(address: Any, family: str | None) -> str:
+    family = family or (address and _mpc.address_type(address)) or _mpc.default_family
+    _mpc._validate_family(family)
+    if family == "AF_PIPE":
+        raise ValueError("Family AF_PIPE is not recognized (it is Windows only)")
+    return family
+
+
+class Listener:
+    """A bound socket listening for framepipe :func:`Client` connections, like
+    ``multiprocessing.connection.Listener``: ``address`` is a path (``AF_UNIX``) or a
+    ``(host, port)`` (``AF_INET``, ``AF_INET6``), None for a new private Unix address.
+    With ``authkey``, :meth:`accept` authenticates each client before returning it and raises
+    ``AuthenticationError`` for a client with a wrong key or no handshake."""
+
+    def __init__(
+        self,
+        address: Any = None,
+        family: str | None = None,
+        backlog: int = 1,
+        authkey: bytes | None = None,
+    ) -> None:
+        family = _family(address, family)
+        address = address or _mpc.arbitrary_address(family)
+        if authkey is not None and not isinstance(authkey, bytes):
+            raise TypeError("authkey should be a byte string")
+        self._listener: Any = _mpc.SocketListener(address, family, backlog)
+        self._authkey = authkey
+
+    def accept(self) -> Any:
+        """Wait for a client; return a framepipe Connection to it."""
+        if self._listener is None:
+            raise OSError("listener is closed")
+        sock, self._listener._last_accepted = self._listener._socket.accept()
+        sock.setblocking(True)
+        conn = _impl.core.Connection(sock.detach())
+        if self._authkey:
+            try:
+                deliver_challenge(conn, self._authkey)
+                answer_challenge(conn, self._authkey)
+            except BaseException:
+                conn.close()
+                raise
+        return conn
+
+    def close(self) -> None:
+        """Close the listening socket (and remove its Unix socket file)."""
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+
+    @property
+    def address(self) -> Any:
+        return self._listener._address
+
+    @property
+    def last_accepted(self) -> Any:
+        return self._listener._last_accepted
+
+    def __enter__(self) -> Listener:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def Client(address: Any, family: str | None = None, authkey: bytes | None = None) -> Any:
+    """A framepipe Connection to the :class:`Listener` at ``address``, like
+    ``multiprocessing.connection.Client``; with ``authkey``, authenticated both ways."""
+    family = _family(address, family)
+    if authkey is not None and not isinstance(authkey, bytes):
+        raise TypeError("authkey should be a byte string")
+    with socket.socket(getattr(socket, family)) as s:
+        s.setblocking(True)
+        s.connect(address)
+        conn = _impl.core.Connection(s.detach())
+    if authkey is not None:
+        try:
+            answer_challenge(conn, authkey)
+            deliver_challenge(conn, authkey)
+        except BaseException:
+            conn.close()
+            raise
+    return conn
 
 
 # -- passing a Connection to another process ------------------------------------------------

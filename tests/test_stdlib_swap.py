@@ -1,0 +1,373 @@
+"""framepipe.connection as multiprocessing.connection: misuse errors, handles, sockets with
+authentication, fds per pipe, and lifecycle edges (fork while blocked, shutdown). Both cores."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing import AuthenticationError, reduction
+
+import pytest
+from _helpers import TIMEOUT, Background
+
+from framepipe import ReadTimeout, WriterDied
+from framepipe import connection as fpc
+
+NAN = float("nan")
+
+
+@contextlib.contextmanager
+def running(proc):
+    """Start ``proc``; on the way out (failures included) make sure it is gone."""
+    proc.start()
+    try:
+        yield proc
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(TIMEOUT)
+
+
+@pytest.fixture
+def duplex(impl):
+    a, b = impl.pipe(True)
+    with a, b:
+        yield a, b
+
+
+def test_a_bad_handle_fails_on_first_use_like_the_stdlib(impl):
+    r, w = os.pipe()
+    os.close(r)
+    os.close(w)
+    conn = impl.Connection(w)  # closed fd: no error yet
+    with pytest.raises(OSError) as info:
+        conn.send_bytes(b"x")
+    assert info.value.errno == 9
+    conn.close()  # it never owned a file: nothing is closed
+    with pytest.raises(ValueError, match="invalid handle"):
+        impl.Connection(-1)
+
+
+def test_misuse_errors_are_the_stdlib_ones(duplex):
+    a, b = duplex
+    with pytest.raises(ValueError):
+        a.poll(NAN)
+    with pytest.raises(ValueError, match="NaN"):
+        a.recv(timeout=NAN)
+    with pytest.raises(ValueError, match="NaN"):
+        a.recv_bytes(timeout=NAN)
+    assert a.poll(-1) is False  # a negative timeout does not wait, as in the stdlib
+    with pytest.raises(ReadTimeout):
+        a.recv_bytes(timeout=-1)
+    for offset, size in ((-1, None), (4, None), (0, -1), (2, 3)):
+        with pytest.raises(ValueError):
+            b.send_bytes(b"abc", offset, size)
+    with pytest.raises(ValueError):
+        a.recv_bytes(-1)
+
+
+@pytest.mark.parametrize("bad", ["oops", ValueError, None, 42])
+def test_send_exception_refuses_what_is_not_an_exception(duplex, bad):
+    a, b = duplex
+    with pytest.raises(TypeError, match="send_exception"):
+        b.send_exception(bad)
+    b.send_bytes(b"next")
+    assert a.recv_bytes(timeout=TIMEOUT) == b"next"  # nothing reached the reader
+
+
+def test_watch_refuses_what_cannot_work(impl):
+    r, w = impl.pipe(False)
+    with r, w:
+        proc = subprocess.Popen([sys.executable, "-c", "pass"])
+        proc.wait(TIMEOUT)
+        with pytest.raises(ProcessLookupError, match=str(proc.pid)):
+            r.watch(proc.pid)  # exited and reaped: no such pid
+        with pytest.raises(ValueError, match="this process"):
+            r.watch(os.getpid())
+        with pytest.raises(ValueError, match="write-only"):
+            w.watch(os.getppid())
+        r.watch(proc)  # the Popen object still knows its exit status
+        with pytest.raises(WriterDied):
+            r.recv_bytes(timeout=TIMEOUT)
+
+
+def test_read_timeout_says_how_long_and_the_frame_state(impl):
+    r, w = impl.pipe(False)
+    with r, w:
+        with pytest.raises(ReadTimeout, match=r"^timed out after 0.05 s: between frames"):
+            r.recv_bytes(timeout=0.05)
+        os.write(w.fileno(), b"\0\0" + struct.pack("Q", 100) + b"\0\0" + b"x" * 30)
+        with pytest.raises(ReadTimeout) as info:
+            r.recv_bytes(timeout=0.05)
+        assert str(info.value).startswith("timed out after 0.05 s: 42 of the 112 bytes")
+        os.write(w.fileno(), b"y" * 70)
+        assert r.recv_bytes(timeout=TIMEOUT) == b"x" * 30 + b"y" * 70
+
+
+def test_fd_counts_per_pipe(impl, fd_count):
+    before = fd_count()
+    a, b = impl.pipe(True)
+    assert fd_count() - before == 2  # one socketpair: at most 4 asked, the stdlib's 2
+    r, w = impl.pipe(False)
+    assert fd_count() - before == 6  # a pipe and its bulk socketpair
+    for c in (a, b, r, w):
+        c.close()
+    assert fd_count() == before
+
+
+def _send_a_handle(conn, path):
+    with open(path, "rb") as f:
+        reduction.send_handle(conn, f.fileno(), os.getppid())
+    conn.recv_bytes(timeout=TIMEOUT)
+    conn.close()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_send_handle_and_recv_handle_over_a_duplex_pipe(impl, tmp_path, method):
+    path = tmp_path / "secret"
+    path.write_bytes(b"passed by handle")
+    a, b = impl.pipe(True)
+    ctx = multiprocessing.get_context(method)
+    with a, running(ctx.Process(target=_send_a_handle, args=(b, str(path)))) as proc:
+        b.close()
+        fd = reduction.recv_handle(a)
+        with open(fd, "rb") as f:
+            assert f.read() == b"passed by handle"
+        a.send_bytes(b"done")
+        proc.join(TIMEOUT)
+        assert proc.exitcode == 0
+
+
+# -- Listener and Client --------------------------------------------------------------------
+
+
+def _addresses(tmp_path):
+    return [("unix", str(tmp_path / "sock")), ("tcp", ("127.0.0.1", 0))]
+
+
+@pytest.mark.parametrize("family", ["unix", "tcp"])
+def test_listener_and_client_with_the_right_key(impl, tmp_path, family, monkeypatch):
+    monkeypatch.setattr(fpc._impl, "core", impl)
+    address = dict(_addresses(tmp_path))[family]
+    with fpc.Listener(address, authkey=b"secret") as listener:
+        client = Background(fpc.Client, listener.address, None, b"secret")
+        with listener.accept() as server:
+            with client.join() as conn:
+                assert type(server) is impl.Connection and type(conn) is impl.Connection
+                conn.send({"n": 1})
+                assert server.recv(timeout=TIMEOUT) == {"n": 1}
+                sending = Background(server.send_bytes, b"x" * (1 << 20))  # over the buffers
+                assert conn.recv_bytes(timeout=TIMEOUT) == b"x" * (1 << 20)
+                sending.join()
+                with pytest.raises(ReadTimeout):
+                    conn.recv(timeout=0.05)
+                conn.send_exception(KeyError("remote"))
+                with pytest.raises(KeyError, match="remote"):
+                    server.recv(timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("family", ["unix", "tcp"])
+def test_a_wrong_key_fails_both_ends(impl, tmp_path, family, monkeypatch):
+    monkeypatch.setattr(fpc._impl, "core", impl)
+    address = dict(_addresses(tmp_path))[family]
+    with fpc.Listener(address, authkey=b"secret") as listener:
+        client = Background(fpc.Client, listener.address, None, b"wrong")
+        with pytest.raises(AuthenticationError, match="digest received was wrong"):
+            listener.accept()
+        with pytest.raises(AuthenticationError, match="rejected"):
+            client.join()
+
+
+@pytest.mark.parametrize("junk", [
+    b"GET / HTTP/1.1\r\n\r\n",
+    b"\0\0" + struct.pack("Q", 1 << 40) + b"\0\0",
+])
+def test_garbage_or_a_huge_length_before_authenticating_is_refused_unread(impl, tmp_path, junk, monkeypatch):
+    monkeypatch.setattr(fpc._impl, "core", impl)
+    with fpc.Listener(str(tmp_path / "sock"), authkey=b"secret") as listener:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(listener.address)
+            s.sendall(junk)
+            start = time.monotonic()
+            with pytest.raises(AuthenticationError, match="did not follow the handshake"):
+                listener.accept()
+            assert time.monotonic() - start < 5
+
+
+def test_answer_and_deliver_challenge_check_their_key(duplex):
+    a, b = duplex
+    with pytest.raises(ValueError, match="Authkey must be bytes"):
+        fpc.deliver_challenge(a, "text")
+    other = Background(fpc.answer_challenge, b, b"k")
+    fpc.deliver_challenge(a, b"k")
+    other.join()
+
+
+def _write_after(conn, delay):
+    time.sleep(delay)
+    conn.send_bytes(b"late")
+    time.sleep(30)
+
+
+def test_watch_and_async_reads_on_a_socket_connection(impl, tmp_path, monkeypatch):
+    import asyncio
+
+    monkeypatch.setattr(fpc._impl, "core", impl)
+    with fpc.Listener(str(tmp_path / "sock")) as listener:
+        client = Background(fpc.Client, listener.address)
+        with listener.accept() as server, client.join() as conn:
+            proc = multiprocessing.get_context("fork").Process(target=_write_after, args=(conn, 0.1))
+            try:
+                proc.start()
+                server.watch(proc)
+                assert asyncio.run(server.recv_bytes_async(timeout=TIMEOUT)) == b"late"
+                proc.kill()
+                conn.close()
+                with pytest.raises(WriterDied):
+                    server.recv_bytes(timeout=TIMEOUT)
+            finally:
+                proc.kill()
+                proc.join(TIMEOUT)
+
+
+# -- lifecycle edges ---------------------------------------------------------------------------
+
+
+def test_fork_while_a_thread_is_blocked_in_a_timed_recv(impl):
+    r, w = impl.pipe(False)
+    with r, w:
+        blocked = Background(lambda: r.recv_bytes(timeout=TIMEOUT))
+        time.sleep(0.1)  # the thread holds the read lock, waiting
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                got = r.recv_bytes(timeout=5)  # the parent's two frames: this one or the other
+                w.send_bytes(b"child writes too")
+                code = 0 if got in (b"one", b"two") else 2
+            except BaseException:
+                code = 3
+            finally:
+                os._exit(code)
+        try:
+            w.send_bytes(b"one")
+            w.send_bytes(b"two")
+            first = blocked.join()
+            _, status = os.waitpid(pid, 0)
+            pid = 0
+            assert os.waitstatus_to_exitcode(status) == 0  # 3: false timeout or a hang
+            # the child took "one" or "two"; this process gets the other and the child's frame
+            got = {first, r.recv_bytes(timeout=TIMEOUT)}
+            assert b"child writes too" in got and got & {b"one", b"two"}
+        finally:
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+
+
+def _recv_with_timeout(conn):
+    try:
+        conn.recv_bytes(timeout=TIMEOUT)
+    except Exception:
+        pass
+
+
+def test_fork_while_blocked_in_recv_with_timeout_multiprocessing(impl):
+    # The same through multiprocessing's fork: the child's first timed read works at once.
+    r, w = impl.pipe(False)
+    with r, w:
+        t = threading.Thread(target=_recv_with_timeout, args=(r,), daemon=True)
+        t.start()
+        time.sleep(0.1)
+        ctx = multiprocessing.get_context("fork")
+        try:
+            with running(ctx.Process(target=_child_reads_at_once, args=(r, w))) as proc:
+                proc.join(TIMEOUT)
+                assert proc.exitcode == 0
+        finally:
+            w.send_bytes(b"release the thread")
+            t.join(TIMEOUT)
+
+
+def _child_reads_at_once(r, w):
+    w.send_bytes(b"own")
+    # The parent's blocked thread may take this frame first; either way no false timeout here.
+    try:
+        r.recv_bytes(timeout=0.5)
+    except ReadTimeout:
+        w.send_bytes(b"own")  # the parent's thread took it: the lock was still free for us
+        os._exit(0)
+    os._exit(0)
+
+
+SHUTDOWN = """
+import multiprocessing, sys
+from framepipe import _impl
+
+def child(conn):
+    conn.send_bytes(b"bye")  # exits without closing it
+
+if __name__ == "__main__":
+    core = _impl.load(sys.argv[1])
+    a, b = core.pipe(True)
+    r, w = core.pipe(False)
+    keep = (a, b, r, w)  # alive at shutdown too
+    ctx = multiprocessing.get_context("spawn")
+    p = ctx.Process(target=child, args=(b,))
+    p.start()
+    assert a.recv_bytes(timeout=60) == b"bye"
+    p.join(60)
+    sys.exit(p.exitcode)
+"""
+
+
+def test_shutdown_with_open_connections_prints_nothing(impl, tmp_path):
+    script = tmp_path / "shutdown.py"
+    script.write_text(SHUTDOWN)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    name = "c" if impl.__name__ == "framepipe._core" else "python"
+    out = subprocess.run([sys.executable, str(script), name], capture_output=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0
+    assert out.stderr == b"" and out.stdout == b""
+
+
+def _hold(pid_holder):
+    time.sleep(30)
+
+
+def test_closing_a_handle_behind_a_connection_never_closes_the_watchers_fds(impl):
+    # A caller closes "its copy" of a handle with os.close while a Connection still holds the
+    # number; the watch started next gets that number for its pidfd. Closing the Connection
+    # must leave the pidfd alone: the watched writer's death is still seen.
+    r, w = impl.pipe(False)
+    proc = multiprocessing.get_context("fork").Process(target=_hold, args=(None,))
+    stray_r, stray_w = os.pipe()
+    stray = impl.Connection(stray_r, writable=False)
+    try:
+        proc.start()
+        os.close(stray_r)  # the number is free again, the Connection does not know
+        r.watch(proc)
+        stray.close()
+        del stray
+        pidfds = [fd for fd in os.listdir("/proc/self/fd")
+                  if os.path.exists(f"/proc/self/fd/{fd}")
+                  and os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"]
+        assert pidfds  # still open
+        proc.kill()
+        with pytest.raises(WriterDied):
+            r.recv_bytes(timeout=TIMEOUT)
+    finally:
+        proc.kill()
+        proc.join(TIMEOUT)
+        r.close()
+        w.close()
+        os.close(stray_w)
