@@ -52,7 +52,9 @@ def _close_all(fds: list[int]) -> None:
 
 
 def build_api(Connection: Any) -> tuple[Callable[..., Any], type]:
-    def pipe(duplex: bool = True, *, read_ahead: bool = False) -> tuple[Connection, Connection]:
+    def pipe(
+        duplex: bool = True, *, read_ahead: bool = False, pipes: bool = False
+    ) -> tuple[Connection, Connection]:
         """A pair of connected Connections, like ``multiprocessing.Pipe``: ``(reader, writer)``
         over an ``os.pipe()``, or when ``duplex``, two connections over one stream socketpair,
         as the stdlib makes them (2 fds in all, ``fileno()`` a Unix socket, so
@@ -60,10 +62,30 @@ def build_api(Connection: Any) -> tuple[Callable[..., Any], type]:
         buffers carry large frames as fast as a separate bulk channel would). A one-way pipe
         also gets a bulk channel, a socketpair that carries the payloads of frames of 16 KiB
         and more (over twice the throughput of a pipe for large frames) while their headers
-        stay in the pipe: 4 fds in all."""
+        stay in the pipe: 4 fds in all.
+
+        ``pipes=True`` (duplex only) builds each direction as a one-way pipe with its own bulk
+        channel instead: 8 fds and ``fileno()`` a pipe (so no ``send_handle``), but about twice
+        the small-message rate of a socketpair. The worker layer uses it for its channels."""
         fds: list[int] = []
         try:
-            if duplex:
+            if duplex and pipes:
+                r1, w1 = os.pipe()
+                fds += (r1, w1)
+                r2, w2 = os.pipe()
+                fds += (r2, w2)
+                br1, bw1 = _stream_pair()
+                fds += (br1, bw1)
+                br2, bw2 = _stream_pair()
+                fds += (br2, bw2)
+                _pipe_size(w1)
+                _pipe_size(w2)
+                c1 = Connection(r1, write_handle=w2, bulk_handle=br1, bulk_write_handle=bw2,
+                                read_ahead=read_ahead)
+                fds = [r2, w1, br2, bw1]
+                c2 = Connection(r2, write_handle=w1, bulk_handle=br2, bulk_write_handle=bw1,
+                                read_ahead=read_ahead)
+            elif duplex:
                 a, b = _stream_pair(both_ways=True)
                 fds += (a, b)
                 c1 = Connection(a, read_ahead=read_ahead)

@@ -509,7 +509,7 @@ class WorkerProcess:
     # -- start --
 
     def start(self) -> None:
-        conn, child_conn = _connection.Pipe(True, read_ahead=True)
+        conn, child_conn = _connection.Pipe(True, read_ahead=True, pipes=True)
         health, child_health = _connection.Pipe(True)
         stack_r, stack_w = os.pipe()
         err_r, err_w = os.pipe()
