@@ -281,31 +281,36 @@ def _recv_with_timeout(conn):
 
 
 def test_fork_while_blocked_in_recv_with_timeout_multiprocessing(impl):
-    # The same through multiprocessing's fork: the child's first timed read works at once.
+    # The same through multiprocessing's fork: the connection was forked while a parent thread
+    # held it in a timed read; once that thread is done, the child's first timed read of it
+    # works (two processes never read the pipe at once: that would split frames).
     r, w = impl.pipe(False)
     with r, w:
         t = threading.Thread(target=_recv_with_timeout, args=(r,), daemon=True)
         t.start()
         time.sleep(0.1)
         ctx = multiprocessing.get_context("fork")
+        go = ctx.Event()
         try:
-            with running(ctx.Process(target=_child_reads_at_once, args=(r, w))) as proc:
+            with running(ctx.Process(target=_child_reads_after, args=(r, go))) as proc:
+                w.send_bytes(b"for the parent's thread")
+                t.join(TIMEOUT)
+                assert not t.is_alive()
+                w.send_bytes(b"for the child")
+                go.set()
                 proc.join(TIMEOUT)
                 assert proc.exitcode == 0
         finally:
-            w.send_bytes(b"release the thread")
-            t.join(TIMEOUT)
+            if t.is_alive():
+                w.send_bytes(b"release the thread")
+                t.join(TIMEOUT)
 
 
-def _child_reads_at_once(r, w):
-    w.send_bytes(b"own")
-    # The parent's blocked thread may take this frame first; either way no false timeout here.
-    try:
-        r.recv_bytes(timeout=0.5)
-    except ReadTimeout:
-        w.send_bytes(b"own")  # the parent's thread took it: the lock was still free for us
-        os._exit(0)
-    os._exit(0)
+def _child_reads_after(r, go):
+    go.wait(TIMEOUT)
+    start = time.monotonic()
+    data = r.recv_bytes(timeout=TIMEOUT)
+    os._exit(0 if data == b"for the child" and time.monotonic() - start < TIMEOUT / 2 else 1)
 
 
 SHUTDOWN = """

@@ -1,11 +1,509 @@
-"""``python -m framepipe bench workers``: the Pool against the pools people use."""
+"""``python -m framepipe bench workers``: framepipe's Pool against the pools people use, side by
+side in one run, 2 workers each.
+
+Rows: no-op tasks/s through ``submit`` and through ``map(chunksize=1)``; the round trip of one
+task (median, p99); 1 MiB and 16 MiB NumPy results (MB/s); a worker SIGKILLed mid-task (time to
+the failed future, time until the pool serves again, what became of the 20 tasks queued behind
+it); a task raising an exception whose constructor takes two arguments; a 0.5 s task timeout
+(how late the task fails, and whether the hung worker's stack is shown). Peers: the stdlib's
+``ProcessPoolExecutor`` and ``multiprocessing.Pool``, and loky, pebble and mpire when installed.
+Every pool starts with the ``spawn`` method (mpire: its default, ``fork``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
+import json
+import multiprocessing
+import os
+import signal
+import statistics
 import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+WORKERS = 2
+_ARRAYS: dict[int, Any] = {}
+
+
+# -- tasks (module level: spawned workers import them) ------------------------------------------
+
+
+def noop(x: Any) -> Any:
+    return x
+
+
+def array_result(nbytes: int) -> Any:
+    arr = _ARRAYS.get(nbytes)
+    if arr is None:
+        import numpy as np
+
+        arr = _ARRAYS[nbytes] = np.ones(nbytes // 4, dtype=np.float32)
+    return arr
+
+
+def die_after_note(path: str) -> None:
+    with open(path, "w") as f:
+        f.write(repr(time.monotonic()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hang() -> None:
+    while True:
+        time.sleep(0.001)
+
+
+class TwoArgError(Exception):
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+        self.detail = detail
+
+
+def raise_two_arg() -> None:
+    raise TwoArgError(7, "bad input")
+
+
+# -- one adapter per pool ---------------------------------------------------------------------
+
+
+class Adapter:
+    """``submit(fn, *args) -> handle``, ``result(handle, timeout)``, ``map_all(fn, items)``."""
+
+    name = ""
+    timeout_kw: str | None = None  # how to give one task a deadline, if the pool can
+
+    def __init__(self) -> None:
+        self.pool: Any = None
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self.pool.submit(fn, *args)
+
+    def result(self, handle: Any, timeout: float | None = None) -> Any:
+        return handle.result(timeout)
+
+    def map_all(self, fn: Callable[..., Any], items: list[Any]) -> list[Any]:
+        return list(self.pool.map(fn, items, chunksize=1))
+
+    def submit_with_timeout(self, fn: Callable[..., Any], timeout: float) -> Any:
+        raise NotImplementedError
+
+    def pids(self) -> list[int]:
+        return []
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class FramepipePool(Adapter):
+    name = "framepipe Pool"
+
+    def __init__(self, task_timeout: float | None = None) -> None:
+        from .workers import Pool
+
+        self.pool = Pool(WORKERS, start_method="spawn", task_timeout=task_timeout,
+                         max_restarts=None)
+
+    def submit_with_timeout(self, fn: Callable[..., Any], timeout: float) -> Any:
+        return self.pool.submit(fn)
+
+    def close(self) -> None:
+        self.pool.terminate()
+
+
+class StdlibExecutor(Adapter):
+    name = "ProcessPoolExecutor"
+
+    def __init__(self) -> None:
+        self.pool = cf.ProcessPoolExecutor(WORKERS, mp_context=multiprocessing.get_context("spawn"))
+
+    def close(self) -> None:
+        for p in list(getattr(self.pool, "_processes", {}).values()):
+            p.kill()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class StdlibPool(Adapter):
+    name = "multiprocessing.Pool"
+
+    def __init__(self) -> None:
+        self.pool = multiprocessing.get_context("spawn").Pool(WORKERS)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self.pool.apply_async(fn, args)
+
+    def result(self, handle: Any, timeout: float | None = None) -> Any:
+        try:
+            return handle.get(timeout)
+        except multiprocessing.TimeoutError:
+            raise TimeoutError from None
+
+    def map_all(self, fn: Callable[..., Any], items: list[Any]) -> list[Any]:
+        return self.pool.map(fn, items, chunksize=1)
+
+    def close(self) -> None:
+        self.pool.terminate()
+        self.pool.join()
+
+
+class LokyPool(Adapter):
+    name = "loky"
+
+    def __init__(self) -> None:
+        import loky
+
+        self.pool = loky.ProcessPoolExecutor(WORKERS)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, kill_workers=True)
+
+
+class PebblePool(Adapter):
+    name = "pebble"
+    timeout_kw = "timeout"
+
+    def __init__(self) -> None:
+        import pebble
+
+        self.pool = pebble.ProcessPool(WORKERS, context=multiprocessing.get_context("spawn"))
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self.pool.schedule(fn, args=args)
+
+    def map_all(self, fn: Callable[..., Any], items: list[Any]) -> list[Any]:
+        return list(self.pool.map(fn, items, chunksize=1).result())
+
+    def submit_with_timeout(self, fn: Callable[..., Any], timeout: float) -> Any:
+        return self.pool.schedule(fn, timeout=timeout)
+
+    def close(self) -> None:
+        self.pool.stop()
+        self.pool.join()
+
+
+class MpirePool(Adapter):
+    name = "mpire"
+
+    def __init__(self) -> None:
+        from mpire import WorkerPool
+
+        self.pool = WorkerPool(n_jobs=WORKERS, keep_alive=True)
+        self.pool.__enter__()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self.pool.apply_async(fn, args)
+
+    def result(self, handle: Any, timeout: float | None = None) -> Any:
+        return handle.get(timeout)
+
+    def map_all(self, fn: Callable[..., Any], items: list[Any]) -> list[Any]:
+        return self.pool.map(fn, items, chunk_size=1, progress_bar=False)
+
+    def close(self) -> None:
+        self.pool.terminate()
+
+
+PEERS: list[tuple[str, type[Adapter], str | None]] = [
+    ("framepipe Pool", FramepipePool, None),
+    ("ProcessPoolExecutor", StdlibExecutor, None),
+    ("multiprocessing.Pool", StdlibPool, None),
+    ("loky", LokyPool, "loky"),
+    ("pebble", PebblePool, "pebble"),
+    ("mpire", MpirePool, "mpire"),
+]
+
+
+def missing_peers() -> list[str]:
+    out = []
+    for _, _, module in PEERS:
+        if module is None:
+            continue
+        try:
+            __import__(module)
+        except ImportError:
+            out.append(module)
+    return out
+
+
+# -- measurements -----------------------------------------------------------------------------
+
+
+def _best(fn: Callable[[], float], repeat: int) -> float:
+    return max(fn() for _ in range(repeat))
+
+
+def tasks_per_second(a: Adapter, n: int, repeat: int) -> tuple[float, float]:
+    def submit_all() -> float:
+        t0 = time.perf_counter()
+        handles = [a.submit(noop, i) for i in range(n)]
+        for h in handles:
+            a.result(h, 60)
+        return n / (time.perf_counter() - t0)
+
+    def map_all() -> float:
+        t0 = time.perf_counter()
+        a.map_all(noop, list(range(n)))
+        return n / (time.perf_counter() - t0)
+
+    submit_all()  # warm up: imports, connections
+    return _best(submit_all, repeat), _best(map_all, repeat)
+
+
+def round_trip(a: Adapter, n: int) -> tuple[float, float]:
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        a.result(a.submit(noop, i), 60)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return statistics.median(times), times[int(len(times) * 0.99)]
+
+
+def array_rate(a: Adapter, nbytes: int, count: int, repeat: int) -> float | None:
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        return None
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        handles = [a.submit(array_result, nbytes) for _ in range(count)]
+        for h in handles:
+            out = a.result(h, 120)
+            assert out.nbytes == nbytes
+        return nbytes * count / (time.perf_counter() - t0)
+
+    a.result(a.submit(array_result, nbytes), 120)
+    return _best(run, repeat)
+
+
+def crash(a: Adapter) -> dict[str, Any]:
+    """SIGKILL a worker mid-task with 20 tasks queued behind it."""
+    fd, note = tempfile.mkstemp(prefix="fp-bench-")
+    os.close(fd)
+    out: dict[str, Any] = {}
+    try:
+        victim = a.submit(die_after_note, note)
+        behind = [a.submit(noop, i) for i in range(20)]
+        try:
+            a.result(victim, 5)
+            out["failed"] = "returned?"
+        except TimeoutError:
+            out["failed"] = "never (5 s)"
+        except BaseException as exc:  # noqa: BLE001 - whatever the pool raises is the finding
+            failed_at = time.monotonic()
+            with open(note) as f:
+                killed_at = float(f.read() or "nan")
+            out["to_failure"] = failed_at - killed_at
+            out["error"] = type(exc).__name__
+            out["says_pid"] = "pid" in str(exc)
+            try:
+                t = a.submit(noop, 1)
+                a.result(t, 5)
+                out["to_serving"] = time.monotonic() - killed_at
+            except BaseException as exc2:  # noqa: BLE001
+                out["to_serving"] = None
+                out["serving_error"] = type(exc2).__name__
+        ok = 0
+        for h in behind:
+            try:
+                a.result(h, 5)
+                ok += 1
+            except BaseException:  # noqa: BLE001
+                pass
+        out["queued_ok"] = ok
+    finally:
+        os.unlink(note)
+    return out
+
+
+def two_arg(a: Adapter) -> str:
+    try:
+        a.result(a.submit(raise_two_arg), 10)
+        return "returned?"
+    except TwoArgError as exc:
+        intact = exc.code == 7 and exc.detail == "bad input"
+        verdict = "TwoArgError, intact" if intact else "TwoArgError, attributes lost"
+    except TimeoutError:
+        return "hangs"
+    except BaseException as exc:  # noqa: BLE001 - what the caller gets is the finding
+        verdict = type(exc).__name__
+    try:
+        a.result(a.submit(noop, 1), 10)
+        return verdict + "; pool ok"
+    except BaseException as exc:  # noqa: BLE001
+        return verdict + f"; pool then raises {type(exc).__name__}"
+
+
+def timeout_overshoot(cls: type[Adapter]) -> tuple[float | None, bool | None]:
+    if cls is FramepipePool:
+        a: Adapter = FramepipePool(task_timeout=0.5)
+    elif cls.timeout_kw is None:
+        return None, None
+    else:
+        a = cls()
+    try:
+        a.result(a.submit(noop, 1), 60)  # workers up
+        t0 = time.monotonic()
+        h = a.submit_with_timeout(hang, 0.5)
+        try:
+            a.result(h, 30)
+        except BaseException as exc:  # noqa: BLE001 - the timeout error, whatever its class
+            late = time.monotonic() - t0 - 0.5
+            stack = getattr(exc, "stack", None)
+            return late, bool(stack and "hang" in stack)
+        return None, None
+    finally:
+        a.close()
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def run(quick: bool, progress: Callable[[str], None]) -> dict[str, Any]:
+    n = 5000 if quick else 20000
+    repeat = 2 if quick else 3
+    rows: dict[str, dict[str, Any]] = {}
+    skipped = missing_peers()
+    for name, cls, module in PEERS:
+        if module in skipped:
+            continue
+        progress(f"[{name}] starting")
+        row: dict[str, Any] = {}
+        a = cls()
+        try:
+            row["submit"], row["map"] = tasks_per_second(a, n, repeat)
+            progress(f"[{name}] {row['submit']:,.0f} submits/s, {row['map']:,.0f} map/s")
+            row["rt_median"], row["rt_p99"] = round_trip(a, 1000 if quick else 3000)
+            row["mb1"] = array_rate(a, 1 << 20, 32 if quick else 64, repeat)
+            row["mb16"] = array_rate(a, 16 << 20, 4 if quick else 16, repeat)
+            progress(f"[{name}] round trip and arrays done")
+            row["two_arg"] = two_arg(a)
+            row["crash"] = crash(a)
+            progress(f"[{name}] crash: {row['crash']}")
+        except BaseException as exc:  # noqa: BLE001 - one failing peer must not end the run
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            try:
+                a.close()
+            except BaseException:  # noqa: BLE001
+                pass
+        row["timeout_late"], row["timeout_stack"] = timeout_overshoot(cls)
+        rows[name] = row
+    return {"workers": WORKERS, "tasks": n, "rows": rows, "missing": skipped,
+            "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def _fmt_rate(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k"
+
+
+def _fmt_mb(x: float | None) -> str:
+    return "-" if x is None else f"{x / 1e6:,.0f}"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    rows = report["rows"]
+    fp = rows.get("framepipe Pool", {})
+    peers = {k: v for k, v in rows.items() if k != "framepipe Pool" and "error" not in v}
+    lines = [
+        f"framepipe bench workers: {report['workers']} workers, {report['tasks']:,} no-op tasks "
+        f"a run, best of runs ({report['time']})",
+        "",
+        f"{'pool':<21}{'submit/s':>9}{'map/s':>9}{'rt med':>8}{'rt p99':>8}"
+        f"{'1MiB MB/s':>10}{'16MiB MB/s':>11}",
+    ]
+    for name, r in rows.items():
+        if "error" in r:
+            lines.append(f"{name:<21} failed: {r['error']}")
+            continue
+        lines.append(
+            f"{name:<21}{_fmt_rate(r.get('submit')):>9}{_fmt_rate(r.get('map')):>9}"
+            f"{r['rt_median'] * 1e6:>6.0f}us{r['rt_p99'] * 1e6:>6.0f}us"
+            f"{_fmt_mb(r.get('mb1')):>10}{_fmt_mb(r.get('mb16')):>11}"
+        )
+    lines += ["", "a worker SIGKILLed mid-task, 20 tasks queued behind it; a task raising "
+              "TwoArgError(code, detail):", ""]
+    lines.append(f"{'pool':<21}{'fails in':>9}{'serves in':>10}{'queued ok':>10}  "
+                 f"{'error (pid named?)':<26}")
+    for name, r in rows.items():
+        c = r.get("crash")
+        if not c:
+            continue
+        err = c.get("error") or c.get("failed", "")
+        if c.get("says_pid"):
+            err += " (pid)"
+        serving = _ms(c.get("to_serving")) if c.get("to_serving") is not None else \
+            c.get("serving_error", "-")
+        lines.append(f"{name:<21}{_ms(c.get('to_failure')):>7}ms{serving:>8}"
+                     f"{'ms' if c.get('to_serving') is not None else '  '}"
+                     f"{c.get('queued_ok', 0):>7}/20  {err:<26}")
+        lines.append(f"{'':<21}two-arg exception: {r.get('two_arg')}")
+    lines += ["", "0.5 s task timeout: how late the task failed, and whether the hung worker's "
+              "stack came with it:", ""]
+    for name, r in rows.items():
+        late = r.get("timeout_late")
+        if late is None:
+            lines.append(f"  {name:<21} no per-task timeout")
+        else:
+            lines.append(f"  {name:<21} {late * 1e3:6.1f} ms late, stack: "
+                         f"{'yes' if r.get('timeout_stack') else 'no'}")
+    if fp and "error" not in fp and peers:
+        best_submit = max(v["submit"] for v in peers.values())
+        best_map = max(v["map"] for v in peers.values())
+        ppe = rows.get("ProcessPoolExecutor", {})
+        lines += ["", "targets (framepipe against the peers of this run):"]
+
+        def target(text: str, ratio: float | None, goal: str, met: bool | None) -> None:
+            r = "-" if ratio is None else f"{ratio:.2f}x"
+            verdict = "-" if met is None else ("met" if met else "NOT met")
+            lines.append(f"  {text:<46}{r:>8}  {goal:<10}{verdict}")
+
+        target("no-op submit/s vs the fastest peer", fp["submit"] / best_submit, ">= 1.3x",
+               fp["submit"] / best_submit >= 1.3)
+        target("no-op map/s vs the fastest peer", fp["map"] / best_map, ">= 2x",
+               fp["map"] / best_map >= 2)
+        if ppe and "error" not in ppe:
+            rt = fp["rt_median"] / ppe["rt_median"]
+            target("round trip vs ProcessPoolExecutor", rt, "<= 0.6x", rt <= 0.6)
+            if fp.get("mb16") and ppe.get("mb16"):
+                m = fp["mb16"] / ppe["mb16"]
+                target("16 MiB results vs ProcessPoolExecutor", m, ">= 3x", m >= 3)
+        c = fp.get("crash", {})
+        if c.get("to_failure") is not None:
+            lines.append(f"  {'crash to failed future':<46}{c['to_failure'] * 1e3:>6.1f}ms  "
+                         f"{'<= 3 ms':<10}{'met' if c['to_failure'] <= 0.003 else 'NOT met'}")
+        if c.get("to_serving") is not None:
+            lines.append(f"  {'crash to the next task served':<46}{c['to_serving'] * 1e3:>6.1f}ms"
+                         f"  {'<= 20 ms':<10}{'met' if c['to_serving'] <= 0.02 else 'NOT met'}")
+        if fp.get("timeout_late") is not None:
+            ok = fp["timeout_late"] <= 0.005 and fp.get("timeout_stack")
+            lines.append(f"  {'0.5 s timeout overshoot, stack captured':<46}"
+                         f"{fp['timeout_late'] * 1e3:>6.1f}ms  {'<= 5 ms':<10}"
+                         f"{'met' if ok else 'NOT met'}")
+    if report["missing"]:
+        lines += ["", "not installed: " + ", ".join(report["missing"]) +
+                  " (pip install " + " ".join(report["missing"]) + ")"]
+    return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
-    print("framepipe bench workers: not available yet", file=sys.stderr)
-    return 2
+    def progress(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    report = run(quick=args.quick, progress=progress)
+    if args.json:
+        json.dump(report, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        print(format_report(report))
+    return 0
