@@ -186,6 +186,7 @@ class PebblePool(Adapter):
 
 class MpirePool(Adapter):
     name = "mpire"
+    timeout_kw = "task_timeout"
 
     def __init__(self) -> None:
         from mpire import WorkerPool
@@ -201,6 +202,9 @@ class MpirePool(Adapter):
 
     def map_all(self, fn: Callable[..., Any], items: list[Any]) -> list[Any]:
         return self.pool.map(fn, items, chunk_size=1, progress_bar=False)
+
+    def submit_with_timeout(self, fn: Callable[..., Any], timeout: float) -> Any:
+        return self.pool.apply_async(fn, (), task_timeout=timeout)
 
     def close(self) -> None:
         self.pool.terminate()
@@ -308,9 +312,10 @@ def crash(a: Adapter) -> dict[str, Any]:
                 out["to_serving"] = None
                 out["serving_error"] = type(exc2).__name__
         ok = 0
+        end = time.monotonic() + 5
         for h in behind:
             try:
-                a.result(h, 5)
+                a.result(h, max(0.01, end - time.monotonic()))
                 ok += 1
             except BaseException:  # noqa: BLE001
                 pass
@@ -338,29 +343,32 @@ def two_arg(a: Adapter) -> str:
         return verdict + f"; pool then raises {type(exc).__name__}"
 
 
-def timeout_overshoot(cls: type[Adapter]) -> tuple[float | None, bool | None]:
-    if cls is FramepipePool:
-        a: Adapter = FramepipePool(task_timeout=0.5)
-    elif cls.timeout_kw is None:
-        return None, None
-    else:
-        a = cls()
+def timeout_overshoot(a: Adapter) -> tuple[float | None, bool | None]:
+    a.result(a.submit(noop, 1), 60)  # workers up
+    t0 = time.monotonic()
+    h = a.submit_with_timeout(hang, 0.5)
     try:
-        a.result(a.submit(noop, 1), 60)  # workers up
-        t0 = time.monotonic()
-        h = a.submit_with_timeout(hang, 0.5)
-        try:
-            a.result(h, 30)
-        except BaseException as exc:  # noqa: BLE001 - the timeout error, whatever its class
-            late = time.monotonic() - t0 - 0.5
-            stack = getattr(exc, "stack", None)
-            return late, bool(stack and "hang" in stack)
-        return None, None
+        a.result(h, 30)
+    except BaseException as exc:  # noqa: BLE001 - the timeout error, whatever its class
+        late = time.monotonic() - t0 - 0.5
+        stack = getattr(exc, "stack", None)
+        return late, bool(stack and "hang" in stack)
+    return None, None
+
+
+def _fresh(cls: type[Adapter], fn: Callable[[Adapter], Any], **kw: Any) -> Any:
+    """``fn`` on a pool of its own (a fault must not spoil the next row), closed after."""
+    a = cls(**kw)
+    try:
+        a.result(a.submit(noop, 0), 60)  # every pool measured once its workers run
+        return fn(a)
+    except BaseException as exc:  # noqa: BLE001 - a failing peer is a finding, not a crash
+        return f"failed: {type(exc).__name__}: {exc}"[:120]
     finally:
-        a.close()
-
-
-# -- the run ------------------------------------------------------------------------------------
+        try:
+            a.close()
+        except BaseException:  # noqa: BLE001
+            pass
 
 
 def run(quick: bool, progress: Callable[[str], None]) -> dict[str, Any]:
@@ -371,27 +379,31 @@ def run(quick: bool, progress: Callable[[str], None]) -> dict[str, Any]:
     for name, cls, module in PEERS:
         if module in skipped:
             continue
-        progress(f"[{name}] starting")
+        progress(f"[{name}] throughput")
         row: dict[str, Any] = {}
-        a = cls()
-        try:
+
+        def speed(a: Adapter, row: dict[str, Any] = row) -> None:
             row["submit"], row["map"] = tasks_per_second(a, n, repeat)
-            progress(f"[{name}] {row['submit']:,.0f} submits/s, {row['map']:,.0f} map/s")
             row["rt_median"], row["rt_p99"] = round_trip(a, 1000 if quick else 3000)
             row["mb1"] = array_rate(a, 1 << 20, 32 if quick else 64, repeat)
             row["mb16"] = array_rate(a, 16 << 20, 4 if quick else 16, repeat)
-            progress(f"[{name}] round trip and arrays done")
-            row["two_arg"] = two_arg(a)
-            row["crash"] = crash(a)
-            progress(f"[{name}] crash: {row['crash']}")
-        except BaseException as exc:  # noqa: BLE001 - one failing peer must not end the run
-            row["error"] = f"{type(exc).__name__}: {exc}"
-        finally:
-            try:
-                a.close()
-            except BaseException:  # noqa: BLE001
-                pass
-        row["timeout_late"], row["timeout_stack"] = timeout_overshoot(cls)
+
+        failed = _fresh(cls, speed)
+        if failed:
+            row["error"] = failed
+        progress(f"[{name}] an exception with two arguments, a crash, a timeout")
+        row["two_arg"] = _fresh(cls, two_arg)
+        row["crash"] = _fresh(cls, crash)
+        if isinstance(row["crash"], str):
+            row["crash"] = {"failed": row["crash"]}
+        if cls is FramepipePool:
+            late = _fresh(cls, timeout_overshoot, task_timeout=0.5)
+        elif cls.timeout_kw is not None:
+            late = _fresh(cls, timeout_overshoot)
+        else:
+            late = (None, None)
+        row["timeout_late"], row["timeout_stack"] = late if isinstance(late, tuple) else \
+            (None, None)
         rows[name] = row
     return {"workers": WORKERS, "tasks": n, "rows": rows, "missing": skipped,
             "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -442,11 +454,10 @@ def format_report(report: dict[str, Any]) -> str:
         err = c.get("error") or c.get("failed", "")
         if c.get("says_pid"):
             err += " (pid)"
-        serving = _ms(c.get("to_serving")) if c.get("to_serving") is not None else \
-            c.get("serving_error", "-")
-        lines.append(f"{name:<21}{_ms(c.get('to_failure')):>7}ms{serving:>8}"
-                     f"{'ms' if c.get('to_serving') is not None else '  '}"
-                     f"{c.get('queued_ok', 0):>7}/20  {err:<26}")
+        serving = f"{_ms(c['to_serving'])}ms" if c.get("to_serving") is not None else "never"
+        fails = f"{_ms(c['to_failure'])}ms" if c.get("to_failure") is not None else "never"
+        lines.append(f"{name:<21}{fails:>9}{serving:>10}{c.get('queued_ok', 0):>7}/20  "
+                     f"{err[:40]}")
         lines.append(f"{'':<21}two-arg exception: {r.get('two_arg')}")
     lines += ["", "0.5 s task timeout: how late the task failed, and whether the hung worker's "
               "stack came with it:", ""]

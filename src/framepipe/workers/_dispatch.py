@@ -773,6 +773,9 @@ class Core:
                     f"{self.restart_window:g} s (max_restarts={self.max_restarts}); giving up",
                     self.crashes,
                 ))
+        if self._pending:
+            self.kick()  # the other workers take the orphans now, not after the replacement
+        time.sleep(0)  # let the callers just failed run before the reaping and respawning
         self._reap(slot)
 
     def _reap(self, slot: Slot) -> None:

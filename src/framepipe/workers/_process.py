@@ -625,10 +625,9 @@ class WorkerProcess:
         while True:
             m = _FIRST_LINE.search(data)
             if m:
-                again = data.find(b"0x", m.end())
-                second = _FIRST_LINE.search(data, m.end())
-                if second and second.group(1) == m.group(1) and again >= 0:
-                    return data[: second.start()].decode("utf-8", "replace").rstrip()
+                for later in _FIRST_LINE.finditer(data, m.end()):
+                    if later.group(1) == m.group(1):  # the second dump has begun
+                        return data[: later.start()].decode("utf-8", "replace").rstrip()
             now = time.monotonic()
             if now >= deadline:
                 break
