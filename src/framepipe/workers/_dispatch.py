@@ -33,7 +33,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .. import connection as _connection
@@ -43,20 +43,40 @@ from . import _process
 from ._process import ChildContext, WorkerProcess
 from .errors import PoolBroken, TaskTimeout, WorkerCancelled, WorkerError, WorkerStartError
 
-# Operations, parent to worker (first item of the pickled tuple).
-CALL, STREAM, CLOSE = 0, 1, 2
+# Operations, parent to worker (first item of the pickled tuple). BATCH carries the pickles of
+# several tasks in one frame: one write for many small tasks.
+CALL, STREAM, CLOSE, BATCH = 0, 1, 2, 3
 # Replies, worker to parent.
 RESULT, ERROR, ITEM, END, RECYCLE = 0, 1, 2, 3, 4
 
 PIPE_ROOM = 512 * 1024  # bytes a worker may owe us before it gets more (its pipe holds 1 MiB)
 MAX_INFLIGHT = 128  # tasks sent to one worker before its first answer
+BATCH_BYTES = 64 * 1024  # tasks smaller than this may share one frame
+LOW_WATER = 8  # a submitting thread sends directly only to a worker with fewer tasks in hand
 QUEUE_SECONDS = 0.002  # a worker is given about this much work ahead
 STACK_WAIT = 0.25  # seconds to wait for a worker's stack dump at a deadline
 _PARTIAL_WAIT = 1.0  # the manager waits this long for the rest of a frame that has started
 _WAKE, _DATA, _HEALTH, _STDERR = range(4)
 
 
+_names: dict[Any, str] = {}
+
+
 def _task_name(fn: Any) -> str:
+    try:
+        return _names[fn]
+    except (KeyError, TypeError):
+        pass
+    name = _name_of(fn)
+    try:
+        if len(_names) < 4096:
+            _names[fn] = name
+    except TypeError:
+        pass  # unhashable callable
+    return name
+
+
+def _name_of(fn: Any) -> str:
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
     if name is None:
         return type(fn).__qualname__
@@ -92,11 +112,18 @@ def task_loop(ctx: ChildContext) -> None:
     loads = pickle.loads
     max_rss = ctx.options.get("max_rss")
     perf = time.perf_counter
+    inbox: collections.deque[Any] = collections.deque()
     while True:
-        try:
-            msg = loads(recv_bytes())
-        except EOFError:
-            return
+        if inbox:
+            msg = inbox.popleft()
+        else:
+            try:
+                msg = loads(recv_bytes())
+            except EOFError:
+                return
+            if msg[0] == BATCH:
+                inbox.extend(map(loads, msg[1]))
+                continue
         op = msg[0]
         if op == CALL:
             tid, fn, args, kwargs = msg[1], msg[2], msg[3], msg[4]
@@ -253,6 +280,77 @@ class _Failure:
         self.exc = exc
 
 
+class _Empty:
+    pass
+
+
+_EMPTY = _Empty()
+
+
+class MapResults:
+    """The outcomes of one ``map()``: a slot per item and one condition, instead of a
+    ``Future`` per item. Its items stand in for futures inside the core."""
+
+    def __init__(self, n: int) -> None:
+        self.values: list[Any] = [_EMPTY] * n
+        self.cond = threading.Condition(threading.Lock())
+        self.waiting = -1
+        self.cancelled = False
+
+    def get(self, i: int, timeout: float | None) -> Any:
+        """Item ``i``'s result (raising its exception); TimeoutError after ``timeout``."""
+        values = self.values
+        if values[i] is _EMPTY:
+            with self.cond:
+                self.waiting = i
+                if not self.cond.wait_for(lambda: values[i] is not _EMPTY, timeout):
+                    raise TimeoutError("map() did not finish within its timeout")
+                self.waiting = -1
+        value = values[i]
+        values[i] = None  # the iterator hands each result out once: let it go
+        if isinstance(value, _Failure):
+            raise value.exc
+        return value
+
+    def store(self, i: int, value: Any) -> None:
+        self.values[i] = value
+        if self.waiting == i:
+            with self.cond:
+                self.cond.notify_all()
+
+
+class MapItem:
+    """One item of a :class:`MapResults`, with the part of the Future interface the core
+    uses."""
+
+    __slots__ = ("results", "index")
+
+    def __init__(self, results: MapResults, index: int) -> None:
+        self.results = results
+        self.index = index
+
+    def done(self) -> bool:
+        return self.results.values[self.index] is not _EMPTY
+
+    def set_running_or_notify_cancel(self) -> bool:
+        if self.results.cancelled:
+            self.results.store(self.index, _Failure(concurrent.futures.CancelledError()))
+            return False
+        return True
+
+    def set_result(self, value: Any) -> None:
+        self.results.store(self.index, value)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self.results.store(self.index, _Failure(exc))
+
+    def cancel(self) -> bool:
+        if self.done():
+            return False
+        self.set_exception(concurrent.futures.CancelledError())
+        return True
+
+
 class Task:
     __slots__ = ("tid", "future", "name", "payload", "size", "timeout", "stream", "delivered",
                  "slot", "running")
@@ -285,7 +383,8 @@ class Slot:
         self.proc = proc
         self.index = index
         self.outstanding: collections.deque[Task] = collections.deque()
-        self.out_bytes = 0
+        self.sent_bytes = 0  # written by the dispatcher only
+        self.done_bytes = 0  # written by the manager only
         self.ready = False
         self.retiring = False  # given no more work; closed once it has answered everything
         self.stopping: str | None = None  # why we are stopping it (its death is no crash)
@@ -299,6 +398,11 @@ class Slot:
         self.health_waiters: dict[int, concurrent.futures.Future[Any]] = {}
         self.last_rss_sample = 0.0
         self.crash_reason: str | None = None
+
+    @property
+    def out_bytes(self) -> int:
+        """Bytes of tasks sent and not answered yet."""
+        return self.sent_bytes - self.done_bytes
 
     @property
     def usable(self) -> bool:
@@ -380,6 +484,7 @@ class Core:
         self._timers = task_timeout is not None
         self._dirty = True  # _maintain() has work: a death, a retirement, a start
         self._dispatch_lock = threading.Lock()
+        self._submit_lock = threading.Lock()
         self._dispatch_wanted = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -408,16 +513,10 @@ class Core:
         try:
             payload = pickle.dumps(msg, protocol=5)
         except Exception as exc:  # noqa: BLE001 - goes to the future, as in concurrent.futures
-            err = TypeError(
-                f"cannot send {_task_name(fn)} and its arguments to a worker process: "
-                f"{type(exc).__name__}: {exc}; functions must be defined at module level and "
-                "arguments picklable"
-            )
-            err.__cause__ = exc
-            future.set_exception(err)
+            future.set_exception(_unpicklable(fn, exc))
             return Task(tid, future, _task_name(fn), b"", timeout, stream)
         task = Task(tid, future, _task_name(fn), payload, timeout, stream)
-        with self._lock:
+        with self._submit_lock:  # never held by the manager: submitting never waits for it
             if self.broken is not None:
                 raise self.broken
             if self.closing:
@@ -427,8 +526,39 @@ class Core:
                     s.stopping is None and not s.dead for s in self._slots):
                 self._dirty = True  # the manager starts a new process for it
                 self.wake()
-        self.kick()
+            # A worker with work in hand gets more from the manager, in batches, as its
+            # answers arrive; only a hungry one is fed from here.
+            hungry = any(s.usable and len(s.outstanding) < LOW_WATER for s in self._slots)
+        if hungry:
+            self.kick()
         return task
+
+    def submit_many(self, fn: Callable[..., Any], items: Iterable[tuple[Any, ...]],
+                    timeout: float | None = None) -> MapResults:
+        """Queue ``fn(*args)`` for every ``args`` of ``items`` at once (``map``)."""
+        items = list(items)
+        results = MapResults(len(items))
+        name = _task_name(fn)
+        tasks = []
+        dumps = pickle.dumps
+        ids = self._ids
+        for i, args in enumerate(items):
+            tid = next(ids)
+            item = MapItem(results, i)
+            try:
+                payload = dumps((CALL, tid, fn, args, {}), protocol=5)
+            except Exception as exc:  # noqa: BLE001 - this item fails, the others run
+                item.set_exception(_unpicklable(fn, exc))
+                continue
+            tasks.append(Task(tid, item, name, payload, timeout, None))  # type: ignore[arg-type]
+        with self._submit_lock:
+            if self.broken is not None:
+                raise self.broken
+            if self.closing:
+                raise RuntimeError(f"cannot submit to {self.name}: it has been shut down")
+            self._pending.extend(tasks)
+        self.kick()
+        return results
 
     def kick(self) -> None:
         """Hand pending tasks to workers with room (whoever holds the dispatch lock does it;
@@ -464,31 +594,54 @@ class Core:
                 slot = self._pick(task)
                 if slot is None:
                     return
-                self._pending.popleft()
-                if not task.running:  # a task rescheduled after a crash is running already
-                    if not task.future.set_running_or_notify_cancel():
-                        continue
-                    task.running = True
-                if not slot.outstanding:
-                    slot.head_since = time.monotonic()
-                    if task.timeout is not None:
-                        self._timers = True
-                        self.wake()
-                elif task.timeout is not None:
-                    self._timers = True
-                slot.outstanding.append(task)
-                slot.out_bytes += task.size
-                slot.sent += 1
-                task.slot = slot
-                if self.max_tasks is not None and slot.sent >= self.max_tasks:
-                    slot.retiring = True
-                    self._dirty = True
-                    self.wake()
-            task.delivered = True  # before the write: the worker may die of it at once
+                batch = self._take_for(slot)
+            if not batch:
+                continue
+            if len(batch) == 1:
+                payload = batch[0].payload
+            else:
+                payload = pickle.dumps((BATCH, [t.payload for t in batch]), protocol=5)
             try:
-                slot.proc.conn.send_bytes(task.payload)
+                slot.proc.conn.send_bytes(payload)
             except (OSError, ValueError):
-                task.delivered = False  # the worker is gone: its death reschedules the task
+                for t in batch:
+                    t.delivered = False  # the worker is gone: its death reschedules these
+
+    def _take_for(self, slot: Slot) -> list[Task]:
+        """Move the pending tasks that ``slot`` has room for into its queue (lock held)."""
+        batch: list[Task] = []
+        nbytes = 0
+        room = max(1, slot.cap() - len(slot.outstanding))
+        pending = self._pending
+        while pending and len(batch) < room:
+            task = pending[0]
+            if batch and (task.size >= BATCH_BYTES or nbytes + task.size > BATCH_BYTES or
+                          slot.out_bytes + task.size > PIPE_ROOM):
+                break
+            pending.popleft()
+            if not task.running:  # a task rescheduled after a crash is running already
+                if not task.future.set_running_or_notify_cancel():
+                    continue
+                task.running = True
+            if not slot.outstanding:
+                slot.head_since = time.monotonic()
+                if task.timeout is not None:
+                    self.wake()
+            if task.timeout is not None:
+                self._timers = True
+            slot.outstanding.append(task)
+            slot.sent_bytes += task.size
+            slot.sent += 1
+            task.slot = slot
+            task.delivered = True  # before the write: the worker may die of it at once
+            batch.append(task)
+            nbytes += task.size
+            if self.max_tasks is not None and slot.sent >= self.max_tasks:
+                slot.retiring = True
+                self._dirty = True
+                self.wake()
+                break
+        return batch
 
     def wake(self) -> None:
         with contextlib.suppress(OSError):
@@ -641,6 +794,8 @@ class Core:
     def _drain(self, slot: Slot) -> None:
         """Handle every message the worker has sent (its death last, after them)."""
         conn = slot.proc.conn
+        answered = 0
+        handle = self._handle
         try:
             while True:
                 try:
@@ -648,7 +803,7 @@ class Core:
                 except ReadTimeout:
                     self._version += 1  # mid-frame: wait on wherever the rest will come from
                     return
-                self._handle(slot, msg)
+                answered += handle(slot, msg)
                 if not conn._has_buffered():
                     if conn._pending_bulk_fd is not None or slot.partial:
                         slot.partial = conn._pending_bulk_fd is not None
@@ -658,6 +813,17 @@ class Core:
             self._on_death(slot, died)
         except (EOFError, OSError) as exc:
             self._on_death(slot, None, reason=f"its channel failed: {exc}")
+        finally:
+            if answered:
+                # Timing once a batch of answers: the time per task (which sets how far ahead
+                # a worker is fed), when the new head task started, and now and then the RSS.
+                now = time.monotonic()
+                per_task = (now - slot.head_since) / answered
+                slot.avg = slot.avg * 0.7 + per_task * 0.3
+                slot.head_since = now
+                if now - slot.last_rss_sample > 0.05:
+                    slot.last_rss_sample = now
+                    slot.proc.sample_rss()
 
     def _drain_health(self, slot: Slot) -> None:
         conn = slot.proc.health
@@ -672,21 +838,19 @@ class Core:
             if not slot.dead:
                 self._drain(slot)  # the data channel tells how it died
 
-    def _handle(self, slot: Slot, msg: Any) -> None:
+    def _handle(self, slot: Slot, msg: Any) -> int:
+        """Act on one message of ``slot``'s worker; returns 1 for an answer to a task."""
         kind = msg[0]
         if kind == RESULT or kind == ERROR or kind == END:
-            now = time.monotonic()
-            with self._lock:
-                task = slot.outstanding.popleft()
-                slot.out_bytes -= task.size
-                elapsed = now - slot.head_since
-                slot.avg = slot.avg * 0.8 + elapsed * 0.2
-                slot.head_since = now
+            # No lock: only the dispatcher appends to ``outstanding`` (deque operations are
+            # atomic) and only this thread pops it and counts answered bytes.
+            task = slot.outstanding.popleft()
+            slot.done_bytes += task.size
             if task.tid != msg[1]:
                 raise WorkerError(f"worker {slot.proc.name} answered task {msg[1]} "
                                   f"while task {task.tid} was due")
             if kind == RESULT:
-                if task.tid in self._cancelled:
+                if self._cancelled and task.tid in self._cancelled:
                     self._cancelled.discard(task.tid)
                     task.fail(WorkerCancelled(f"task {task.tid} was cancelled"))
                 elif not task.future.done():
@@ -702,9 +866,7 @@ class Core:
                 if not task.future.done():
                     with contextlib.suppress(concurrent.futures.InvalidStateError):
                         task.future.set_result(None)
-            if now - slot.last_rss_sample > 0.05:
-                slot.last_rss_sample = now
-                slot.proc.sample_rss()
+            return 1
         elif kind == ITEM:
             task = slot.outstanding[0]
             slot.head_since = time.monotonic()
@@ -726,6 +888,7 @@ class Core:
             self._break(err)
         else:
             raise WorkerError(f"unexpected message {kind!r} from worker {slot.proc.name}")
+        return 0
 
     # -- deaths, deadlines, replacement --
 
@@ -738,7 +901,7 @@ class Core:
             self._dirty = True
             orphans = list(slot.outstanding)
             slot.outstanding.clear()
-            slot.out_bytes = 0
+            slot.done_bytes = slot.sent_bytes
             waiters = list(slot.health_waiters.values())
             slot.health_waiters.clear()
         expected = slot.stopping is not None or (slot.retiring and not orphans)
@@ -845,7 +1008,7 @@ class Core:
                 return
 
     def _break(self, exc: BaseException) -> None:
-        with self._lock:
+        with self._submit_lock, self._lock:
             if self.broken is None:
                 self.broken = exc
             pending = list(self._pending)
@@ -866,7 +1029,7 @@ class Core:
     def cancel_all(self) -> int:
         """Cancel the running task and every queued one: the running task gets
         WorkerCancelled raised inside it; queued ones fail at once. Returns how many."""
-        with self._lock:
+        with self._submit_lock, self._lock:
             pending = list(self._pending)
             self._pending.clear()
             per_slot = [(s, list(s.outstanding)) for s in self._slots if s.outstanding]
@@ -889,7 +1052,7 @@ class Core:
                  timeout: float | None = None) -> None:
         """Stop taking tasks; the manager ends once every task has finished, or ``timeout``
         seconds from now, whichever comes first (then the workers are stopped as they are)."""
-        with self._lock:
+        with self._submit_lock, self._lock:
             self.closing = True
             if timeout is not None:
                 self._close_deadline = time.monotonic() + timeout
@@ -909,7 +1072,7 @@ class Core:
 
     def terminate(self, join: bool = True) -> None:
         """Stop at once: pending and running tasks fail, workers are killed."""
-        with self._lock:
+        with self._submit_lock, self._lock:
             self.closing = True
             self._terminating = True
             pending = list(self._pending)
@@ -943,7 +1106,7 @@ class Core:
                 task.fail(WorkerError(f"{self.name} shut down before task {task.tid} finished"))
             slot.proc.close()
             self.last_exitcode = slot.proc.exitcode
-        with self._lock:
+        with self._submit_lock, self._lock:
             leftovers = list(self._pending)
             self._pending.clear()
         for task in leftovers:
@@ -973,6 +1136,16 @@ class Core:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"{self.name} has no running worker")
             time.sleep(0.001)
+
+
+def _unpicklable(fn: Any, exc: BaseException) -> TypeError:
+    err = TypeError(
+        f"cannot send {_task_name(fn)} and its arguments to a worker process: "
+        f"{type(exc).__name__}: {exc}; functions must be defined at module level and "
+        "arguments picklable"
+    )
+    err.__cause__ = exc
+    return err
 
 
 def _revive(blob: bytes) -> BaseException:

@@ -116,16 +116,13 @@ class Pool(concurrent.futures.Executor):
             raise ValueError(f"chunksize must be a positive int, not {chunksize!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         if chunksize == 1:
-            futures = [self.submit(fn, *args) for args in zip(*iterables)]
-        else:
-            it = zip(*iterables)
-            futures = []
-            while True:
-                chunk = list(itertools.islice(it, chunksize))
-                if not chunk:
-                    break
-                futures.append(self.submit(_run_chunk, fn, chunk))
-        return _results(futures, deadline, chunked=chunksize > 1)
+            results = self._core.submit_many(fn, zip(*iterables), self._core.task_timeout)
+            return _ordered(results, len(results.values), deadline)
+        it = zip(*iterables)
+        chunks = iter(lambda: list(itertools.islice(it, chunksize)), [])
+        results = self._core.submit_many(_run_chunk, ((fn, c) for c in chunks),
+                                         self._core.task_timeout)
+        return itertools.chain.from_iterable(_ordered(results, len(results.values), deadline))
 
     def imap_unordered(self, fn: Callable[..., T], iterable: Iterable[Any]) -> Iterator[T]:
         """Results of ``fn(x)`` for each x of ``iterable`` as they complete, in any order."""
@@ -196,26 +193,17 @@ def _run_chunk(fn: Callable[..., Any], chunk: list[tuple[Any, ...]]) -> list[Any
     return [fn(*args) for args in chunk]
 
 
-def _results(futures: list[concurrent.futures.Future[Any]], deadline: float | None,
-             chunked: bool) -> Iterator[Any]:
+def _ordered(results: D.MapResults, n: int, deadline: float | None) -> Iterator[Any]:
+    """The results of a map in order; closing the iterator early cancels what has not
+    started."""
     try:
-        futures.reverse()
-        while futures:
-            fut = futures.pop()
+        for i in range(n):
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise TimeoutError("map() did not finish within its timeout")
-            try:
-                value = fut.result(remaining)
-            except concurrent.futures.TimeoutError:
-                raise TimeoutError("map() did not finish within its timeout") from None
-            if chunked:
-                yield from value
-            else:
-                yield value
+            yield results.get(i, remaining)
     finally:
-        for fut in futures:
-            fut.cancel()
+        results.cancelled = True
 
 
 def _unordered(futures: list[concurrent.futures.Future[Any]]) -> Iterator[Any]:
