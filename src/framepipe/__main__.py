@@ -1,4 +1,5 @@
-"""Command line: ``python -m framepipe bench [--quick] [--json] [--only NAME]``."""
+"""Command line: ``python -m framepipe bench [core|workers|loader] [--quick] [--json]`` and
+``python -m framepipe demo``."""
 
 from __future__ import annotations
 
@@ -25,7 +26,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _bench.add_arguments(bench)
     bench.set_defaults(handler=_bench.main)
+    demo = commands.add_parser(
+        "demo",
+        help="a worker pool meeting a task exception, a killed worker and a hung task",
+        description="Run a short demonstration of framepipe's worker pool and its reports.",
+    )
+    demo.set_defaults(handler=_run_demo)
     return parser
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from . import _demo
+
+    return _demo.main(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

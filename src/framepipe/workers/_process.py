@@ -255,6 +255,10 @@ def _die_with_group() -> None:
 def _serve_health(ctx: ChildContext, parent_pid: int) -> None:
     """The worker's health thread: answers the parent at once, and takes the whole worker
     down (its process group) the moment the parent is gone."""
+    # Stack requests go to the main thread, one at a time: two dumps written at once by two
+    # threads would interleave in the pipe.
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {STACK_SIGNAL})
     pidfd = None
     with contextlib.suppress(OSError, AttributeError):
         pidfd = os.pidfd_open(parent_pid)  # type: ignore[attr-defined]
@@ -355,6 +359,7 @@ def child_main(boot: _Boot) -> None:
 # Parent side
 # --------------------------------------------------------------------------------------------
 
+_QUIET = 0.003  # a dump is written by one signal handler: a pause this long ends it
 _FIRST_LINE = re.compile(rb"^(?:Current thread|Thread) (0x[0-9a-f]+)", re.M)
 
 
@@ -631,8 +636,8 @@ class WorkerProcess:
             now = time.monotonic()
             if now >= deadline:
                 break
-            if data and quiet_since is not None and now - quiet_since > 0.05:
-                break  # one dump only (signals coalesced): take it after 50 ms of quiet
+            if data and quiet_since is not None and now - quiet_since > _QUIET:
+                break  # the repeat did not come (a thread created meanwhile): quiet ends it
             try:
                 events = poller.poll(min(deadline - now, 0.01) * 1000)
             except InterruptedError:
