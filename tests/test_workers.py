@@ -328,6 +328,12 @@ def test_worker_asyncio_api(engine):
                 ticks += 1
                 await asyncio.sleep(0.01)
             assert ticks >= 5
+            busy = w.submit(hang_in_sleep_loop)
+            await asyncio.sleep(0.2)
+            assert "hang_in_sleep_loop" in await w.astack()
+            w.cancel()
+            with pytest.raises(WorkerCancelled):
+                await asyncio.wrap_future(busy)
             with pytest.raises(TaskTimeout):
                 await w.acall(hang_in_sleep_loop, timeout=0.3)
             return w.pid
@@ -337,6 +343,19 @@ def test_worker_asyncio_api(engine):
 
 
 # -- Pool --------------------------------------------------------------------------------------
+
+
+def test_pool_asyncio_api(engine):
+    async def main():
+        async with Pool(2, start_method="fork") as pool:
+            results = await asyncio.gather(*(pool.acall(square, i) for i in range(20)))
+            assert results == [i * i for i in range(20)]
+            with pytest.raises(TwoArgError):
+                await pool.acall(raise_two_arg, 3, "x")
+            return pool.pids
+
+    pids = asyncio.run(main())
+    assert _wait_until(lambda: all(_gone(p) for p in pids))
 
 
 def test_pool_is_an_executor(engine):
@@ -403,7 +422,9 @@ def test_pool_restart_budget_turns_a_crash_loop_into_pool_broken(engine):
 
 def test_pool_task_timeout_ladder(engine):
     with Pool(2, start_method="fork", task_timeout=0.5, kill_grace=0.2) as pool:
-        pids = set(pool.map(getpid, range(20)))
+        assert pool.submit(getpid).result(WAIT)
+        assert _wait_until(lambda: len(pool.pids) == 2)
+        pids = set(pool.pids)
         start = time.monotonic()
         hung = pool.submit(hang_in_sleep_loop)
         quick = [pool.submit(add, i, i) for i in range(50)]

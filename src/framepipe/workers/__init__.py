@@ -10,6 +10,7 @@ RSS, OOM hint, native traceback, last stderr lines), :class:`TaskTimeout` (with 
 worker's stack), :class:`PoolBroken`, :class:`WorkerCancelled`.
 """
 
+from ._dispatch import worker_namespace
 from .errors import (
     PoolBroken,
     TaskTimeout,
@@ -18,7 +19,6 @@ from .errors import (
     WorkerError,
     WorkerStartError,
 )
-from ._dispatch import worker_namespace
 from .pool import Pool
 from .worker import Stream, Worker
 

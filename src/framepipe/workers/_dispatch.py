@@ -36,7 +36,6 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from .. import connection as _connection
 from ..errors import ReadTimeout, WriterDied
 from ..remote import dumps_exception, loads_exception
 from . import _process

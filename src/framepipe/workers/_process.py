@@ -461,6 +461,20 @@ def _write_console(data: bytes) -> None:
             view = view[os.write(fd, view):]
 
 
+def stack_text(data: bytes, quiet: float | None, expired: bool) -> str | None:
+    """The first complete dump in ``data`` (two were asked for: the second one's first line
+    ends the first); the data so far once ``quiet`` seconds passed without more, or at
+    ``expired`` ("" when nothing came); None while the dump is still coming."""
+    m = _FIRST_LINE.search(data)
+    if m:
+        for later in _FIRST_LINE.finditer(data, m.end()):
+            if later.group(1) == m.group(1):  # the second dump has begun
+                return data[: later.start()].decode("utf-8", "replace").rstrip()
+    if expired or (quiet is not None and quiet > _QUIET):
+        return data.decode("utf-8", "replace").rstrip()
+    return None
+
+
 class WorkerProcess:
     """The parent's handle on one worker process (see the module docstring).
 
@@ -610,9 +624,9 @@ class WorkerProcess:
 
     # -- stacks and signals --
 
-    def stack(self, timeout: float = 1.0) -> str | None:
-        """Every thread's stack in the worker (faulthandler's text), or None when no dump came
-        within ``timeout`` seconds (the process is stopped, gone, or blocks the signal)."""
+    def request_stack(self) -> int | None:
+        """Ask the worker for its stacks; returns the fd the dump arrives on (None when the
+        worker is gone). Read it with :func:`stack_text` until that returns the text."""
         fd = self._stack_r
         if fd is None or self.pid is None:
             return None
@@ -622,33 +636,34 @@ class WorkerProcess:
             os.kill(self.pid, STACK_SIGNAL)  # queued: its dump starts where the first ends
         except ProcessLookupError:
             return None
+        return fd
+
+    def stack(self, timeout: float = 1.0) -> str | None:
+        """Every thread's stack in the worker (faulthandler's text), or None when no dump came
+        within ``timeout`` seconds (the process is stopped, gone, or blocks the signal)."""
+        fd = self.request_stack()
+        if fd is None:
+            return None
         deadline = time.monotonic() + timeout
         data = b""
-        quiet_since: float | None = None
+        last = time.monotonic()
         poller = select.poll()
         poller.register(fd, select.POLLIN)
         while True:
-            m = _FIRST_LINE.search(data)
-            if m:
-                for later in _FIRST_LINE.finditer(data, m.end()):
-                    if later.group(1) == m.group(1):  # the second dump has begun
-                        return data[: later.start()].decode("utf-8", "replace").rstrip()
             now = time.monotonic()
-            if now >= deadline:
-                break
-            if data and quiet_since is not None and now - quiet_since > _QUIET:
-                break  # the repeat did not come (a thread created meanwhile): quiet ends it
+            text = stack_text(data, now - last if data else None, now >= deadline)
+            if text is not None:
+                return text or None
             try:
-                events = poller.poll(min(deadline - now, 0.01) * 1000)
+                events = poller.poll(min(deadline - now, _QUIET) * 1000)
             except InterruptedError:
                 continue
             if events:
                 chunk, eof = _read_available(fd)
                 data += chunk
-                quiet_since = time.monotonic()
+                last = time.monotonic()
                 if eof:
-                    break
-        return data.decode("utf-8", "replace").rstrip() or None
+                    return stack_text(data, None, True) or None
 
     def signal_group(self, sig: int) -> None:
         """Send ``sig`` to the worker's process group (and to the worker itself, in case it

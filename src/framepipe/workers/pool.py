@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import itertools
 import os
@@ -102,10 +103,28 @@ class Pool(concurrent.futures.Executor):
 
     # -- Executor --
 
-    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
+    def submit(
+        self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future[T]:
         """Schedule ``fn(*args, **kwargs)``; returns a :class:`concurrent.futures.Future`."""
         return self._core.submit(D.CALL, fn, args, kwargs,
                                  timeout=self._core.task_timeout).future
+
+    async def acall(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` in a worker and await its result (asyncio; no thread
+        per call)."""
+        return await asyncio.wrap_future(self.submit(fn, *args, **kwargs))
+
+    async def aclose(self) -> None:
+        """``shutdown(wait=True)`` for asyncio: awaits the end without blocking the loop."""
+        self._core.shutdown(wait=False)
+        await asyncio.wrap_future(self._core.stopped)
+
+    async def __aenter__(self) -> Pool:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
     def map(self, fn: Callable[..., T], *iterables: Iterable[Any], timeout: float | None = None,
             chunksize: int = 1) -> Iterator[T]:

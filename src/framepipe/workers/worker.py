@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import multiprocessing
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 from . import _dispatch as D
-from .errors import TaskTimeout, WorkerError
+from . import _process
+from .errors import TaskTimeout
 
 __all__ = ["Worker", "Stream", "get_context"]
 
@@ -187,7 +189,9 @@ class Worker:
 
     # -- calls --
 
-    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
+    def submit(
+        self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future[T]:
         """Queue ``fn(*args, **kwargs)``; the future holds its result or exception."""
         return self._core.submit(D.CALL, fn, args, kwargs).future
 
@@ -285,7 +289,35 @@ class Worker:
         return text
 
     async def astack(self, timeout: float = 1.0) -> str:
-        return await asyncio.get_running_loop().run_in_executor(None, self.stack, timeout)
+        """``stack`` for asyncio: the dump is read by the event loop's own reader."""
+        slot = self._slot(timeout)
+        fd = slot.proc.request_stack()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        data = b""
+        last = loop.time()
+        readable = asyncio.Event()
+        text = None
+        if fd is not None:
+            loop.add_reader(fd, readable.set)
+            try:
+                while text is None:
+                    readable.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(readable.wait(), 0.003)
+                    chunk, eof = _process._read_available(fd)
+                    if chunk:
+                        data += chunk
+                        last = loop.time()
+                    now = loop.time()
+                    text = _process.stack_text(data, now - last if data else None,
+                                               eof or now >= deadline)
+            finally:
+                loop.remove_reader(fd)
+        if not text:
+            raise TimeoutError(f"worker {self.name!r} (pid {slot.proc.pid}) gave no stack "
+                               f"within {timeout:g} s")
+        return text
 
     @property
     def pid(self) -> int | None:
