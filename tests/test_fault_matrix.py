@@ -8,12 +8,16 @@ minute; where a count is lower than FAULTS.md's target the test says so.
 from __future__ import annotations
 
 import errno
+import fcntl
 import gc
 import os
 import pickle
 import random
 import resource
+import signal
+import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -166,6 +170,154 @@ def test_close_while_another_thread_reads_never_reads_a_reused_fd(impl):
         os.close(fd)
         os.close(nw)
         os.close(w)
+
+
+# -- the watcher's DEAD sentinel against close() of the write end -------------------------------
+#
+# When the watcher thread sees a watched writer die it writes a DEAD sentinel through the write
+# end this process holds. The reader may have seen the death on its own (pidfd) and the test or
+# application closed both ends meanwhile; if close() released the write end's fd number while
+# the sentinel write was on its way, the next pipe could take the number and receive the
+# sentinel: its reader then reported a live writer dead, exit status None (seen in the full suite
+# as test_watch_and_death_cycles_leave_the_fd_count_unchanged failing once in a few runs).
+
+
+def _watcher_thread() -> threading.Thread:
+    return next(t for t in threading.enumerate() if t.name == "framepipe-watcher")
+
+
+def _blocked_on_fd(tid: int) -> int | None:
+    """The first argument of the system call thread ``tid`` is blocked in, or None."""
+    try:
+        with open(f"/proc/self/task/{tid}/syscall") as f:
+            fields = f.read().split()
+    except OSError:
+        return None
+    if len(fields) < 2 or fields[0] in ("running", "-1"):
+        return None
+    return int(fields[1], 16)
+
+
+def _fill_pipe(wfd: int) -> None:
+    """Fill the pipe of the write end ``wfd`` to the last byte, through a private non-blocking
+    description (the connection's own stays blocking)."""
+    fd = os.open(f"/proc/self/fd/{wfd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        for size in (4096, 1):
+            try:
+                while True:
+                    os.write(fd, b"\xff" * size)
+            except BlockingIOError:
+                pass
+    finally:
+        os.close(fd)
+
+
+def _identity(fd: int) -> tuple[int, int] | None:
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _sentinel_blocked_in_full_pipe(impl):
+    """A watched reader whose writer (/bin/true) died while its pipe was full: the watcher
+    thread is blocked writing the DEAD sentinel. Returns (r, w, pid, watcher thread, drain fd)."""
+    r, w = impl.pipe(False)
+    _fill_pipe(w.fileno())
+    drain = os.open(f"/proc/self/fd/{r.fileno()}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    pid = os.posix_spawn("/bin/true", ["/bin/true"], {})
+    r.watch(pid)
+    watcher = _watcher_thread()
+    deadline = time.monotonic() + WAIT
+    while _blocked_on_fd(watcher.native_id) != w.fileno():
+        assert time.monotonic() < deadline, "the watcher never wrote the DEAD sentinel"
+        time.sleep(0.001)
+    return r, w, pid, watcher, drain
+
+
+def _unblock(drain: int, watcher: threading.Thread, wfd: int) -> bytes:
+    """Drain the full pipe until the watcher's sentinel write has returned; what was read."""
+    got = bytearray()
+    deadline = time.monotonic() + WAIT
+    while True:
+        try:
+            while chunk := os.read(drain, 1 << 16):
+                got += chunk
+        except BlockingIOError:
+            pass
+        if _blocked_on_fd(watcher.native_id) != wfd:
+            return bytes(got)
+        assert time.monotonic() < deadline, "the watcher stayed blocked"
+        time.sleep(0.001)
+
+
+def test_close_during_the_watchers_dead_sentinel_keeps_the_fd_number_until_it_is_written(impl):
+    r, w, pid, watcher, drain = _sentinel_blocked_in_full_pipe(impl)
+    wfd = w.fileno()
+    ident = _identity(wfd)
+    try:
+        w.close()
+        # The sentinel write is still on its way to wfd: the number must not be free for the
+        # next pipe to take.
+        assert _identity(wfd) == ident, "close() released an fd the watcher is writing to"
+        got = _unblock(drain, watcher, wfd)
+        # Once the sentinel is written the write end is closed after all...
+        deadline = time.monotonic() + WAIT
+        while _identity(wfd) == ident:
+            assert time.monotonic() < deadline, "the deferred close never happened"
+            time.sleep(0.001)
+        # ... and the sentinel went where it was meant to go.
+        got += _unblock(drain, watcher, wfd)
+        assert got.endswith(b"\x02\x02" + bytes(8)), "the sentinel was lost"
+    finally:
+        if _identity(wfd) == ident:
+            _unblock(drain, watcher, wfd)
+        os.close(drain)
+        r.close()
+        w.close()
+        os.waitpid(pid, 0)
+
+
+def test_a_dead_sentinel_never_reaches_the_pipe_that_took_the_closed_write_ends_number(impl):
+    # The reported failure, end to end: a sentinel write retried on the same fd number after
+    # an EINTR (os.writev does, under PEP 475) reaches whatever pipe now holds the number.
+    r, w, pid, watcher, drain = _sentinel_blocked_in_full_pipe(impl)
+    wfd = w.fileno()
+    old = signal.signal(signal.SIGUSR1, lambda *a: None)
+    live = subprocess.Popen(["sleep", "60"])
+    r2 = w2 = None
+    try:
+        w.close()
+        r.close()
+        free = _identity(wfd) is None
+        nr, nw = os.pipe()
+        if free:  # the number is free: the next pipe's write end takes it
+            if nr == wfd:
+                nr, moved = fcntl.fcntl(nr, fcntl.F_DUPFD_CLOEXEC, wfd + 1), nr
+                os.close(moved)
+            if nw != wfd:
+                os.dup2(nw, wfd, inheritable=False)
+                os.close(nw)
+                nw = wfd
+        r2 = impl.Connection(nr, writable=False)
+        w2 = impl.Connection(nw, readable=False)
+        r2.watch(live)
+        signal.pthread_kill(watcher.ident, signal.SIGUSR1)  # EINTR: the write is retried
+        with pytest.raises(ReadTimeout):
+            r2.recv_bytes(timeout=0.5)  # its writer lives: nothing to read, no death
+        assert live.poll() is None
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        live.kill()
+        live.wait()
+        _unblock(drain, watcher, wfd)
+        os.close(drain)
+        for c in (r2, w2, r, w):
+            if c is not None:
+                c.close()
+        os.waitpid(pid, 0)
 
 
 # -- threads -------------------------------------------------------------------------------------

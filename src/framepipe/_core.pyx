@@ -215,6 +215,12 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
     cdef bint _known[4]  # whether _dev/_ino of (fd, wfd, bfd, bwfd) were read
     cdef public object _peer
     cdef public long long _sentinel_sent
+    # DEAD sentinel writes of the watcher thread under way, and whether a close() left the
+    # fds in _dfd for them to close (see _write_sentinel). The GIL orders every use: no Python
+    # code runs between a check and an update.
+    cdef int _sentinels
+    cdef bint _deferred
+    cdef int _dfd[4]
     cdef object __weakref__
 
     def __cinit__(self):
@@ -323,16 +329,29 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
     def close(self):
         """Close the connection (its fd once, if it owns it) and stop watching the writer."""
         cdef int fd, wfd, bfd, bwfd
+        cdef bint defer
         if self._fd >= 0:
+            if self._gen != _fork_gen:
+                self._renew_locks_after_fork()
             fd, wfd, bfd, bwfd = self._fd, self._wfd, self._bfd, self._bwfd
             self._fd = self._wfd = self._bfd = self._bwfd = -1
+            # The watcher thread is writing a DEAD sentinel to wfd: the fds stay open (and
+            # their numbers taken) until that write is done, or it could land in whatever took
+            # the number next. The sentinel writer closes them (_write_sentinel).
+            defer = self._sentinels > 0 and self._closefd
+            if defer:
+                self._dfd[0] = fd
+                self._dfd[1] = wfd
+                self._dfd[2] = bfd
+                self._dfd[3] = bwfd
+                self._deferred = True
             if self._nfd >= 0:
                 os.close(self._nfd)  # ours whatever closefd says
                 self._nfd = -1
             F.stop_watch(self._liveness, self._watch_handle)
             self._liveness = self._watch_handle = None
             self._lfd = -1
-            if self._closefd:
+            if self._closefd and not defer:
                 err = self._close_owned(fd, wfd, bfd, bwfd)
                 if err:
                     raise _oserror(err)
@@ -412,10 +431,22 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         return self
 
     def _write_sentinel(self, data):
+        """Write a DEAD sentinel from the watcher thread. A close() from another thread while
+        it is on its way leaves the fds to be closed here, once the write is done."""
+        if self._gen != _fork_gen:
+            self._renew_locks_after_fork()
         if self._fd < 0:
             return
-        self._write_parts([data])
-        self._sentinel_sent += len(data)
+        self._sentinels += 1
+        try:
+            self._write_parts([data])
+            self._sentinel_sent += len(data)
+        finally:
+            self._sentinels -= 1
+            if self._sentinels == 0 and self._deferred:
+                self._deferred = False
+                # Nobody to report a failed close() to: the application closed long ago.
+                self._close_owned(self._dfd[0], self._dfd[1], self._dfd[2], self._dfd[3])
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -434,6 +465,10 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         self._rlock = r
         self._wlock = w
         self._async_owner = 0
+        # Sentinel writes of the parent's watcher thread do not go on here; fds whose close
+        # waited for one are left open, as after any close() that follows a fork.
+        self._sentinels = 0
+        self._deferred = False
         self._gen = _fork_gen
         return 0
 

@@ -133,6 +133,12 @@ class Connection:
         bfd, bwfd = F.check_bulk_handles(bulk_handle, bulk_write_handle, readable, writable)
         if max_size is not None and max_size < 0:
             raise ValueError("max_size must be None or a non-negative number of bytes")
+        self._gen = _fork_gen
+        # Guards the fd fields against close() while the watcher writes a DEAD sentinel:
+        # _sentinels such writes under way, _deferred the fds a close() left for them to close.
+        self._slock = threading.Lock()
+        self._sentinels = 0
+        self._deferred: tuple[int, int, int, int] | None = None
         self._fd = handle
         self._wfd = wfd
         self._bfd = bfd  # bulk payloads are read from here (-1: no bulk channel)
@@ -150,7 +156,6 @@ class Connection:
         except OSError:
             self._is_socket = False  # like the stdlib: a bad handle fails on first use
         self._ids = tuple(F.fd_identity(fd) if fd >= 0 else None for fd in (handle, wfd, bfd, bwfd))
-        self._gen = _fork_gen
         self._async_owner = 0  # the thread whose asyncio send holds the write lock, or 0
         self._nfd = -1  # a private O_NONBLOCK description of the pipe (-1: not yet, -2: none)
         self._poll_first = False
@@ -204,14 +209,25 @@ class Connection:
     def close(self) -> None:
         """Close the connection (its fd once, if it owns it) and stop watching the writer."""
         if self._fd >= 0:
-            fd, wfd, bfd, bwfd = self._fd, self._wfd, self._bfd, self._bwfd
-            self._fd = self._wfd = self._bfd = self._bwfd = -1
+            if self._gen != _fork_gen:
+                self._renew_locks_after_fork()
+            with self._slock:
+                fd, wfd, bfd, bwfd = self._fd, self._wfd, self._bfd, self._bwfd
+                if fd < 0:
+                    return  # closed by another thread meanwhile
+                self._fd = self._wfd = self._bfd = self._bwfd = -1
+                # The watcher thread is writing a DEAD sentinel to wfd: the fds stay open (and
+                # their numbers taken) until that write is done, or it could land in whatever
+                # took the number next. The sentinel writer closes them (_write_sentinel).
+                defer = self._sentinels > 0 and self._closefd
+                if defer:
+                    self._deferred = (fd, wfd, bfd, bwfd)
             if self._nfd >= 0:
                 os.close(self._nfd)  # ours whatever closefd says
                 self._nfd = -1
             F.stop_watch(self._liveness, self._watch_handle)
             self._liveness = self._watch_handle = None
-            if self._closefd:
+            if self._closefd and not defer:
                 F.close_owned((fd, wfd, bfd, bwfd), self._ids)
 
     def __del__(self) -> None:
@@ -264,10 +280,25 @@ class Connection:
         return self
 
     def _write_sentinel(self, data: bytes) -> None:
-        if self._fd < 0:
-            return
-        self._write_parts([data])
-        self._sentinel_sent += len(data)
+        """Write a DEAD sentinel from the watcher thread. A close() from another thread while
+        it is on its way leaves the fds to be closed here, once the write is done."""
+        if self._gen != _fork_gen:
+            self._renew_locks_after_fork()
+        with self._slock:
+            if self._fd < 0:
+                return
+            self._sentinels += 1
+        try:
+            self._write_parts([data])
+            self._sentinel_sent += len(data)
+        finally:
+            with self._slock:
+                self._sentinels -= 1
+                deferred = self._deferred if self._sentinels == 0 else None
+                if deferred is not None:
+                    self._deferred = None
+            if deferred is not None:
+                F.close_owned(deferred, self._ids)
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -278,6 +309,11 @@ class Connection:
             if self._gen != _fork_gen:
                 self._rlock = threading.Lock()
                 self._wlock = threading.Lock()
+                # Sentinel writes of the parent's watcher thread do not go on here; fds whose
+                # close waited for one are left open, as after any close() that follows a fork.
+                self._slock = threading.Lock()
+                self._sentinels = 0
+                self._deferred = None
                 self._poller = self._bpoller = None  # may be marked busy by a parent thread
                 self._async_owner = 0
                 self._gen = _fork_gen
