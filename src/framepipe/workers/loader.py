@@ -66,7 +66,6 @@ OK, FAIL, END, INIT_FAILED = 0, 1, 2, 3
 
 _CLOSE = pickle.dumps((CLOSE,), protocol=5)
 _RESET = pickle.dumps((RESET,), protocol=5)
-REFILL = 0  # a worker gets more requests once it has this many left (see _Epoch._fill)
 STACK_WAIT = 0.5  # seconds to wait for a stuck worker's stack
 STOP_GRACE = 1.0  # seconds workers get to exit by themselves before SIGTERM, then SIGKILL
 PUMP_EVERY = 0.02  # seconds between stderr pumps while batches keep arriving
@@ -234,7 +233,7 @@ class _TensorView:
 #: passed over a SOCK_SEQPACKET socketpair); smaller ones out of band on the connection's
 #: bulk channel (16 KiB and more) or in the pickle. See the README's loader section for the
 #: measurement behind the value.
-SHM_MIN = int(os.environ.get("FRAMEPIPE_LOADER_SHM_MIN", str(1 << 20)))
+SHM_MIN = int(os.environ.get("FRAMEPIPE_LOADER_SHM_MIN", str(sys.maxsize)))
 _HAVE_MEMFD = hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
 _MAX_FDS = 250  # descriptors per SCM_RIGHTS message (the kernel's limit is 253)
 
@@ -371,7 +370,7 @@ def _draw_seed(generator: Any) -> int:
 def _send_failure(conn: Any, bid: int, exc: BaseException, where: str) -> None:
     info = _worker_info
     who = "DataLoader worker" if info is None else f"DataLoader worker {info.id}"
-    note = f"raised in {who} (pid {os.getpid()}) while loading {where} of batch {bid}"
+    note = f"raised in {who} (pid {os.getpid()}) while loading {where}"
     with contextlib.suppress(Exception):
         exc.add_note(note)
     conn.send((FAIL, bid, dumps_exception(exc), where))
@@ -489,13 +488,12 @@ class _Workers:
     """The worker processes of one loader and everything in flight to and from them."""
 
     def __init__(self, loader: DataLoader, base_seed: int) -> None:
-        self.loader = loader
         self.base_seed = base_seed
         self.slots: list[_Slot] = []
         self.tasks: dict[int, tuple[_Slot, Any]] = {}  # batch id -> (worker, indices)
         self.results: dict[int, Any] = {}  # the reorder buffer: batch id -> reply
-        self.bids = itertools.count()
-        self.floor = 0  # replies to batches below it (an abandoned epoch's) are dropped
+        self.next_bid = 0
+        self.floor = 0  # the first batch id of the current epoch
         self.closed = False
         self.broken: BaseException | None = None
         self._rr = 0
@@ -532,33 +530,38 @@ class _Workers:
 
     # -- requests --
 
-    def pick(self) -> _Slot | None:
-        """The active worker with the fewest batches outstanding (round robin on ties)."""
-        active = [s for s in self.slots if not s.exhausted]
-        n = len(active)
-        best = None
+    def next_in_turn(self) -> _Slot | None:
+        """The worker whose turn it is (round robin over the active ones), or None."""
+        n = len(self.slots)
         for k in range(n):
-            slot = active[(self._rr + k) % n]
-            if best is None or len(slot.outstanding) < len(best.outstanding):
-                best = slot
-        self._rr = (self._rr + 1) % max(n, 1)
-        return best
+            slot = self.slots[(self._rr + k) % n]
+            if not slot.exhausted:
+                self._rr = (self._rr + k) % n
+                return slot
+        return None
 
     def send(self, slot: _Slot, requests: list[Any]) -> list[int]:
         """Send batches to ``slot``'s worker in one message; their batch ids."""
-        first = next(self.bids)
-        bids = [first] + [next(self.bids) for _ in requests[1:]]
+        first = self.next_bid
+        bids = list(range(first, first + len(requests)))
+        self.next_bid += len(requests)
         for bid, indices in zip(bids, requests):
             self.tasks[bid] = (slot, indices)
         slot.outstanding.extend(bids)
+        self._rr = (self._rr + 1) % len(self.slots)
         try:
             slot.conn.send_bytes(pickle.dumps((FETCH, first, requests), protocol=5))
         except (OSError, ValueError):
             pass  # the worker is gone: reading its channel reports how
         return bids
 
-    def reset(self) -> None:
-        """A new epoch on persistent workers: iterable datasets start over."""
+    def reset(self, timeout: float | None) -> None:
+        """A new epoch on persistent workers: the batches of an abandoned epoch are awaited
+        and dropped, and iterable datasets start over."""
+        for bid in sorted(self.tasks):
+            self.take(bid, timeout)
+        self.tasks.clear()
+        self.results.clear()
         for slot in self.slots:
             slot.exhausted = False
             with contextlib.suppress(OSError, ValueError):
@@ -578,7 +581,7 @@ class _Workers:
                 if got == bid:
                     self._housekeeping()
                     return got, reply
-                self._keep(got, reply)
+                self.results[got] = reply
         elif self.results:
             got = next(iter(self.results))
             return got, self.results.pop(got)
@@ -597,7 +600,8 @@ class _Workers:
             for s in busy:
                 if any(s.conn is r for r in ready):
                     while s.outstanding and s.conn.poll(0):
-                        self._keep(*self._recv(s))
+                        got, reply = self._recv(s)
+                        self.results[got] = reply
             self._housekeeping(force=True)
             if bid is None:
                 if self.results:
@@ -605,12 +609,6 @@ class _Workers:
                     return got, self.results.pop(got)
             elif bid in self.results:
                 return bid, self.results.pop(bid)
-
-    def _keep(self, bid: int, reply: Any) -> None:
-        if bid < self.floor:
-            del self.tasks[bid]  # an abandoned epoch's batch
-        else:
-            self.results[bid] = reply
 
     def _recv(self, slot: _Slot) -> tuple[int, Any]:
         global _receiving
@@ -664,23 +662,21 @@ class _Workers:
         self.close()
         return exc
 
-    def _held(self, slot: _Slot) -> str:
-        held = [f"batch {b} (indices {_short(self.tasks[b][1])})" for b in slot.outstanding
-                if b in self.tasks]
-        return ", ".join(held) if held else "no batch"
+    def _batch_text(self, bid: int) -> str:
+        return f"batch {bid - self.floor} (indices {_short(self.tasks[bid][1])})"
 
     def _crashed(self, slot: _Slot, died: WriterDied | None,
                  reason: str | None = None) -> BaseException:
-        head = slot.outstanding[0] if slot.outstanding else None
-        task = None if head is None else f"batch {head} of the DataLoader"
-        held = self._held(slot)
-        why = f"DataLoader worker {slot.id}; it held {held}"
+        held = [b for b in slot.outstanding if b in self.tasks]
+        why = f"DataLoader worker {slot.id}"
+        if len(held) > 1:
+            why += "; it also held " + ", ".join(self._batch_text(b) for b in held[1:])
         if reason:
             why += f"; {reason}"
-        err = slot.proc.crash_error(died, task, head, why)
+        task = self._batch_text(held[0]) if held else None
+        err = slot.proc.crash_error(died, task, None, why)
         err.worker_id = slot.id  # type: ignore[attr-defined]
-        err.batches = {b: self.tasks[b][1] for b in slot.outstanding  # type: ignore[attr-defined]
-                       if b in self.tasks}
+        err.batches = {b: self.tasks[b][1] for b in held}  # type: ignore[attr-defined]
         return self._fail(err)
 
     def _timeout(self, bid: int | None, timeout: float) -> BaseException:
@@ -691,10 +687,8 @@ class _Workers:
             slot = min(busy, key=lambda s: s.outstanding[0]) if busy else self.slots[0]
             bid = slot.outstanding[0] if slot.outstanding else None
         stack = slot.proc.stack(STACK_WAIT)
-        task = "a batch" if bid is None else \
-            f"batch {bid} (indices {_short(self.tasks[bid][1])})"
-        err = TaskTimeout(f"DataLoader-worker-{slot.id}", slot.proc.pid, timeout,
-                          task_name=task, task_id=bid, stack=stack)
+        task = "a batch" if bid is None else self._batch_text(bid)
+        err = TaskTimeout(slot.proc.name, slot.proc.pid, timeout, task_name=task, stack=stack)
         err.worker_id = slot.id  # type: ignore[attr-defined]
         return self._fail(err)
 
@@ -757,10 +751,11 @@ class _RandomSampler:
 
     def __init__(self, n: int, loader: DataLoader) -> None:
         self.n = n
-        self.loader = loader
+        self.loader = weakref.ref(loader)  # the loader holds this sampler
 
     def __iter__(self) -> Iterator[int]:
-        seed = self.loader._next_seed()
+        loader = self.loader()
+        seed = loader._next_seed() if loader is not None else random.getrandbits(63)
         try:
             import numpy as np
         except ImportError:
@@ -856,7 +851,8 @@ class DataLoader:
         self.batch_sampler = batch_sampler
         self._auto_collation = batch_sampler is not None or batch_size is not None
         self._workers: _Workers | None = None
-        self._current: _Epoch | None = None
+        self._current_ref: Callable[[], _Epoch | None] = lambda: None  # a weak reference:
+        # an epoch abandoned by the caller (a ``break``) is collected and stops its workers
 
     # -- seeds --
 
@@ -886,8 +882,9 @@ class DataLoader:
         return _batches(self.sampler, self.batch_size, self.drop_last)
 
     def __iter__(self) -> Iterator[Any]:
-        if self._current is not None:
-            self._current._abandon()
+        current = self._current_ref()
+        if current is not None:
+            current._abandon()
         self._epoch += 1
         if self.num_workers == 0:
             fetcher = _Fetcher(self.dataset, self._iterable,
@@ -899,11 +896,11 @@ class DataLoader:
             if workers is None or workers.closed or workers.broken is not None:
                 workers = self._workers = _Workers(self, self._next_seed())
             else:
-                workers.reset()
+                workers.reset(self.timeout or None)
         else:
             workers = _Workers(self, self._next_seed())
         epoch = _Epoch(self, workers, self._requests())
-        self._current = epoch
+        self._current_ref = weakref.ref(epoch)
         return epoch
 
     def __len__(self) -> int:
@@ -921,16 +918,17 @@ class DataLoader:
 
     def worker_pids(self) -> list[int]:
         """The pids of the workers running now (persistent or of the current epoch)."""
-        for workers in (self._workers, self._current.workers if self._current else None):
+        current = self._current_ref()
+        for workers in (self._workers, current.workers if current else None):
             if workers is not None and not workers.closed:
                 return workers.pids()
         return []
 
     def close(self) -> None:
         """Stop the workers now (they start again at the next ``iter()``)."""
-        if self._current is not None:
-            self._current._abandon()
-            self._current = None
+        current = self._current_ref()
+        if current is not None:
+            current._abandon()
         if self._workers is not None:
             self._workers.close()
             self._workers = None
@@ -962,7 +960,7 @@ class _Epoch:
         self.workers = workers
         self._requests = requests
         self._sampling = True
-        workers.floor = next(workers.bids)  # older batches belong to an abandoned epoch
+        workers.floor = workers.next_bid  # older batches belong to an abandoned epoch
         self._pending: collections.deque[int] = collections.deque()  # our batches, in order
         self._window = loader.window
         self._per_worker = loader.prefetch_factor
@@ -975,26 +973,21 @@ class _Epoch:
         return self
 
     def _fill(self) -> None:
-        """Request batches while the window has room. A worker is refilled once it has at
-        most ``REFILL`` batches left, with up to ``prefetch_factor`` in one message: a worker
-        wakes once per message, not once per batch."""
+        """Request batches while the window has room: ``prefetch_factor`` at a time in one
+        message, to each worker in turn once it has answered its last ones. A worker wakes
+        once per message, not once per batch, and batch k always goes to worker
+        ``(k // prefetch_factor) % num_workers``, so a seed reproduces the epoch."""
         workers = self.workers
+        per_worker = self._per_worker
         while self._sampling:
-            free = self._window - len(workers.tasks)
-            if free <= 0:
-                return
-            slot = workers.pick()
+            slot = workers.next_in_turn()
             if slot is None:
                 self._sampling = False
                 return
-            have = len(slot.outstanding)
-            if have > REFILL:
+            if slot.outstanding or self._window - len(workers.tasks) < per_worker:
                 return
-            want = min(free, self._per_worker - have)
-            if want <= 0:
-                return
-            requests = list(itertools.islice(self._requests, want))
-            if len(requests) < want:
+            requests = list(itertools.islice(self._requests, per_worker))
+            if len(requests) < per_worker:
                 self._sampling = False
             if requests:
                 self._pending.extend(workers.send(slot, requests))
@@ -1030,8 +1023,6 @@ class _Epoch:
         self._finished = True
         if not self.loader.persistent_workers:
             self.workers.close()
-        if self.loader._current is self:
-            self.loader._current = None
 
     def _abandon(self) -> None:
         """Stop this epoch before its end: non-persistent workers stop now; persistent ones
