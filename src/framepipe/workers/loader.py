@@ -53,7 +53,7 @@ from typing import Any
 from .. import connection as _connection
 from ..errors import ReadTimeout, WriterDied
 from ..remote import dumps_exception, loads_exception
-from ._process import ChildContext, WorkerProcess, _FdHandle
+from ._process import ChildContext, WorkerProcess, _FdHandle, register_parent_side
 from .errors import TaskTimeout, WorkerCrashed, WorkerError, WorkerStartError
 
 __all__ = ["DataLoader", "WorkerInfo", "get_worker_info", "default_collate"]
@@ -229,63 +229,67 @@ class _TensorView:
         return (_rebuild_tensor, (self.array,))
 
 
-#: Arrays of at least this many bytes travel in shared memory (a memfd whose descriptor is
-#: passed over a SOCK_SEQPACKET socketpair); smaller ones out of band on the connection's
-#: bulk channel (16 KiB and more) or in the pickle. See the README's loader section for the
-#: measurement behind the value.
-SHM_MIN = int(os.environ.get("FRAMEPIPE_LOADER_SHM_MIN", str(sys.maxsize)))
+#: Arrays of at least this many bytes travel in shared memory: a pool of memfds per worker,
+#: each passed to the parent once (SCM_RIGHTS over a SOCK_SEQPACKET socketpair), mapped by
+#: the parent for each array and handed back to the worker when the array is freed. Smaller
+#: arrays go out of band on the connection's bulk channel (16 KiB and more) or in the pickle.
+#: The README's loader section has the measurement behind the value.
+SHM_MIN = int(os.environ.get("FRAMEPIPE_LOADER_SHM_MIN", str(64 * 1024)))
 _HAVE_MEMFD = hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
 _MAX_FDS = 250  # descriptors per SCM_RIGHTS message (the kernel's limit is 253)
 
 
 class _Shared:
-    """A large array's place in a worker's message: its data is in the next memfd."""
+    """A large array's place in a worker's message: its data is in memfd ``sid``."""
 
-    __slots__ = ("shape", "dtype", "nbytes")
+    __slots__ = ("sid", "shape", "dtype", "nbytes")
 
-    def __init__(self, shape: tuple[int, ...], dtype: str, nbytes: int) -> None:
-        self.shape, self.dtype, self.nbytes = shape, dtype, nbytes
+    def __init__(self, sid: int, shape: tuple[int, ...], dtype: str, nbytes: int) -> None:
+        self.sid, self.shape, self.dtype, self.nbytes = sid, shape, dtype, nbytes
 
     def __reduce__(self) -> Any:
-        return (_rebuild_shared, (self.shape, self.dtype, self.nbytes))
+        return (_rebuild_shared, (self.sid, self.shape, self.dtype, self.nbytes))
 
 
-# The worker whose message the parent is unpickling: where _rebuild_shared takes descriptors.
+# The worker whose message the parent is unpickling: where _rebuild_shared finds memfds.
 _receiving: _Slot | None = None
 
 
-def _rebuild_shared(shape: tuple[int, ...], dtype: str, nbytes: int) -> Any:
+def _rebuild_shared(sid: int, shape: tuple[int, ...], dtype: str, nbytes: int) -> Any:
     import numpy as np
 
     slot = _receiving
     if slot is None:
         raise RuntimeError("a shared-memory array arrived outside a DataLoader")
-    fd = slot.next_fd()
-    try:
-        mm = mmap.mmap(fd, nbytes)
-    finally:
-        os.close(fd)
+    mm = mmap.mmap(slot.memfd(sid), nbytes)
+    # the memfd goes back to the worker when the last view of the array is gone
+    weakref.finalize(mm, slot.returned.append, sid)
     return np.frombuffer(mm, dtype=np.dtype(dtype)).reshape(shape)
 
 
 class _Wire:
-    """Prepares a worker's batch for sending (see :func:`_to_wire`)."""
+    """A worker's side of the shared-memory pool: puts large arrays of a batch in memfds
+    the parent is not using (see :data:`SHM_MIN`), at most ``slots`` of them; when all are
+    in use the array takes the bulk channel instead."""
 
-    def __init__(self, fdsock: socket.socket | None) -> None:
+    def __init__(self, fdsock: socket.socket | None, slots: int) -> None:
         self.fdsock = fdsock
+        self.slots = slots
         self.np = sys.modules.get("numpy")
-        self.fds: list[int] = []
+        self.memfds: list[int] = []  # memfd number sid is memfds[sid]
+        self.free: list[int] = []  # sids the parent handed back
+        self.new: list[int] = []  # sids created for this batch: their fds go with it
 
     def convert(self, obj: Any) -> Any:
+        """``obj`` ready to send: large arrays replaced by their memfd, CPU torch tensors by
+        their NumPy view (no copy), rebuilt with ``torch.from_numpy`` in the parent."""
         np = self.np
         if np is not None and type(obj) is np.ndarray:
             return self._array(obj)
         if _is_torch_tensor(obj):
             if obj.device.type == "cpu" and not obj.requires_grad and \
                     str(obj.layout) == "torch.strided":
-                array = obj.detach().contiguous().numpy()
-                shared = self._array(array)
-                return _TensorView(shared)
+                return _TensorView(self._array(obj.detach().contiguous().numpy()))
             return obj
         if isinstance(obj, dict):
             return {k: self.convert(v) for k, v in obj.items()}
@@ -299,32 +303,30 @@ class _Wire:
         if self.fdsock is None or array.nbytes < SHM_MIN or array.dtype.hasobject or \
                 not array.flags.c_contiguous:
             return array
-        fd = os.memfd_create("framepipe-batch", os.MFD_CLOEXEC)  # type: ignore[attr-defined]
-        try:
-            view = memoryview(array).cast("B")
-            while view:
-                view = view[os.write(fd, view):]
-        except BaseException:
-            os.close(fd)
-            raise
-        self.fds.append(fd)
-        return _Shared(array.shape, array.dtype.str, array.nbytes)
+        if self.free:
+            sid = self.free.pop()
+        elif len(self.memfds) < self.slots:
+            sid = len(self.memfds)
+            self.memfds.append(os.memfd_create("framepipe-batch",  # type: ignore[attr-defined]
+                                               os.MFD_CLOEXEC))  # type: ignore[attr-defined]
+            self.new.append(sid)
+        else:
+            return array
+        fd, view, offset = self.memfds[sid], memoryview(array).cast("B"), 0
+        while offset < len(view):
+            offset += os.pwrite(fd, view[offset:], offset)
+        return _Shared(sid, array.shape, array.dtype.str, array.nbytes)
 
     def flush(self) -> None:
-        """Send the descriptors of this batch's shared arrays, then close them here."""
-        fds, self.fds = self.fds, []
-        try:
-            for i in range(0, len(fds), _MAX_FDS):
-                part = fds[i:i + _MAX_FDS]
-                socket.send_fds(self.fdsock, [b"%d" % len(part)], part)  # type: ignore[arg-type]
-        finally:
-            for fd in fds:
-                os.close(fd)
+        """Send the memfds created for this batch (before the batch itself)."""
+        new, self.new = self.new, []
+        fds = [self.memfds[sid] for sid in new]
+        for i in range(0, len(fds), _MAX_FDS):
+            part = fds[i:i + _MAX_FDS]
+            socket.send_fds(self.fdsock, [b"%d" % len(part)], part)  # type: ignore[arg-type]
 
-    def discard(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
-        self.fds = []
+    def give_back(self, sids: list[int]) -> None:
+        self.free.extend(sids)
 
 
 # -- seeds --------------------------------------------------------------------------------------
@@ -387,7 +389,7 @@ def _answer(conn: Any, fetcher: _Fetcher, wire: _Wire, bid: int, indices: Any) -
         return
     try:
         data = wire.convert(data)
-        if wire.fds:
+        if wire.new:
             wire.flush()
         conn.send((OK, bid, data))
     except (BrokenPipeError, ConnectionError):
@@ -418,13 +420,14 @@ def loader_loop(ctx: ChildContext) -> None:
     fetcher = _Fetcher(dataset, opts["iterable"], opts["batch_size"], opts["collate_fn"],
                        opts["drop_last"])
     fdsock = opts["fdsock"]
-    wire = _Wire(None if fdsock is None else socket.socket(fileno=fdsock.fd))
+    wire = _Wire(None if fdsock is None else socket.socket(fileno=fdsock.fd), opts["shm_slots"])
     recv_bytes, loads = conn.recv_bytes, pickle.loads
     try:
         while True:
             msg = loads(recv_bytes())
             op = msg[0]
             if op == FETCH:
+                wire.give_back(msg[3])
                 for bid, indices in enumerate(msg[2], msg[1]):
                     _answer(conn, fetcher, wire, bid, indices)
             elif op == RESET:
@@ -443,7 +446,8 @@ def loader_loop(ctx: ChildContext) -> None:
 class _Slot:
     """The parent's view of one worker."""
 
-    __slots__ = ("id", "proc", "conn", "outstanding", "exhausted", "fdsock", "fds")
+    __slots__ = ("id", "proc", "conn", "outstanding", "exhausted", "fdsock", "memfds",
+                 "returned", "__weakref__")
 
     def __init__(self, wid: int, proc: WorkerProcess, fdsock: socket.socket | None) -> None:
         self.id = wid
@@ -451,25 +455,33 @@ class _Slot:
         self.conn = proc.conn
         self.outstanding: collections.deque[int] = collections.deque()  # batch ids, in order
         self.exhausted = False
-        self.fdsock = fdsock  # shared-memory descriptors from the worker arrive here
-        self.fds: collections.deque[int] = collections.deque()
+        self.fdsock = fdsock  # the worker's memfds arrive here
+        self.memfds: list[int] = []  # memfd sid, as numbered by the worker
+        # sids whose arrays were freed (appended by finalizers, from any thread)
+        self.returned: collections.deque[int] = collections.deque()
+        register_parent_side(self)  # a worker forked later closes our memfds and socket
 
-    def next_fd(self) -> int:
-        """The next shared-memory descriptor the worker sent (they come before the message
-        that uses them, so this never waits for the worker)."""
-        if not self.fds:
+    def _close_in_child(self) -> None:
+        self.close_fds()
+
+    def memfd(self, sid: int) -> int:
+        """The worker's memfd ``sid``: new ones were sent before the message that uses them,
+        so this never waits for the worker."""
+        while sid >= len(self.memfds):
             assert self.fdsock is not None
             _, fds, _, _ = socket.recv_fds(self.fdsock, 16, _MAX_FDS)
             if not fds:
                 raise WorkerError(f"DataLoader worker {self.id} sent a shared-memory array "
-                                  "without its descriptor")
-            self.fds.extend(fds)
-        return self.fds.popleft()
+                                  "without its memfd")
+            self.memfds.extend(fds)
+        return self.memfds[sid]
 
     def close_fds(self) -> None:
-        while self.fds:
+        """Close the memfds here (mapped arrays stay valid) and the socket."""
+        for fd in self.memfds:
             with contextlib.suppress(OSError):
-                os.close(self.fds.popleft())
+                os.close(fd)
+        self.memfds = []
         if self.fdsock is not None:
             self.fdsock.close()
 
@@ -508,6 +520,9 @@ class _Workers:
             "collate_fn": loader.collate_fn,
             "drop_last": loader.drop_last,
             "worker_init_fn": loader.worker_init_fn,
+            # memfds per worker: room for 8 large arrays in each of its batches in flight,
+            # the one being used and the one being freed (more fall back to the bulk channel)
+            "shm_slots": 8 * (loader.prefetch_factor + 2),
         }
         _live.add(self)
         try:
@@ -550,7 +565,10 @@ class _Workers:
         slot.outstanding.extend(bids)
         self._rr = (self._rr + 1) % len(self.slots)
         try:
-            slot.conn.send_bytes(pickle.dumps((FETCH, first, requests), protocol=5))
+            returned = []
+            while slot.returned:
+                returned.append(slot.returned.popleft())
+            slot.conn.send_bytes(pickle.dumps((FETCH, first, requests, returned), protocol=5))
         except (OSError, ValueError):
             pass  # the worker is gone: reading its channel reports how
         return bids
