@@ -657,9 +657,6 @@ class _Workers:
                     f"DataLoader worker {slot.id} answered batch {bid} while batch {head} was due"))
             return bid, msg
 
-    def done(self, bid: int) -> None:
-        del self.tasks[bid]
-
     def _housekeeping(self, force: bool = False) -> None:
         now = time.monotonic()
         if force or now - self._last_pump > PUMP_EVERY:
@@ -996,6 +993,8 @@ class _Epoch:
         once per message, not once per batch, and batch k always goes to worker
         ``(k // prefetch_factor) % num_workers``, so a seed reproduces the epoch."""
         workers = self.workers
+        if not self._sampling or workers.slots[workers._rr].outstanding:
+            return  # the worker whose turn it is has not answered yet (the common case)
         per_worker = self._per_worker
         while self._sampling:
             slot = workers.next_in_turn()
@@ -1026,8 +1025,7 @@ class _Epoch:
             else:
                 bid, reply = workers.take(None, self._timeout)
                 self._pending.remove(bid)
-            slot = workers.tasks[bid][0]
-            workers.done(bid)
+            slot = workers.tasks.pop(bid)[0]
             if reply[0] == END:
                 slot.exhausted = True  # this worker's part of an iterable dataset is done
             self._fill()
