@@ -14,7 +14,6 @@ import multiprocessing
 import os
 import random
 import signal
-import sys
 import time
 
 import pytest
@@ -24,6 +23,7 @@ from framepipe.workers import (
     DataLoader,
     TaskTimeout,
     WorkerCrashed,
+    WorkerError,
     WorkerStartError,
     default_collate,
     get_worker_info,
@@ -335,6 +335,24 @@ def test_hung_getitem_raises_task_timeout_with_the_stack(engine):
     assert err.stack and "hang_here" in err.stack
     assert "batch 3 (indices 3)" in str(err)
     assert all(gone(pid) for pid in pids)
+
+
+class Unpicklable:
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int):
+        array = np.full(loader_module.SHM_MIN, i, dtype=np.uint8)  # takes a memfd first
+        return (array, (lambda: i)) if i == 2 else (array, None)
+
+
+def test_a_batch_that_cannot_be_sent_is_reported_and_the_loader_goes_on():
+    with DataLoader(Unpicklable(), timeout=GUARD) as loader:
+        it = iter(loader)
+        assert [int(next(it)[0][0]) for _ in range(2)] == [0, 1]
+        with pytest.raises(WorkerError, match="indices 2 could not be sent"):
+            next(it)
+        assert [int(a[0]) for a, _ in it] == [3, 4, 5]
 
 
 def test_worker_init_fn_failure_is_reported():

@@ -172,7 +172,8 @@ def _run_pool(size: int, batch: int | None, seconds: float) -> tuple[int, float,
 def _run_torch(size: int, batch: int | None, seconds: float) -> tuple[int, float, int]:
     from torch.utils.data import DataLoader
 
-    loader = DataLoader(ArrayDataset(size), batch_size=batch, num_workers=WORKERS)
+    loader: Any = DataLoader(ArrayDataset(size), batch_size=batch,  # type: ignore[arg-type]
+                             num_workers=WORKERS)
     it = iter(loader)
     try:
         return _drive(it, seconds, batch or 1)
@@ -217,9 +218,9 @@ def run(quick: bool = False, repeat: int | None = None, seconds: float | None = 
                 what = f"{_label(size)}" + (f" x{batch}" if batch else "")
                 progress(f"run {r + 1}/{repeat}: {what}: {name}")
                 runs.setdefault((name, size, batch), []).append(fn(size, batch, seconds))
-    rows = []
+    rows: list[dict[str, Any]] = []
     for size, batch in cases:
-        group = []
+        group: list[dict[str, Any]] = []
         for name, _ in ROWS:
             got = runs.get((name, size, batch))
             if not got:
@@ -232,12 +233,13 @@ def run(quick: bool = False, repeat: int | None = None, seconds: float | None = 
                           "items_per_s": rate, "mb_per_s": rate * size / 1e6,
                           "rss_rise": max(t[2] for t in got),
                           "spread": max(t[0] / t[1] for t in got) / min(t[0] / t[1] for t in got)})
-        by = {g["loader"]: g.get("items_per_s") for g in group}
+        by: dict[str, float | None] = {g["loader"]: g.get("items_per_s") for g in group}
+        torch_rate, bare = by.get("torch DataLoader"), by.get("bare transport")
         for g in group:
-            if g.get("items_per_s"):
-                torch_rate, bare = by.get("torch DataLoader"), by.get("bare transport")
-                g["vs_torch"] = g["items_per_s"] / torch_rate if torch_rate else None
-                g["vs_bare"] = g["items_per_s"] / bare if bare else None
+            rate_g = g.get("items_per_s")
+            if rate_g:
+                g["vs_torch"] = rate_g / torch_rate if torch_rate else None
+                g["vs_bare"] = rate_g / bare if bare else None
         rows += group
     return {
         "machine": _bench.machine_info(),

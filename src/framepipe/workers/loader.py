@@ -51,10 +51,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import connection as _connection
-from ..errors import ReadTimeout, WriterDied
+from ..errors import WriterDied
 from ..remote import dumps_exception, loads_exception
 from ._process import ChildContext, WorkerProcess, _FdHandle, register_parent_side
-from .errors import TaskTimeout, WorkerCrashed, WorkerError, WorkerStartError
+from .errors import TaskTimeout, WorkerError, WorkerStartError
 
 __all__ = ["DataLoader", "WorkerInfo", "get_worker_info", "default_collate"]
 
@@ -127,9 +127,13 @@ def default_collate(batch: Sequence[Any]) -> Any:
     if isinstance(elem, (str, bytes)):
         return list(batch)
     if isinstance(elem, Mapping):
-        return type(elem)({key: default_collate([d[key] for d in batch]) for key in elem}) \
-            if type(elem) is not dict else {key: default_collate([d[key] for d in batch])
-                                             for key in elem}
+        out = {key: default_collate([d[key] for d in batch]) for key in elem}
+        if type(elem) is dict:
+            return out
+        try:
+            return type(elem)(out)  # type: ignore[call-arg]
+        except TypeError:  # a mapping that cannot be built from a dict
+            return out
     if isinstance(elem, tuple) and hasattr(elem, "_fields"):
         return type(elem)(*(default_collate(list(f)) for f in zip(*batch)))
     if isinstance(elem, (tuple, list)):
@@ -279,6 +283,7 @@ class _Wire:
         self.memfds: list[int] = []  # memfd number sid is memfds[sid]
         self.free: list[int] = []  # sids the parent handed back
         self.new: list[int] = []  # sids created for this batch: their fds go with it
+        self.used: list[int] = []  # sids holding this batch's arrays
 
     def convert(self, obj: Any) -> Any:
         """``obj`` ready to send: large arrays replaced by their memfd, CPU torch tensors by
@@ -312,6 +317,7 @@ class _Wire:
             self.new.append(sid)
         else:
             return array
+        self.used.append(sid)
         fd, view, offset = self.memfds[sid], memoryview(array).cast("B"), 0
         while offset < len(view):
             offset += os.pwrite(fd, view[offset:], offset)
@@ -387,6 +393,7 @@ def _answer(conn: Any, fetcher: _Fetcher, wire: _Wire, bid: int, indices: Any) -
     except BaseException as exc:  # noqa: BLE001 - raised in the parent
         _send_failure(conn, bid, exc, fetcher.where)
         return
+    wire.used = []
     try:
         data = wire.convert(data)
         if wire.new:
@@ -395,11 +402,11 @@ def _answer(conn: Any, fetcher: _Fetcher, wire: _Wire, bid: int, indices: Any) -
     except (BrokenPipeError, ConnectionError):
         raise
     except Exception as exc:  # noqa: BLE001 - an unpicklable batch
-        wire.discard()
-        err = WorkerError(f"batch {bid} could not be sent to the parent: "
-                          f"{type(exc).__name__}: {exc}")
+        err = WorkerError(f"the batch of indices {_short(indices)} could not be sent to the "
+                          f"parent: {type(exc).__name__}: {exc}")
         err.__cause__ = exc
-        _send_failure(conn, bid, err, f"the batch of {_short(indices)}")
+        wire.give_back(wire.used)  # the parent never saw these arrays
+        _send_failure(conn, bid, err, "the batch")
 
 
 def loader_loop(ctx: ChildContext) -> None:
@@ -530,9 +537,9 @@ class _Workers:
                 mine = theirs = None
                 if _HAVE_MEMFD:
                     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                fdsock = None if theirs is None else _FdHandle(theirs.fileno())
                 proc = WorkerProcess(ctx, f"DataLoader-worker-{wid}", loader_loop,
-                                     options={**common, "worker_id": wid, "fdsock":
-                                              None if theirs is None else _FdHandle(theirs.fileno())})
+                                     options={**common, "worker_id": wid, "fdsock": fdsock})
                 try:
                     proc.start()
                 finally:
