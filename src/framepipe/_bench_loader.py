@@ -108,14 +108,22 @@ def _drive(it: Iterator[Any], seconds: float, per_item: int) -> tuple[int, float
     return n, now - start, max(0, peak - base)
 
 
-def _run_framepipe(size: int, batch: int | None, seconds: float) -> tuple[int, float, int]:
+Source = Callable[[int, "int | None", float], "contextlib.AbstractContextManager[Iterator[Any]]"]
+
+
+@contextlib.contextmanager
+def framepipe_items(size: int, batch: int | None, seconds: float) -> Iterator[Iterator[Any]]:
+    """Items (or batches) from framepipe's DataLoader with its defaults."""
     from .workers import DataLoader
 
     with DataLoader(ArrayDataset(size), batch_size=batch, num_workers=WORKERS) as loader:
-        return _drive(iter(loader), seconds, batch or 1)
+        yield iter(loader)
 
 
-def _writer(conn: Any, size: int, batch: int | None, start: int, step: int) -> None:
+def _writer(conn: Any, size: int, batch: int | None, start: int, step: int,
+            inherited: list[Any]) -> None:
+    for reader in inherited:  # so that the parent closing its reader ends this loop
+        reader.close()
     i = start
     try:
         while True:
@@ -125,7 +133,9 @@ def _writer(conn: Any, size: int, batch: int | None, start: int, step: int) -> N
         return
 
 
-def _run_bare(size: int, batch: int | None, seconds: float) -> tuple[int, float, int]:
+@contextlib.contextmanager
+def bare_items(size: int, batch: int | None, seconds: float) -> Iterator[Iterator[Any]]:
+    """No loader: 2 forked writers send arrays on their own pipe; read round robin."""
     from .connection import Pipe
 
     ctx = multiprocessing.get_context("fork")
@@ -133,7 +143,8 @@ def _run_bare(size: int, batch: int | None, seconds: float) -> tuple[int, float,
     try:
         for k in range(WORKERS):
             r, w = Pipe(False, read_ahead=True)
-            p = ctx.Process(target=_writer, args=(w, size, batch, k, WORKERS), daemon=True)
+            p = ctx.Process(target=_writer, args=(w, size, batch, k, WORKERS, readers + [r]),
+                            daemon=True)
             p.start()
             w.close()
             readers.append(r)
@@ -144,7 +155,7 @@ def _run_bare(size: int, batch: int | None, seconds: float) -> tuple[int, float,
                 for r in readers:
                     yield r.recv()
 
-        return _drive(items(), seconds, batch or 1)
+        yield items()
     finally:
         for r in readers:
             r.close()
@@ -155,41 +166,50 @@ def _run_bare(size: int, batch: int | None, seconds: float) -> tuple[int, float,
                 p.join()
 
 
-def _run_pool(size: int, batch: int | None, seconds: float) -> tuple[int, float, int]:
+@contextlib.contextmanager
+def pool_items(size: int, batch: int | None, seconds: float) -> Iterator[Iterator[Any]]:
+    """``multiprocessing.Pool(2).imap``, in order, over about what ``seconds`` takes (imap
+    has no back pressure: its workers run as far ahead as the task list goes)."""
     fn: Callable[[int], Any] = functools.partial(make_item, size) if batch is None else \
         functools.partial(make_batch, size, batch)
-    # imap has no back pressure: give it about what the run takes (at 4 KiB more is cheap)
-    n = {4 * KiB: 200_000, 1 * MiB: 20_000, 16 * MiB: 400}[size]
-    n = int(n * seconds) + 10 if batch is None else int(20_000 * seconds) + 10
+    n = {4 * KiB: 200_000, 1 * MiB: 20_000, 16 * MiB: 400}[size] if batch is None else 20_000
     pool = multiprocessing.get_context("fork").Pool(WORKERS)
     try:
-        return _drive(pool.imap(fn, range(n)), seconds, batch or 1)
+        yield pool.imap(fn, range(int(n * seconds) + 10))
     finally:
         pool.terminate()
         pool.join()
 
 
-def _run_torch(size: int, batch: int | None, seconds: float) -> tuple[int, float, int]:
+@contextlib.contextmanager
+def torch_items(size: int, batch: int | None, seconds: float) -> Iterator[Iterator[Any]]:
+    """torch's DataLoader with its defaults (2 workers, prefetch 2 per worker)."""
     from torch.utils.data import DataLoader
 
     loader: Any = DataLoader(ArrayDataset(size), batch_size=batch,  # type: ignore[arg-type]
                              num_workers=WORKERS)
     it = iter(loader)
     try:
-        return _drive(it, seconds, batch or 1)
+        yield it
     finally:
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
-        del it
 
 
-ROWS: list[tuple[str, Callable[[int, int | None, float], tuple[int, float, int]]]] = [
-    ("framepipe DataLoader", _run_framepipe),
-    ("bare transport", _run_bare),
-    ("multiprocessing.Pool.imap", _run_pool),
-    ("torch DataLoader", _run_torch),
+ROWS: list[tuple[str, Source]] = [
+    ("framepipe DataLoader", framepipe_items),
+    ("bare transport", bare_items),
+    ("multiprocessing.Pool.imap", pool_items),
+    ("torch DataLoader", torch_items),
 ]
+
+
+def measure(source: Source, size: int, batch: int | None,
+            seconds: float) -> tuple[int, float, int]:
+    """One run of one row: ``(items, seconds, RSS rise in bytes)``."""
+    with source(size, batch, seconds) as items:
+        return _drive(items, seconds, batch or 1)
 
 
 def torch_version() -> str | None:
@@ -217,7 +237,8 @@ def run(quick: bool = False, repeat: int | None = None, seconds: float | None = 
                     continue
                 what = f"{_label(size)}" + (f" x{batch}" if batch else "")
                 progress(f"run {r + 1}/{repeat}: {what}: {name}")
-                runs.setdefault((name, size, batch), []).append(fn(size, batch, seconds))
+                runs.setdefault((name, size, batch), []).append(
+                    measure(fn, size, batch, seconds))
     rows: list[dict[str, Any]] = []
     for size, batch in cases:
         group: list[dict[str, Any]] = []
