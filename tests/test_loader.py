@@ -346,7 +346,7 @@ class Unpicklable:
         return (array, (lambda: i)) if i == 2 else (array, None)
 
 
-def test_a_batch_that_cannot_be_sent_is_reported_and_the_loader_goes_on():
+def test_a_batch_that_cannot_be_sent_is_reported_and_the_loader_goes_on(small_shm):
     with DataLoader(Unpicklable(), timeout=GUARD) as loader:
         it = iter(loader)
         assert [int(next(it)[0][0]) for _ in range(2)] == [0, 1]
@@ -445,10 +445,17 @@ def test_deleting_the_loader_stops_persistent_workers():
 # -- the shared-memory pool -------------------------------------------------------------------
 
 
-def test_arrays_held_by_the_caller_are_never_overwritten(engine):
+@pytest.fixture
+def small_shm(monkeypatch):
+    """Arrays of 64 KiB and more in shared memory (forked workers inherit the setting)."""
+    monkeypatch.setattr(loader_module, "SHM_MIN", 64 * 1024)
+    return 128 * 1024
+
+
+def test_arrays_held_by_the_caller_are_never_overwritten(engine, small_shm):
     """Past the pool's size, arrays take the bulk channel; no memfd is reused while any view
     of its array is alive."""
-    size = 2 * loader_module.SHM_MIN
+    size = small_shm
     with DataLoader(Big(300, size), timeout=GUARD) as loader:
         kept = []
         views = []
@@ -463,8 +470,8 @@ def test_arrays_held_by_the_caller_are_never_overwritten(engine):
     assert [v.tolist() for v in views] == [[float(k)] * 4 for k in range(0, 300, 2)]
 
 
-def test_memfds_are_reused_once_the_arrays_are_freed():
-    size = 2 * loader_module.SHM_MIN
+def test_memfds_are_reused_once_the_arrays_are_freed(small_shm):
+    size = small_shm
     with DataLoader(Big(400, size), timeout=GUARD) as loader:
         it = iter(loader)
         memfds = [0, 0]
@@ -507,7 +514,7 @@ def test_torch_tensors_and_samplers():
 
 
 class BigTensors:
-    n = 256 * 1024
+    n = 512 * 1024  # 2 MiB: the shared-memory path
 
     def __len__(self) -> int:
         return 6

@@ -305,11 +305,11 @@ def format_report(report: dict[str, Any]) -> str:
         f"machine: {m['cpus_usable']} CPUs; {m['cpu_model']}; {m['python']}; "
         f"numpy {m['numpy']}; torch {s['torch'] or 'not installed'}; engine {s['engine']}",
         f"{s['workers']} workers, in order, best of {s['repeat']} run(s) of ~{s['seconds']:g} s; "
-        "MB = 10^6 bytes; RSS+ = parent RSS rise",
+        "MB = 10^6 bytes; RSS+ = parent RSS rise; spread = fastest run / slowest",
         "",
         f"{'item':<12}{'loader':<27}{'items/s':>10}{'MB/s':>8}{'vs torch':>10}{'vs bare':>9}"
-        f"{'RSS+ MiB':>10}",
-        "-" * 86,
+        f"{'RSS+ MiB':>10}{'spread':>8}",
+        "-" * 94,
     ]
     last = None
     for r in report["rows"]:
@@ -324,7 +324,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"{shown:<12}{r['loader']:<27}{r['items_per_s']:>10,.0f}{r['mb_per_s']:>8,.0f}"
             f"{_num(vt, '>9.2f') + ('x' if vt else ''):>10}"
-            f"{_num(vb, '>8.2f') + ('x' if vb else ''):>9}{r['rss_rise'] / MiB:>10.0f}")
+            f"{_num(vb, '>8.2f') + ('x' if vb else ''):>9}{r['rss_rise'] / MiB:>10.0f}"
+            f"{r['spread']:>7.2f}x")
     lines += ["", "targets:"]
     for t in report["targets"]:
         met = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
