@@ -302,9 +302,9 @@ def format_report(report: dict[str, Any]) -> str:
     m, s = report["machine"], report["settings"]
     lines = [
         f"framepipe bench loader, {m['date']}",
-        f"machine: {m['cpus_usable']} CPUs; {m['cpu_model']}; {m['python']}; "
+        f"machine: {m['cpus_usable']} CPUs; {m['cpu_model']}; {m['python']}",
         f"numpy {m['numpy']}; torch {s['torch'] or 'not installed'}; engine {s['engine']}",
-        f"{s['workers']} workers, in order, best of {s['repeat']} run(s) of ~{s['seconds']:g} s; "
+        f"{s['workers']} workers, in order, best of {s['repeat']} run(s) of ~{s['seconds']:g} s",
         "MB = 10^6 bytes; RSS+ = parent RSS rise; spread = fastest run / slowest",
         "",
         f"{'item':<12}{'loader':<27}{'items/s':>10}{'MB/s':>8}{'vs torch':>10}{'vs bare':>9}"
