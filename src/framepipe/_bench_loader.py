@@ -347,9 +347,5 @@ def main(args: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(sys.stderr):  # nothing but the report on stdout
         report = run(quick=args.quick, repeat=args.repeat, seconds=args.seconds,
                      progress=progress)
-    if args.json:
-        json.dump(report, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        print(format_report(report))
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
