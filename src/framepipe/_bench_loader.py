@@ -5,7 +5,11 @@ processes (``np.full``, so every byte exists), delivered in order with ``batch_s
 (and ``batch_size=32`` at 4 KiB); this process touches one element of each. Rows:
 
 ``framepipe DataLoader``
-    :class:`framepipe.workers.DataLoader` with its defaults (2 workers, prefetch 2 per worker);
+    :class:`framepipe.workers.DataLoader` with its defaults (2 workers, prefetch 2 per worker:
+    at most 4 items in flight or waiting);
+``framepipe, prefetch 8``
+    the same with ``prefetch_factor=8`` (16 in flight): how much of the gap to the bare
+    transport at small items is the prefetch window;
 ``bare transport``
     no loader logic: 2 forked writers each ``send()`` arrays on their own framepipe pipe, read
     round robin; the ceiling the loader is measured against;
@@ -112,11 +116,13 @@ Source = Callable[[int, "int | None", float], "contextlib.AbstractContextManager
 
 
 @contextlib.contextmanager
-def framepipe_items(size: int, batch: int | None, seconds: float) -> Iterator[Iterator[Any]]:
+def framepipe_items(size: int, batch: int | None, seconds: float,
+                    prefetch_factor: int = 2) -> Iterator[Iterator[Any]]:
     """Items (or batches) from framepipe's DataLoader with its defaults."""
     from .workers import DataLoader
 
-    with DataLoader(ArrayDataset(size), batch_size=batch, num_workers=WORKERS) as loader:
+    with DataLoader(ArrayDataset(size), batch_size=batch, num_workers=WORKERS,
+                    prefetch_factor=prefetch_factor) as loader:
         yield iter(loader)
 
 
@@ -139,7 +145,8 @@ def bare_items(size: int, batch: int | None, seconds: float) -> Iterator[Iterato
     from .connection import Pipe
 
     ctx = multiprocessing.get_context("fork")
-    readers, procs = [], []
+    readers: list[Any] = []
+    procs: list[Any] = []
     try:
         for k in range(WORKERS):
             r, w = Pipe(False, read_ahead=True)
@@ -199,6 +206,7 @@ def torch_items(size: int, batch: int | None, seconds: float) -> Iterator[Iterat
 
 ROWS: list[tuple[str, Source]] = [
     ("framepipe DataLoader", framepipe_items),
+    ("framepipe, prefetch 8", functools.partial(framepipe_items, prefetch_factor=8)),
     ("bare transport", bare_items),
     ("multiprocessing.Pool.imap", pool_items),
     ("torch DataLoader", torch_items),
