@@ -6,17 +6,19 @@
 no torch. How it works:
 
 - Every worker has its own duplex channel (:class:`~framepipe.workers._process.WorkerProcess`):
-  the parent sends it the indices of one batch at a time and it answers with the batch. No
-  queue is shared by the workers, so a crash costs what that worker held and nothing else.
+  the parent sends it the indices of ``prefetch_factor`` batches in one message and it answers
+  each with its batch. No queue is shared by the workers, so a crash costs what that worker
+  held and nothing else.
 - The parent samples (the sampler runs in the parent, as under torch, so a
   ``DistributedSampler`` plugs in unchanged) and keeps at most ``prefetch_factor *
   num_workers`` batches requested and not yet handed to the caller: that bounds the memory of
-  the parent. A batch goes to the worker with the fewest outstanding (round robin on ties).
-- Results travel with ``Connection.send``: pickle protocol 5, NumPy buffers of 16 KiB and more
-  out of band on the connection's bulk socketpair, written from the array's memory and read
-  into the buffer the parent's array is built over: one kernel copy each way, no pickling of
-  the data. Torch tensors travel as their NumPy view and are rebuilt with ``torch.from_numpy``
-  (no copy). Shared memory is not used: see the README's loader section for the measurement.
+  the parent. Batches go to the workers in turn, so batch k is always loaded by the same
+  worker and a seed reproduces an epoch.
+- Results travel with ``Connection.send`` (pickle protocol 5): arrays under 16 KiB inside the
+  pickle, from 16 KiB out of band on the connection's bulk socketpair (one kernel copy each
+  way), from :data:`SHM_MIN` (1 MiB) in a per-worker pool of memfds that the parent maps and
+  hands back when the array is freed (no copy in the parent). Torch tensors travel as their
+  NumPy view and are rebuilt with ``torch.from_numpy`` (no copy).
 - In order (the default), the parent reads the worker that holds the next batch when it has
   data, and otherwise waits on every worker at once, moving whatever arrives into a reorder
   buffer (so a worker whose result is ready is never held up behind a slow one).
@@ -587,6 +589,7 @@ class _Workers:
             self.take(bid, timeout)
         self.tasks.clear()
         self.results.clear()
+        self._rr = 0  # batch k of every epoch goes to the same worker
         for slot in self.slots:
             slot.exhausted = False
             with contextlib.suppress(OSError, ValueError):
