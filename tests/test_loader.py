@@ -355,6 +355,15 @@ def test_a_batch_that_cannot_be_sent_is_reported_and_the_loader_goes_on(small_sh
         assert [int(a[0]) for a, _ in it] == [3, 4, 5]
 
 
+def test_unordered_timeout_names_the_stuck_worker():
+    loader = DataLoader(Hanging(), timeout=1.0, in_order=False)
+    with pytest.raises(TaskTimeout) as info:
+        list(loader)
+    assert "hang_here" in (info.value.stack or "")
+    assert "(indices 3)" in str(info.value)
+    loader.close()
+
+
 def test_worker_init_fn_failure_is_reported():
     with DataLoader(list(range(4)), worker_init_fn=failing_init, timeout=GUARD) as loader:
         with pytest.raises(WorkerStartError, match="no config for worker"):
