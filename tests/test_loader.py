@@ -299,6 +299,7 @@ def test_worker_sigkilled_mid_epoch(engine):
     assert "50" in text and "SIGKILL" in text
     assert "loading item 50, then dying" in err.stderr_tail
     assert err.oom_killed in (None, False)
+    assert "peak RSS" in text  # sampled while it ran, for the OOM hint
     assert got == list(range(len(got))) and len(got) <= 50
     assert gone(err.pid)
     loader.close()

@@ -518,7 +518,8 @@ class _Workers:
         self.closed = False
         self.broken: BaseException | None = None
         self._rr = 0
-        self._last_pump = self._last_rss = time.monotonic()
+        self._last_pump = time.monotonic()
+        self._last_rss = 0.0  # the first batch samples the workers' peak RSS
         ctx = multiprocessing.get_context(loader.start_method)
         common = {
             "num_workers": loader.num_workers,
