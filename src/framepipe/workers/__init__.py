@@ -4,6 +4,8 @@
   ``stream``, ``ping``, ``cancel``, ``stack``, ``exec`` / ``store`` / ``load``).
 - :class:`Pool`: a ``concurrent.futures.Executor`` whose workers each have their own channel,
   so one crash fails one task and the pool goes on.
+- :class:`DataLoader`: torch's DataLoader arguments over per-worker channels (with
+  :func:`get_worker_info` for iterable datasets).
 
 Failures explain themselves: :class:`WorkerCrashed` (which worker, pid, signal, task, peak
 RSS, OOM hint, native traceback, last stderr lines), :class:`TaskTimeout` (with the stuck
@@ -21,8 +23,10 @@ from .errors import (
 )
 from .pool import Pool
 from .worker import Stream, Worker
+from .loader import DataLoader, WorkerInfo, default_collate, get_worker_info
 
 __all__ = [
+    "DataLoader",
     "Pool",
     "PoolBroken",
     "Stream",
@@ -31,6 +35,9 @@ __all__ = [
     "WorkerCancelled",
     "WorkerCrashed",
     "WorkerError",
+    "WorkerInfo",
     "WorkerStartError",
+    "default_collate",
+    "get_worker_info",
     "worker_namespace",
 ]

@@ -1,0 +1,555 @@
+"""framepipe.workers.DataLoader with real worker processes, on both engines where the engine
+matters (the ``engine`` fixture puts the ``impl`` core under ``framepipe.connection``).
+
+Every test leaves no worker behind: the ``reaped`` fixture kills and fails on any DataLoader
+worker still running at the end. Loaders get a ``timeout`` as a hang guard, so a broken test
+fails with TaskTimeout instead of blocking the suite.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import multiprocessing
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from framepipe import _impl
+from framepipe.workers import (
+    DataLoader,
+    TaskTimeout,
+    WorkerCrashed,
+    WorkerError,
+    WorkerStartError,
+    default_collate,
+    get_worker_info,
+)
+from framepipe.workers import loader as loader_module
+
+np = pytest.importorskip("numpy")
+
+GUARD = 30.0  # seconds: a batch that takes this long means a hang (TaskTimeout fails the test)
+MiB = 1024 * 1024
+
+
+@pytest.fixture(autouse=True)
+def reaped():
+    """Fail the test if a DataLoader worker outlives it (after killing it)."""
+    yield
+    deadline = time.monotonic() + 5.0
+    leftovers = []
+    while True:
+        leftovers = [p for p in multiprocessing.active_children()
+                     if p.name.startswith("DataLoader-worker")]
+        if not leftovers or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    for p in leftovers:
+        p.kill()
+        p.join(5)
+    assert not leftovers, f"workers left running: {[p.pid for p in leftovers]}"
+
+
+@pytest.fixture
+def engine(impl, monkeypatch):
+    """Loaders built in this test run on the ``impl`` core (c or py)."""
+    monkeypatch.setattr(_impl, "core", impl)
+    return impl
+
+
+def gone(pid: int, within: float = 5.0) -> bool:
+    """Whether ``pid`` is no longer a running process (gone or a zombie) within ``within`` s."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return True
+        if state in (b"Z", b"X"):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+# -- datasets (module level: spawned workers import them) --------------------------------------
+
+
+class Uneven:
+    """Item i is i; every 7th item spins for a while, so workers finish out of order."""
+
+    def __init__(self, n: int, spin: float = 0.0005) -> None:
+        self.n = n
+        self.spin = spin
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i % 7 == 0:
+            end = time.perf_counter() + self.spin * (1 + i % 3)
+            while time.perf_counter() < end:
+                pass
+        return i
+
+
+class Whose:
+    """Item i is (i, the pid of the worker that loaded it)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        return i, os.getpid()
+
+
+class Killer:
+    """Item 50 kills its worker with SIGKILL, after a line on stderr."""
+
+    def __len__(self) -> int:
+        return 200
+
+    def __getitem__(self, i: int) -> int:
+        if i == 50:
+            os.write(2, b"loading item 50, then dying\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+
+class BadRecord(Exception):
+    """An exception whose constructor takes two arguments (so a plain pickle fails)."""
+
+    def __init__(self, path: str, line: int) -> None:
+        super().__init__(f"{path}:{line}: bad record")
+        self.path = path
+        self.line = line
+
+
+class Raising:
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int) -> int:
+        if i == 7:
+            raise BadRecord("data.csv", 7)
+        return i
+
+
+def hang_here(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+class Hanging:
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> int:
+        if i == 3:
+            hang_here(120)
+        return i
+
+
+class Shards:
+    """An iterable dataset that shards itself by worker, as under torch."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        info = get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(start, self.n, step):
+            yield {"index": i, "worker": -1 if info is None else info.id}
+
+
+class Big:
+    """Items of ``size`` bytes (float32, filled with the index)."""
+
+    def __init__(self, n: int, size: int) -> None:
+        self.n = n
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return np.full(self.size // 4, i, dtype=np.float32)
+
+
+class Randoms:
+    """Item i: draws from random and NumPy's global generator in the worker, with its id."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        return random.random(), float(np.random.random()), get_worker_info().id
+
+
+def failing_init(worker_id: int) -> None:
+    raise RuntimeError(f"no config for worker {worker_id}")
+
+
+# -- order, exactly once ---------------------------------------------------------------------
+
+
+def test_order_kept_over_10000_items_with_uneven_costs(engine):
+    with DataLoader(Uneven(10_000), num_workers=2, timeout=GUARD) as loader:
+        assert list(loader) == list(range(10_000))
+
+
+def test_unordered_delivers_every_index_exactly_once(engine):
+    with DataLoader(Uneven(3000, spin=0.002), num_workers=2, in_order=False,
+                    timeout=GUARD) as loader:
+        got = list(loader)
+    assert sorted(got) == list(range(3000))
+    assert got != list(range(3000)), "slow items should have been overtaken"
+
+
+def test_batches_collate_and_len():
+    data = {"x": np.arange(3.0), "y": 1}
+    with DataLoader([data] * 10, batch_size=4, timeout=GUARD) as loader:
+        assert len(loader) == 3
+        batches = list(loader)
+    assert [b["x"].shape for b in batches] == [(4, 3), (4, 3), (2, 3)]
+    assert batches[0]["y"].tolist() == [1, 1, 1, 1]
+    with DataLoader(list(range(10)), batch_size=4, drop_last=True, timeout=GUARD) as loader:
+        assert len(loader) == 2
+        assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_default_collate_shapes():
+    Point = collections.namedtuple("Point", "x y")
+    assert default_collate([(1, "a"), (2, "b")]) == (pytest.approx([1, 2]), ["a", "b"])
+    pts = default_collate([Point(1, 2.0), Point(3, 4.0)])
+    assert isinstance(pts, Point) and pts.x.tolist() == [1, 3]
+    nested = default_collate([{"a": [np.zeros(2), 1]}, {"a": [np.ones(2), 2]}])
+    assert nested["a"][0].shape == (2, 2) and nested["a"][1].tolist() == [1, 2]
+    with pytest.raises(RuntimeError, match="equal size"):
+        default_collate([[1, 2], [1]])
+
+
+def test_in_process_loading_with_zero_workers():
+    loader = DataLoader(list(range(10)), batch_size=3, num_workers=0, shuffle=True, seed=5)
+    batches = list(loader)
+    assert sorted(itertools.chain.from_iterable(b.tolist() for b in batches)) == list(range(10))
+    assert get_worker_info() is None
+
+
+def test_samplers_are_any_iterable_of_indices():
+    with DataLoader(Whose(), sampler=[5, 3, 9], timeout=GUARD) as loader:
+        assert [i for i, _ in loader] == [5, 3, 9]
+    with DataLoader(Whose(), batch_sampler=[[1, 2], [60]], timeout=GUARD) as loader:
+        assert [b[0].tolist() for b in loader] == [[1, 2], [60]]
+
+
+def test_shuffle_with_a_seed_reproduces_the_epochs():
+    def epochs(seed):
+        with DataLoader(list(range(50)), shuffle=True, seed=seed, timeout=GUARD,
+                        persistent_workers=True) as loader:
+            return [list(loader) for _ in range(2)]
+
+    a, b = epochs(11), epochs(11)
+    assert a == b
+    assert a[0] != a[1] and sorted(a[0]) == list(range(50))
+
+
+def test_workers_get_distinct_seeds_and_a_seed_reproduces_them():
+    def draws(seed):
+        with DataLoader(Randoms(), seed=seed, timeout=GUARD) as loader:
+            return list(loader)
+
+    first, again = draws(3), draws(3)
+    assert first == again
+    by_worker = collections.defaultdict(list)
+    for r, n, wid in first:
+        by_worker[wid].append((r, n))
+    assert len(by_worker) == 2
+    assert by_worker[0][0] != by_worker[1][0]  # not the same stream in both workers
+    assert draws(4) != first
+
+
+def test_spawned_workers():
+    with DataLoader(Shards(40), batch_size=None, start_method="spawn", timeout=GUARD) as loader:
+        got = list(loader)
+    assert sorted(d["index"] for d in got) == list(range(40))
+    assert {d["worker"] for d in got} == {0, 1}
+
+
+# -- failures that explain ---------------------------------------------------------------------
+
+
+def test_worker_sigkilled_mid_epoch(engine):
+    loader = DataLoader(Killer(), batch_size=5, timeout=GUARD)
+    got = []
+    with pytest.raises(WorkerCrashed) as info:
+        for batch in loader:
+            got.extend(batch.tolist())
+    err = info.value
+    text = str(err)
+    assert err.signal_name == "SIGKILL" and err.exitcode == -signal.SIGKILL
+    assert err.pid in (os.getpid(), err.pid) and err.pid != os.getpid()
+    assert f"DataLoader worker {err.worker_id}" in text and f"pid {err.pid}" in text
+    assert f"'DataLoader-worker-{err.worker_id}'" in text
+    assert any(50 in indices for indices in err.batches.values())
+    assert "50" in text and "SIGKILL" in text
+    assert "loading item 50, then dying" in err.stderr_tail
+    assert err.oom_killed in (None, False)
+    assert "peak RSS" in text  # sampled while it ran, for the OOM hint
+    assert got == list(range(len(got))) and len(got) <= 50
+    assert gone(err.pid)
+    loader.close()
+
+
+def test_exception_with_two_argument_constructor(engine):
+    with DataLoader(Raising(), timeout=GUARD) as loader:
+        it = iter(loader)
+        assert [next(it) for _ in range(7)] == list(range(7))
+        with pytest.raises(BadRecord) as info:
+            next(it)
+        err = info.value
+        assert (err.path, err.line) == ("data.csv", 7)
+        assert any("index 7" in note for note in err.__notes__)
+        assert any("DataLoader worker" in note for note in err.__notes__)
+        cause = err.__cause__
+        while cause is not None and "__getitem__" not in str(cause):
+            cause = cause.__cause__
+        assert cause is not None, "the worker's traceback is missing"
+        assert "raise BadRecord" in str(cause)
+        assert list(it) == list(range(8, 20))  # the loader goes on after the error
+
+
+def test_hung_getitem_raises_task_timeout_with_the_stack(engine):
+    loader = DataLoader(Hanging(), timeout=1.0)
+    pids = []
+    start = time.monotonic()
+    with pytest.raises(TaskTimeout) as info:
+        for _ in loader:
+            pids = pids or loader.worker_pids()
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert 0.9 < elapsed < 10
+    assert err.stack and "hang_here" in err.stack
+    assert "batch 3 (indices 3)" in str(err)
+    assert all(gone(pid) for pid in pids)
+
+
+class Unpicklable:
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int):
+        array = np.full(loader_module.SHM_MIN, i, dtype=np.uint8)  # takes a memfd first
+        return (array, (lambda: i)) if i == 2 else (array, None)
+
+
+def test_a_batch_that_cannot_be_sent_is_reported_and_the_loader_goes_on(small_shm):
+    with DataLoader(Unpicklable(), timeout=GUARD) as loader:
+        it = iter(loader)
+        assert [int(next(it)[0][0]) for _ in range(2)] == [0, 1]
+        with pytest.raises(WorkerError, match="indices 2 could not be sent"):
+            next(it)
+        assert [int(a[0]) for a, _ in it] == [3, 4, 5]
+
+
+def test_unordered_timeout_names_the_stuck_worker():
+    loader = DataLoader(Hanging(), timeout=1.0, in_order=False)
+    with pytest.raises(TaskTimeout) as info:
+        list(loader)
+    assert "hang_here" in (info.value.stack or "")
+    assert "(indices 3)" in str(info.value)
+    loader.close()
+
+
+def test_worker_init_fn_failure_is_reported():
+    with DataLoader(list(range(4)), worker_init_fn=failing_init, timeout=GUARD) as loader:
+        with pytest.raises(WorkerStartError, match="no config for worker"):
+            list(loader)
+
+
+# -- iterable datasets, persistent workers -----------------------------------------------------
+
+
+def test_iterable_dataset_shards_itself(engine):
+    with DataLoader(Shards(1000), batch_size=10, timeout=GUARD) as loader:
+        batches = list(loader)
+    indices = [int(i) for b in batches for i in b["index"]]
+    assert sorted(indices) == list(range(1000))
+    assert {int(w) for b in batches for w in b["worker"]} == {0, 1}
+    assert get_worker_info() is None
+
+
+def test_persistent_workers_across_three_epochs():
+    loader = DataLoader(Whose(), persistent_workers=True, timeout=GUARD)
+    try:
+        seen_pids = set()
+        for _ in range(3):
+            epoch = list(loader)
+            assert [i for i, _ in epoch] == list(range(64))
+            seen_pids |= {pid for _, pid in epoch}
+        assert seen_pids == set(loader.worker_pids()) and len(seen_pids) == 2
+        # an epoch abandoned halfway: the next one starts clean on the same workers
+        it = iter(loader)
+        next(it), next(it)
+        assert [i for i, _ in loader] == list(range(64))
+        assert set(loader.worker_pids()) == seen_pids
+    finally:
+        pids = loader.worker_pids()
+        loader.close()
+    assert all(gone(pid) for pid in pids)
+
+
+# -- memory and clean-up -----------------------------------------------------------------------
+
+
+def _rss() -> int:
+    with open("/proc/self/statm", "rb") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_parent_rss_stays_within_the_prefetch_bound():
+    size, n = 16 * MiB, 128  # 2 GiB flow through
+    loader = DataLoader(Big(n, size), timeout=GUARD)
+    base = _rss()
+    peak = base
+    most_in_flight = 0
+    with loader:
+        it = iter(loader)
+        for k, item in enumerate(it):
+            assert item.min() == k == item.max()  # touches every page
+            peak = max(peak, _rss())
+            most_in_flight = max(most_in_flight, len(it.workers.tasks))
+            del item
+    assert most_in_flight <= loader.window == 4
+    # the window, the item held by the loop and one being read, plus slack for the allocator
+    bound = (loader.window + 2) * size + 64 * MiB
+    assert peak - base <= bound, f"RSS rose by {(peak - base) / MiB:.0f} MiB"
+
+
+def test_early_break_leaves_no_process_behind(engine):
+    loader = DataLoader(Big(1000, MiB), timeout=GUARD)
+    for k, _ in enumerate(loader):
+        if k == 0:
+            pids = loader.worker_pids()
+        if k == 5:
+            break
+    assert len(pids) == 2
+    start = time.monotonic()
+    assert all(gone(pid) for pid in pids)
+    assert time.monotonic() - start < 3.0
+
+
+def test_deleting_the_loader_stops_persistent_workers():
+    loader = DataLoader(Big(100, 4096), persistent_workers=True, timeout=GUARD)
+    it = iter(loader)
+    next(it)
+    pids = loader.worker_pids()
+    del it, loader
+    assert all(gone(pid) for pid in pids)
+
+
+# -- the shared-memory pool -------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_shm(monkeypatch):
+    """Arrays of 64 KiB and more in shared memory (forked workers inherit the setting)."""
+    monkeypatch.setattr(loader_module, "SHM_MIN", 64 * 1024)
+    return 128 * 1024
+
+
+def test_arrays_held_by_the_caller_are_never_overwritten(engine, small_shm):
+    """Past the pool's size, arrays take the bulk channel; no memfd is reused while any view
+    of its array is alive."""
+    size = small_shm
+    with DataLoader(Big(300, size), timeout=GUARD) as loader:
+        kept = []
+        views = []
+        for k, item in enumerate(loader):
+            if k % 2:
+                kept.append(item)
+            else:
+                views.append(item[5:9])  # a view keeps the memory; the array itself is gone
+            del item
+    assert [int(a[0]) for a in kept] == list(range(1, 300, 2))
+    assert all(a.min() == a.max() for a in kept)
+    assert [v.tolist() for v in views] == [[float(k)] * 4 for k in range(0, 300, 2)]
+
+
+def test_memfds_are_reused_once_the_arrays_are_freed(small_shm):
+    size = small_shm
+    with DataLoader(Big(400, size), timeout=GUARD) as loader:
+        it = iter(loader)
+        memfds = [0, 0]
+        for k, item in enumerate(it):
+            assert item[0] == k
+            del item
+            memfds = [max(m, len(s.memfds)) for m, s in zip(memfds, it.workers.slots)]
+    # in flight, in use and being freed: a few per worker, not one per item
+    assert all(0 < n <= loader.prefetch_factor + 3 for n in memfds), memfds
+
+
+# -- torch, when installed ---------------------------------------------------------------------
+
+
+class Tensors:
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int):
+        import torch
+
+        return torch.full((3,), float(i))
+
+
+def test_torch_tensors_and_samplers():
+    torch = pytest.importorskip("torch")
+    from torch.utils.data.distributed import DistributedSampler
+
+    ds = Tensors()
+    sampler = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=False)
+    with DataLoader(ds, batch_size=2, sampler=sampler, timeout=GUARD) as loader:
+        batches = list(loader)
+    assert all(isinstance(b, torch.Tensor) and b.shape == (2, 3) for b in batches)
+    assert [int(v) for b in batches for v in b[:, 0]] == list(range(1, 12, 2))
+    assert loader_module.get_worker_info() is None
+    with DataLoader(BigTensors(), timeout=GUARD) as loader:  # the shared-memory path
+        got = list(loader)
+    assert all(isinstance(t, torch.Tensor) and t.shape == (BigTensors.n,) for t in got)
+    assert [int(t[0]) for t in got] == [int(t[-1]) for t in got] == list(range(6))
+
+
+class BigTensors:
+    n = 512 * 1024  # 2 MiB: the shared-memory path
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int):
+        import torch
+
+        return torch.full((self.n,), float(i))
+
+
+# -- the benchmark's report --------------------------------------------------------------------
+
+
+def test_bench_loader_report_shape(monkeypatch):
+    from framepipe import _bench_loader
+
+    monkeypatch.setattr(_bench_loader, "torch_version", lambda: None)
+    monkeypatch.setattr(_bench_loader, "SIZES", (4096,))
+    report = _bench_loader.run(quick=True, seconds=0.05)
+    rows = {(r["loader"], r["batch"]): r for r in report["rows"]}
+    assert rows[("framepipe DataLoader", None)]["items_per_s"] > 0
+    assert rows[("bare transport", None)]["vs_bare"] == pytest.approx(1.0)
+    assert rows[("torch DataLoader", None)]["note"] == _bench_loader.TORCH_HINT
+    assert rows[("framepipe DataLoader", 32)]["items_per_s"] > 0
+    text = _bench_loader.format_report(report)
+    assert "not installed: pip install torch==2.13.0" in text
+    assert max(len(line) for line in text.splitlines()) < 100
+    assert any(t["what"].startswith("4 KiB: vs bare") for t in report["targets"])
