@@ -34,3 +34,7 @@ __all__ = [
     "WorkerStartError",
     "worker_namespace",
 ]
+
+from .group import GroupFailed, GroupResult, RankOutcome, Std, WorkerGroup  # noqa: E402
+
+__all__ += ["GroupFailed", "GroupResult", "RankOutcome", "Std", "WorkerGroup"]

@@ -386,11 +386,13 @@ class _Stderr:
     """The parent's end of a worker's stderr pipe: a tail for reports, optional log file,
     optional console copy (raw, or line by line with a ``[name]`` prefix)."""
 
-    def __init__(self, fd: int, name: str, log_path: str | None, console: str | None) -> None:
+    def __init__(self, fd: int, name: str, log_path: str | None, console: str | None,
+                 console_stream: str = "stderr") -> None:
         self.fd: int | None = fd
         self.name = name
         self.log_path = log_path
         self.console = console  # None, "raw" or "prefix"
+        self.console_stream = console_stream  # the parent's "stderr" or "stdout"
         self.tail = bytearray()
         self._partial = b""
         self._log = open(log_path, "ab", buffering=0) if log_path else None  # noqa: SIM115
@@ -414,18 +416,20 @@ class _Stderr:
             with contextlib.suppress(OSError):
                 self._log.write(data)
         if self.console == "raw":
-            _write_console(data)
+            _write_console(data, self.console_stream)
         elif self.console == "prefix":
             text = self._partial + data
             lines = text.split(b"\n")
             self._partial = lines.pop()
             if lines:
                 prefix = f"[{self.name}] ".encode()
-                _write_console(b"".join(prefix + line + b"\n" for line in lines))
+                _write_console(b"".join(prefix + line + b"\n" for line in lines),
+                               self.console_stream)
 
     def _flush_partial(self) -> None:
         if self.console == "prefix" and self._partial:
-            _write_console(f"[{self.name}] ".encode() + self._partial + b"\n")
+            _write_console(f"[{self.name}] ".encode() + self._partial + b"\n",
+                           self.console_stream)
         self._partial = b""
 
     def tail_text(self, lines: int = TAIL_LINES) -> str:
@@ -449,13 +453,14 @@ class _Stderr:
             self._log = None
 
 
-def _write_console(data: bytes) -> None:
+def _write_console(data: bytes, stream: str = "stderr") -> None:
+    console = getattr(sys, stream)
     with contextlib.suppress(OSError):
         try:
-            sys.stderr.flush()
+            console.flush()
         except (AttributeError, ValueError):
             pass
-        fd = sys.stderr.fileno() if sys.stderr is not None else 2
+        fd = console.fileno() if console is not None else (1 if stream == "stdout" else 2)
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
