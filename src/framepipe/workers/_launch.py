@@ -7,11 +7,11 @@ needs nothing importable but the standard library.
 A command cannot watch its parent itself, so the launcher stays between the group and the
 command. It is the leader of the worker's process group (the group signals that), sets
 ``PR_SET_PDEATHSIG`` on itself and on the command, watches the group's process through a
-pidfd and, when it is gone, SIGKILLs the whole process group (the kernel's parent-death
-signal is caught for the same purpose: a plain SIGKILL would leave the command's children). It ignores the death signals a
-group sends (the command receives its own copy through the process group), reports the
-command's pid (or why it could not start) on ``REPORT_FD``, and exits the way the command did:
-the same exit code, or killed by the same signal.
+pidfd and, when it is gone, SIGKILLs the whole process group (its own parent-death signal is
+caught for the same purpose: a plain SIGKILL would leave the command's children behind). It
+ignores the death signals a group sends (the command receives its own copy through the
+process group), reports the command's pid (or why it could not start) on ``REPORT_FD``, and
+exits the way the command did: the same exit code, or killed by the same signal.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import select
 import signal
 import sys
 import threading
+from typing import NoReturn
 
 __all__ = ["arm_parent_death", "set_pdeathsig", "die_with_group", "watch_parent",
            "start_parent_watch"]
@@ -63,7 +64,7 @@ def arm_parent_death() -> None:
     set_pdeathsig(PARENT_DEATH_SIGNAL)
 
 
-def die_with_group() -> None:
+def die_with_group() -> NoReturn:
     """SIGKILL this process's whole process group (this process included)."""
     with contextlib.suppress(OSError):
         os.killpg(os.getpgrp(), signal.SIGKILL)
@@ -116,7 +117,7 @@ def _ignore(signum: int, frame: object) -> None:
     """A handler that does nothing: unlike SIG_IGN it is not inherited across exec."""
 
 
-def _mirror(returncode: int) -> None:
+def _mirror(returncode: int) -> NoReturn:
     """Exit as the command did: its exit code, or death by its signal (without a core file)."""
     if returncode >= 0:
         os._exit(returncode)
@@ -143,7 +144,7 @@ def _report(fd: int, text: str) -> None:
             data = data[os.write(fd, data):]
 
 
-def launch(parent_pid: int, report_fd: int, argv: list[str]) -> None:
+def launch(parent_pid: int, report_fd: int, argv: list[str]) -> NoReturn:
     """The launcher's body (see the module docstring); never returns."""
     arm_parent_death()
     parent_fd = _open_pidfd(parent_pid)

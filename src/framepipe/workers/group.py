@@ -23,6 +23,8 @@ import concurrent.futures
 import contextlib
 import enum
 import faulthandler
+import functools
+import multiprocessing.util  # noqa: F401 - before our atexit hook: see _close_all_at_exit
 import os
 import select
 import shutil
@@ -36,7 +38,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Union
+from typing import Any
 
 from .. import connection as _connection
 from ..errors import signal_name
@@ -74,7 +76,7 @@ class Std(enum.IntFlag):
     ALL = 3
 
 
-Entrypoint = Union[Callable[..., Any], str, Sequence[str]]
+Entrypoint = Callable[..., Any] | str | Sequence[str]
 
 
 # --------------------------------------------------------------------------------------------
@@ -429,6 +431,8 @@ _live_groups: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
 
 @atexit.register
 def _close_all_at_exit() -> None:
+    # Registered after multiprocessing's own hook (imported above), so it runs first: that
+    # one joins every non-daemonic child, which would wait forever for a running group.
     for group in list(_live_groups):
         with contextlib.suppress(Exception):
             group.close(grace=min(group.grace, 5.0))
@@ -495,8 +499,8 @@ class WorkerGroup:
             raise ValueError(f"nprocs must be a positive int, not {nprocs!r}")
         self.is_command = not callable(entrypoint)
         if self.is_command:
-            argv = [entrypoint] if isinstance(entrypoint, (str, bytes, os.PathLike)) else list(
-                entrypoint)
+            one = isinstance(entrypoint, (str, bytes, os.PathLike))
+            argv: list[Any] = [entrypoint] if one else list(entrypoint)  # type: ignore[arg-type]
             if not argv:
                 raise ValueError("the command line is empty")
             self._argv = [os.fsdecode(a) for a in argv]
@@ -507,8 +511,8 @@ class WorkerGroup:
         self.entrypoint = entrypoint
         self.nprocs = nprocs
         self.start_method = start_method
-        self.name = name or (os.path.basename(self._argv[0]) if self.is_command else getattr(
-            entrypoint, "__qualname__", "group"))
+        self.name: str = name or (os.path.basename(self._argv[0]) if self.is_command else str(
+            getattr(entrypoint, "__qualname__", "group")))
         self.args = {r: tuple(a) for r, a in _per_rank(args, nprocs, "args", ()).items()}
         self.envs = {r: {str(k): str(v) for k, v in e.items()}
                      for r, e in _per_rank(envs, nprocs, "envs", {}).items()}
@@ -552,7 +556,12 @@ class WorkerGroup:
         command that does not exist, a function that does not pickle for spawn) stops the
         others and raises here."""
         self._begin()
-        self._launched.result()
+        try:
+            self._launched.result()
+        except BaseException:
+            if not self._launched.done():  # interrupted (Ctrl-C): leave nothing running
+                self.close(self.death_sig, self.grace)
+            raise
 
     async def astart(self) -> None:
         """:meth:`start` for asyncio."""
@@ -765,13 +774,13 @@ class WorkerGroup:
                 return
             handlers: dict[Any, Callable[[], None]] = {self._wake_r: self._on_wake}
             for r in live:
-                handlers[r.death_fd] = lambda r=r: self._on_death(r)
+                handlers[r.death_fd] = functools.partial(self._on_death, r)
             for r in self._ranks:
                 if r.conn_open:
-                    handlers[r.conn] = lambda r=r: self._on_result(r)
+                    handlers[r.conn] = functools.partial(self._on_result, r)
                 for p in r.pipes:
                     if p.fd is not None:
-                        handlers[p.fd] = lambda p=p: self._on_output(p)
+                        handlers[p.fd] = functools.partial(self._on_output, p)
             timeout = None
             if self._kill_at is not None:
                 timeout = max(0.0, self._kill_at - time.monotonic())
@@ -832,7 +841,7 @@ class WorkerGroup:
         died = r.liveness.error(label=f"rank {r.rank}")
         r.exitcode, r.core_dumped, r.oom_killed = died.exitcode, died.core_dumped, died.oom_killed
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(r.pgid, signal.SIGKILL)  # what it left behind in its group
+            os.killpg(r.pgid, signal.SIGKILL)  # type: ignore[arg-type] # what it left behind
         if hasattr(r.process, "join"):
             r.process.join()
             code = r.process.exitcode
@@ -1036,7 +1045,7 @@ class WorkerGroup:
     def _install_handlers(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
             return {}
-        saved = {}
+        saved: dict[int, Any] = {}
         for sig in _FORWARDED_SIGNALS:
             old = signal.getsignal(sig)
             if old is None:
