@@ -64,8 +64,10 @@ def sleep_forever() -> None:
     time.sleep(600)
 
 
-def ignore_term_and_sleep() -> None:
+def ignore_term_and_sleep(mark: str) -> None:
+    """Ignore SIGTERM, say so by creating the file ``mark``, and sleep."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    open(mark, "w").close()
     time.sleep(600)
 
 

@@ -57,6 +57,15 @@ def wait_dead(pids, timeout: float) -> list[int]:
         time.sleep(0.02)
 
 
+def failure_of(group: WorkerGroup) -> GroupFailed:
+    """Start ``group`` if it is not running yet and return the GroupFailed its wait raises."""
+    if not group.pids:
+        group.start()
+    with pytest.raises(GroupFailed) as info:
+        group.wait(TIMEOUT)
+    return info.value
+
+
 def no_zombie_children() -> list[psutil.Process]:
     return [c for c in psutil.Process().children(recursive=True)
             if c.status() == psutil.STATUS_ZOMBIE]
@@ -166,10 +175,9 @@ def test_command_pid_is_the_command_and_its_launcher_leads_the_group(groups):
     assert launcher.ppid() == os.getpid()
     assert os.getpgid(pid) == launcher.pid
     os.kill(pid, signal.SIGKILL)  # a signal to the pid reaches the command itself
-    with pytest.raises(GroupFailed) as info:
-        group.wait(TIMEOUT)
-    assert info.value.root.exitcode == -signal.SIGKILL  # the launcher exits as it did
-    assert "was killed by SIGKILL" in str(info.value)
+    err = failure_of(group)
+    assert err.root.exitcode == -signal.SIGKILL  # the launcher exits as it did
+    assert "was killed by SIGKILL" in str(err)
 
 
 def test_missing_command_fails_start_and_leaves_nothing(fd_count):
@@ -195,10 +203,7 @@ def test_root_cause_is_the_earliest_error_file_not_the_first_death(engine, group
     group = groups.make(kids.fail_at, 2, args={first: (t0, first, 0.4),
                                                second: (t0 + 0.05, second, 0.0)},
                         start_method="fork")
-    group.start()
-    with pytest.raises(GroupFailed) as info:
-        group.wait(TIMEOUT)
-    err = info.value
+    err = failure_of(group)
     assert err.root_rank == first
     root = err.root
     # it was stopped while it lingered: its error file tells what it raised, and where
@@ -226,10 +231,7 @@ def test_root_cause_without_error_files_is_the_first_death(engine, groups, first
     t0 = time.time() + 1.0
     group = groups.make(kids.exit_at, 2, args={first: (t0, 3), 1 - first: (t0 + 0.05, 4)},
                         start_method="fork")
-    group.start()
-    with pytest.raises(GroupFailed) as info:
-        group.wait(TIMEOUT)
-    err = info.value
+    err = failure_of(group)
     assert err.root_rank == first
     assert err.root.exitcode == 3 and err.root.error is None
     other = err.outcomes[1 - first]
@@ -254,10 +256,7 @@ def test_command_root_cause_by_error_file(groups, first, tmp_path):
     group = groups.make([sys.executable, "-c", script, HERE], 2,
                         args={first: (t0, first, 0.4), second: (t0 + 0.05, second, 0.0)},
                         envs=dict.fromkeys(range(2), {"PYTHONPATH": SRC}), log_dir=tmp_path)
-    group.start()
-    with pytest.raises(GroupFailed) as info:
-        group.wait(TIMEOUT)
-    err = info.value
+    err = failure_of(group)
     assert err.root_rank == first
     assert err.root.exception is None  # commands have no result channel...
     assert err.root.error.py_callstack.rstrip().endswith(f"rank {first} failed first")
@@ -268,10 +267,7 @@ def test_command_root_cause_by_error_file(groups, first, tmp_path):
 def test_a_rank_killed_by_a_signal_is_reported_with_it(groups):
     group = groups.make(kids.kill_self, 2, args={0: (signal.SIGKILL,), 1: (0,)},
                         start_method="fork")
-    group.start()
-    with pytest.raises(GroupFailed) as info:
-        group.wait(TIMEOUT)
-    err = info.value
+    err = failure_of(group)
     assert err.root_rank == 0 and err.root.signal_name == "SIGKILL"
     assert err.root.exception is None and err.root.error is None
     assert str(err).startswith(f"worker group 'kill_self' failed: rank 0 (pid {err.root.pid}) "
@@ -282,10 +278,7 @@ def test_a_rank_killed_by_a_signal_is_reported_with_it(groups):
 def test_report_shows_the_exception_traceback_and_log_tail(engine, groups, tmp_path):
     group = groups.make(kids.fail_with_output, 3, args={r: (r,) for r in range(3)},
                         log_dir=tmp_path, start_method="fork")
-    group.start()
-    with pytest.raises(GroupFailed) as info:
-        group.wait(TIMEOUT)
-    err = info.value
+    err = failure_of(group)
     assert isinstance(err, WorkerError)
     root = err.root
     assert isinstance(root.exception, KeyError)
@@ -401,13 +394,19 @@ def test_ten_megabytes_on_stderr_do_not_block(engine, groups, tmp_path, capfd):
 
 
 @pytest.mark.parametrize("kind", ["function", "command"])
-def test_close_escalates_to_sigkill_after_grace(groups, kind):
+def test_close_escalates_to_sigkill_after_grace(groups, kind, tmp_path):
+    marks = [tmp_path / f"ignoring-{r}" for r in range(2)]
     if kind == "function":
-        group = groups.make(kids.ignore_term_and_sleep, 2, start_method="fork")
+        group = groups.make(kids.ignore_term_and_sleep, 2, args={r: (str(marks[r]),)
+                                                                 for r in range(2)},
+                            start_method="fork")
     else:
-        group = groups.make(["sh", "-c", "trap '' TERM; sleep 600"], 2)
+        group = groups.make(["sh", "-c", "trap '' TERM; touch \"$0\"; sleep 600"], 2,
+                            args={r: (str(marks[r]),) for r in range(2)})
     group.start()
-    time.sleep(0.5)  # the rank has set SIGTERM aside by now
+    end = time.monotonic() + TIMEOUT
+    while not all(m.exists() for m in marks) and time.monotonic() < end:
+        time.sleep(0.01)  # until every rank has set SIGTERM aside
     pids = list(group.pids.values())
     start = time.monotonic()
     group.close(grace=0.5)
@@ -425,10 +424,9 @@ def test_a_failure_stops_the_others_at_once(groups):
                         start_method="fork")
     group.start()
     start = time.monotonic()
-    with pytest.raises(GroupFailed) as info:
-        group.wait(TIMEOUT)
+    err = failure_of(group)
     assert time.monotonic() - start < 5
-    assert [o.state for o in info.value.outcomes.values()] == ["failed", "stopped", "stopped"]
+    assert [o.state for o in err.outcomes.values()] == ["failed", "stopped", "stopped"]
 
 
 @pytest.mark.parametrize("mode", ["wait-fn", "wait-cmd"])

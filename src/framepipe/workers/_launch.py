@@ -24,8 +24,8 @@ import sys
 import threading
 from typing import NoReturn
 
-__all__ = ["arm_parent_death", "set_pdeathsig", "die_with_group", "watch_parent",
-           "start_parent_watch"]
+__all__ = ["arm_parent_death", "set_pdeathsig", "die_with_group", "parent_gone",
+           "watch_parent", "start_parent_watch"]
 
 _PR_SET_PDEATHSIG = 1
 _RT = getattr(signal, "SIGRTMIN", None)
@@ -71,14 +71,16 @@ def die_with_group() -> NoReturn:
     os._exit(128 + signal.SIGKILL)
 
 
-def _gone(pid: int) -> bool:
+def parent_gone(pid: int) -> bool:
+    """Whether process ``pid``, which started this one, is gone: it no longer exists, or this
+    process was handed over to init (so the pid may name another process by now)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except PermissionError:
         return False
-    return False
+    return os.getppid() == 1 and pid != 1
 
 
 def _open_pidfd(pid: int) -> int | None:
@@ -94,10 +96,10 @@ def watch_parent(parent_pid: int, pidfd: int | None = None) -> None:
     Event-driven on its pidfd; where pidfds do not exist, a check every half second."""
     fd = pidfd if pidfd is not None else _open_pidfd(parent_pid)
     if fd is None:
-        while not _gone(parent_pid):
+        while not parent_gone(parent_pid):
             threading.Event().wait(_POLL_SECONDS)
         die_with_group()
-    if _gone(parent_pid):
+    if parent_gone(parent_pid):
         die_with_group()
     poller = select.poll()
     poller.register(fd, select.POLLIN)
@@ -148,7 +150,7 @@ def launch(parent_pid: int, report_fd: int, argv: list[str]) -> NoReturn:
     """The launcher's body (see the module docstring); never returns."""
     arm_parent_death()
     parent_fd = _open_pidfd(parent_pid)
-    if os.getppid() != parent_pid or _gone(parent_pid):
+    if os.getppid() != parent_pid or parent_gone(parent_pid):
         die_with_group()  # the group died before PR_SET_PDEATHSIG was in place
     for signum in STOP_SIGNALS:
         signal.signal(signum, _ignore)

@@ -51,6 +51,7 @@ from ._process import (
     TAIL_LINES,
     _FdHandle,
     _parent_side,
+    _rebind_stream,
     _Stderr,
     register_parent_side,
 )
@@ -280,9 +281,12 @@ def _rank_main(boot: _Boot) -> None:
         os.close(boot.stdout.fd)
     os.dup2(boot.stderr.fd, 2)
     os.close(boot.stderr.fd)
-    _bind_std_streams(boot.line_buffered_stdout)
+    _rebind_stream("stdout", 1)  # a forked child's sys.stdout may write elsewhere
+    _rebind_stream("stderr", 2)
+    if boot.line_buffered_stdout:
+        _line_buffer_stdout()  # tee shows each line as it is printed
     os.environ.update(boot.env)
-    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.enable(file=2, all_threads=True)
     boot.result.send(("ready",))
     try:
         value = boot.fn(*boot.args)
@@ -304,21 +308,9 @@ def _rank_main(boot: _Boot) -> None:
     boot.result.close()
 
 
-def _bind_std_streams(line_buffered_stdout: bool) -> None:
-    """Make ``sys.stdout`` and ``sys.stderr`` write to fds 1 and 2: a forked child may have
-    inherited stand-ins that write elsewhere (a notebook's, a test runner's capture)."""
-    for name, fd in (("stdout", 1), ("stderr", 2)):
-        stream = getattr(sys, name)
-        try:
-            bound = stream is not None and stream.fileno() == fd
-        except (AttributeError, ValueError, OSError):
-            bound = False
-        if not bound:
-            setattr(sys, name, open(fd, "w", buffering=1, encoding="utf-8",  # noqa: SIM115
-                                    errors="backslashreplace", closefd=False))
-    if line_buffered_stdout:
-        with contextlib.suppress(AttributeError, ValueError):
-            sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+def _line_buffer_stdout() -> None:
+    with contextlib.suppress(AttributeError, ValueError):
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
 
 
 def _rank_failed(boot: _Boot, exc: BaseException, code: int) -> None:
