@@ -94,9 +94,10 @@ class RankOutcome:
     ``"not started"``. ``exitcode`` is negative for a signal, as ``subprocess`` reports it.
     ``exception`` is the rank's exception revived with its traceback (function entry points),
     ``error`` the :class:`~framepipe.ProcessFailure` read from its error file (None without
-    one), ``failed_at`` when it failed in seconds since the epoch (its error file's time, else
-    when its death was seen), ``ended_at`` when its death was seen, ``stderr_tail`` the last
-    lines of its stderr (with the traceback shown once, in ``traceback``).
+    one), ``error_file`` its path (None without a ``log_dir``: the file is removed at close),
+    ``failed_at`` when it failed in seconds since the epoch (its error file's time, else when
+    its death was seen), ``ended_at`` when its death was seen, ``stderr_tail`` the last lines
+    of its stderr (with the traceback shown once, in ``traceback``).
     """
 
     rank: int
@@ -203,8 +204,8 @@ class GroupFailed(WorkerError):
                  f"{root.what()}", "",
                  f"root cause: rank {root.rank} (pid {root.pid}) {root.how()}"
                  + (f" at {_clock(root.failed_at)}" if root.failed_at else "")]
-        if root.error is not None and root.error.error_file != "<N/A>":
-            lines.append(f"error file: {root.error.error_file}")
+        if root.error is not None and root.error_file:
+            lines.append(f"error file: {root.error_file}")
         tb = root.traceback
         if tb:
             lines.append(tb.rstrip())
@@ -895,7 +896,8 @@ class WorkerGroup:
     def _rank_outcome(self, r: _Rank) -> RankOutcome:
         o = RankOutcome(rank=r.rank, pid=r.pid, state="failed", exitcode=r.exitcode,
                         core_dumped=r.core_dumped, oom_killed=r.oom_killed,
-                        error_file=r.error_file, stdout_path=r.stdout_path,
+                        error_file=r.error_file if self.log_dir else None,  # else: removed
+                        stdout_path=r.stdout_path,
                         stderr_path=r.stderr_path,
                         ended_at=r.ended_ns / 1e9 if r.ended_ns else None)
         if r.process is None:
