@@ -41,3 +41,7 @@ __all__ = [
     "get_worker_info",
     "worker_namespace",
 ]
+
+from .group import GroupFailed, GroupResult, RankOutcome, Std, WorkerGroup  # noqa: E402
+
+__all__ += ["GroupFailed", "GroupResult", "RankOutcome", "Std", "WorkerGroup"]

@@ -22,7 +22,6 @@ group), no inherited parent-side descriptors after a fork.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import faulthandler
 import os
@@ -39,6 +38,9 @@ from typing import Any
 
 from .. import connection as _connection
 from ..errors import WriterDied
+from ._launch import die_with_group as _die_with_group
+from ._launch import parent_gone
+from ._launch import set_pdeathsig as _set_pdeathsig
 from .errors import WorkerCancelled, WorkerCrashed
 
 __all__ = ["WorkerProcess", "ChildContext", "child_main", "STACK_SIGNAL", "CANCEL_SIGNAL"]
@@ -52,7 +54,6 @@ CANCEL_SIGNAL: int = _RT + 7 if _RT is not None else signal.SIGUSR1
 
 TAIL_BYTES = 64 * 1024
 TAIL_LINES = 20
-_PR_SET_PDEATHSIG = 1
 
 # Parent-side objects alive in this process: a forked worker closes them at once, so it never
 # holds another worker's channel (which would hide that worker's death from a reader).
@@ -236,22 +237,6 @@ def peak_rss(pid: int) -> int | None:
     return None
 
 
-def _set_pdeathsig() -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _die_with_group() -> None:
-    with contextlib.suppress(OSError):
-        os.killpg(os.getpgrp(), signal.SIGKILL)
-    os._exit(128 + signal.SIGKILL)
-
-
 def _serve_health(ctx: ChildContext, parent_pid: int) -> None:
     """The worker's health thread: answers the parent at once, and takes the whole worker
     down (its process group) the moment the parent is gone."""
@@ -281,13 +266,7 @@ def _serve_health(ctx: ChildContext, parent_pid: int) -> None:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return os.getppid() != 1 or pid == 1
+    return not parent_gone(pid)
 
 
 def _rebind_stream(name: str, fd: int) -> None:
@@ -386,11 +365,13 @@ class _Stderr:
     """The parent's end of a worker's stderr pipe: a tail for reports, optional log file,
     optional console copy (raw, or line by line with a ``[name]`` prefix)."""
 
-    def __init__(self, fd: int, name: str, log_path: str | None, console: str | None) -> None:
+    def __init__(self, fd: int, name: str, log_path: str | None, console: str | None,
+                 console_stream: str = "stderr") -> None:
         self.fd: int | None = fd
         self.name = name
         self.log_path = log_path
         self.console = console  # None, "raw" or "prefix"
+        self.console_stream = console_stream  # the parent's "stderr" or "stdout"
         self.tail = bytearray()
         self._partial = b""
         self._log = open(log_path, "ab", buffering=0) if log_path else None  # noqa: SIM115
@@ -414,18 +395,20 @@ class _Stderr:
             with contextlib.suppress(OSError):
                 self._log.write(data)
         if self.console == "raw":
-            _write_console(data)
+            _write_console(data, self.console_stream)
         elif self.console == "prefix":
             text = self._partial + data
             lines = text.split(b"\n")
             self._partial = lines.pop()
             if lines:
                 prefix = f"[{self.name}] ".encode()
-                _write_console(b"".join(prefix + line + b"\n" for line in lines))
+                _write_console(b"".join(prefix + line + b"\n" for line in lines),
+                               self.console_stream)
 
     def _flush_partial(self) -> None:
         if self.console == "prefix" and self._partial:
-            _write_console(f"[{self.name}] ".encode() + self._partial + b"\n")
+            _write_console(f"[{self.name}] ".encode() + self._partial + b"\n",
+                           self.console_stream)
         self._partial = b""
 
     def tail_text(self, lines: int = TAIL_LINES) -> str:
@@ -449,13 +432,14 @@ class _Stderr:
             self._log = None
 
 
-def _write_console(data: bytes) -> None:
+def _write_console(data: bytes, stream: str = "stderr") -> None:
+    console = getattr(sys, stream)
     with contextlib.suppress(OSError):
         try:
-            sys.stderr.flush()
+            console.flush()
         except (AttributeError, ValueError):
             pass
-        fd = sys.stderr.fileno() if sys.stderr is not None else 2
+        fd = console.fileno() if console is not None else (1 if stream == "stdout" else 2)
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
