@@ -26,6 +26,7 @@ import collections
 import concurrent.futures
 import contextlib
 import itertools
+import multiprocessing.util  # noqa: F401 - its exit hook is registered before ours
 import os
 import pickle
 import select
@@ -53,7 +54,7 @@ MAX_INFLIGHT = 128  # tasks sent to one worker before its first answer
 BATCH_BYTES = 64 * 1024  # tasks smaller than this may share one frame
 LOW_WATER = 8  # a submitting thread sends directly only to a worker with fewer tasks in hand
 QUEUE_SECONDS = 0.002  # a worker is given about this much work ahead
-STACK_WAIT = 0.25  # seconds to wait for a worker's stack dump at a deadline
+STACK_WAIT = 1.0  # seconds to wait for a worker's stack dump at a deadline
 _PARTIAL_WAIT = 1.0  # the manager waits this long for the rest of a frame that has started
 _WAKE, _DATA, _HEALTH, _STDERR = range(4)
 
@@ -414,7 +415,7 @@ class Slot:
 _live_cores: weakref.WeakSet[Core] = weakref.WeakSet()
 
 
-@atexit.register
+@atexit.register  # runs before multiprocessing's own hook, which would join our workers forever
 def _stop_all_at_exit() -> None:
     for core in list(_live_cores):
         with contextlib.suppress(Exception):

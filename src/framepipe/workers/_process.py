@@ -338,7 +338,7 @@ def child_main(boot: _Boot) -> None:
 # Parent side
 # --------------------------------------------------------------------------------------------
 
-_QUIET = 0.003  # a dump is written by one signal handler: a pause this long ends it
+_QUIET = 0.1  # no repeat (a thread started between the two dumps): a pause this long ends it
 _FIRST_LINE = re.compile(rb"^(?:Current thread|Thread) (0x[0-9a-f]+)", re.M)
 
 
