@@ -198,7 +198,7 @@ def test_64_mib_each_way_without_deadlock(worker):
     big = 64 << 20
     # 64 MiB down (a snippet padded with a comment), and a 64 MiB value up the load pipe,
     # which the worker writes before its result while the parent waits for that result.
-    snippet = "# " + "p" * big + "\nvalue = bytes(range(256)) * (%d // 256)\n" % big
+    snippet = "# " + "p" * big + f"\nvalue = bytes(range(256)) * ({big} // 256)\n"
     worker.run(snippet)
     value = worker.load("value")
     assert len(value) == big and value[:256] == bytes(range(256))

@@ -30,12 +30,7 @@ from .guard import Guard
 from .remote import dumps_exception, format_exception_text, qualified_name
 from .subprocess_rpc import *  # noqa: F403 - the reference module's names, all of them
 from .subprocess_rpc import (
-    ChildTraceException,
-    SerializedException,
-    UnserializableException,
-    _log_progress,
     _revive,
-    _run_block,
 )
 
 __all__ = [

@@ -21,9 +21,9 @@ from .errors import (
     WorkerError,
     WorkerStartError,
 )
+from .loader import DataLoader, WorkerInfo, default_collate, get_worker_info
 from .pool import Pool
 from .worker import Stream, Worker
-from .loader import DataLoader, WorkerInfo, default_collate, get_worker_info
 
 __all__ = [
     "DataLoader",
