@@ -52,6 +52,7 @@ RESULT, ERROR, ITEM, END, RECYCLE = 0, 1, 2, 3, 4
 PIPE_ROOM = 512 * 1024  # bytes a worker may owe us before it gets more (its pipe holds 1 MiB)
 MAX_INFLIGHT = 128  # tasks sent to one worker before its first answer
 BATCH_BYTES = 64 * 1024  # tasks smaller than this may share one frame
+_MAP_STEP = 256  # map() queues its items this many at a time
 LOW_WATER = 8  # a submitting thread sends directly only to a worker with fewer tasks in hand
 QUEUE_SECONDS = 0.002  # a worker is given about this much work ahead
 STACK_WAIT = 1.0  # seconds to wait for a worker's stack dump at a deadline
@@ -539,25 +540,27 @@ class Core:
         items = list(items)
         results = MapResults(len(items))
         name = _task_name(fn)
-        tasks = []
         dumps = pickle.dumps
         ids = self._ids
-        for i, args in enumerate(items):
-            tid = next(ids)
-            item = MapItem(results, i)
-            try:
-                payload = dumps((CALL, tid, fn, args, {}), protocol=5)
-            except Exception as exc:  # noqa: BLE001 - this item fails, the others run
-                item.set_exception(_unpicklable(fn, exc))
-                continue
-            tasks.append(Task(tid, item, name, payload, timeout, None))  # type: ignore[arg-type]
-        with self._submit_lock:
-            if self.broken is not None:
-                raise self.broken
-            if self.closing:
-                raise RuntimeError(f"cannot submit to {self.name}: it has been shut down")
-            self._pending.extend(tasks)
-        self.kick()
+        # Queued a few hundred at a time, so the workers start while the rest is pickled.
+        for start in range(0, len(items), _MAP_STEP):
+            tasks = []
+            for i in range(start, min(start + _MAP_STEP, len(items))):
+                tid = next(ids)
+                item = MapItem(results, i)
+                try:
+                    payload = dumps((CALL, tid, fn, items[i], {}), protocol=5)
+                except Exception as exc:  # noqa: BLE001 - this item fails, the others run
+                    item.set_exception(_unpicklable(fn, exc))
+                    continue
+                tasks.append(Task(tid, item, name, payload, timeout, None))  # type: ignore[arg-type]
+            with self._submit_lock:
+                if self.broken is not None:
+                    raise self.broken
+                if self.closing:
+                    raise RuntimeError(f"cannot submit to {self.name}: it has been shut down")
+                self._pending.extend(tasks)
+            self.kick()
         return results
 
     def kick(self) -> None:
