@@ -31,6 +31,18 @@ subprocess_rpc.run_loop(input_handle={inp}, output_pipe=out, load_handle={load})
 """
 
 
+
+def _engine_env(impl):
+    """The environment of a child that must run on ``impl``: the pure-Python core is forced
+    with FRAMEPIPE_NO_EXTENSIONS, which cannot stand beside FRAMEPIPE_REQUIRE_EXTENSIONS (set in
+    CI for this process only)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("FRAMEPIPE_NO_EXTENSIONS", None)
+    if impl.__name__ == "framepipe._pycore":
+        env.pop("FRAMEPIPE_REQUIRE_EXTENSIONS", None)
+        env["FRAMEPIPE_NO_EXTENSIONS"] = "1"
+    return env
+
 class Worker:
     """A minimal SubprocessWorker: the reference protocol, run by a parent of our own."""
 
@@ -40,10 +52,7 @@ class Worker:
         self.input = pipe()
         self.output = pipe(timeout=timeout, timeout_callback=self.kill)
         self.load_pipe = pipe(timeout=timeout, timeout_callback=self.kill)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-        env.pop("FRAMEPIPE_NO_EXTENSIONS", None)
-        if impl.__name__ == "framepipe._pycore":
-            env["FRAMEPIPE_NO_EXTENSIONS"] = "1"
+        env = _engine_env(impl)
         fds = [self.input.read_fd, self.output.write_fd, self.load_pipe.write_fd]
         code = BOOT.format(inp=fds[0], out=fds[1], load=fds[2])
         self.proc = subprocess.Popen(
@@ -221,10 +230,7 @@ def test_a_dead_parent_ends_the_worker_loop(impl, tmp_path):
         print(proc.pid, flush=True)
         time.sleep(60)
     """))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    env.pop("FRAMEPIPE_NO_EXTENSIONS", None)
-    if impl.__name__ == "framepipe._pycore":
-        env["FRAMEPIPE_NO_EXTENSIONS"] = "1"
+    env = _engine_env(impl)
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env)
     child = None
     try:
