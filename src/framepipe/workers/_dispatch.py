@@ -56,6 +56,7 @@ _MAP_STEP = 256  # map() queues its items this many at a time
 LOW_WATER = 8  # a submitting thread sends directly only to a worker with fewer tasks in hand
 QUEUE_SECONDS = 0.002  # a worker is given about this much work ahead
 STACK_WAIT = 1.0  # seconds to wait for a worker's stack dump at a deadline
+_REAP_DELAY = 0.001  # a dead worker is reaped (and replaced) this long after its report
 _PARTIAL_WAIT = 1.0  # the manager waits this long for the rest of a frame that has started
 _WAKE, _DATA, _HEALTH, _STDERR = range(4)
 
@@ -477,6 +478,8 @@ class Core:
         self.restarts = 0
         self.close_timeout = 5.0
         self._close_deadline: float | None = None
+        self._to_reap: list[Slot] = []  # dead workers, reaped on the loop's next turn
+        self._reap_at = 0.0
         self.last_exitcode: int | None = None
         self._version = 1  # bumped whenever the set of fds to wait on changes
         self._version_seen = 0
@@ -776,6 +779,11 @@ class Core:
                 if slot.proc.pump_stderr():  # type: ignore[union-attr]
                     slot.stderr_eof = True  # type: ignore[union-attr]
                     self._version += 1
+        if self._to_reap and time.monotonic() >= self._reap_at:
+            dead, self._to_reap = self._to_reap, []
+            for slot in dead:
+                self._reap(slot)
+            self._dirty = True
         if self._timers:
             self._check_deadlines()
         if self._dirty:
@@ -785,6 +793,8 @@ class Core:
             self.kick()
 
     def _deadlines(self, slot: Slot) -> Iterator[float]:
+        if self._to_reap:
+            yield self._reap_at
         if self._close_deadline is not None:
             yield self._close_deadline
         if slot.kill_at is not None:
@@ -941,8 +951,12 @@ class Core:
                 ))
         if self._pending:
             self.kick()  # the other workers take the orphans now, not after the replacement
-        time.sleep(0)  # let the callers just failed run before the reaping and respawning
-        self._reap(slot)
+        # Reaping and respawning wait for the next turn of the loop, after a short poll that
+        # lets the callers just failed take the GIL (this thread would keep it for a switch
+        # interval, 5 ms, while it reaps and starts a process).
+        self._to_reap.append(slot)
+        self._reap_at = time.monotonic() + _REAP_DELAY
+        self._timers = True
 
     def _reap(self, slot: Slot) -> None:
         slot.proc.stop(timeout=1.0, grace=0.5)

@@ -319,10 +319,16 @@ class Worker:
                                f"within {timeout:g} s")
         return text
 
+    def _current(self) -> D.Slot | None:
+        """The worker's process now: the live one, else the last one started."""
+        slots = self._core.slots()
+        live = [s for s in slots if not s.dead and s.stopping is None]
+        return (live or slots or [None])[-1]
+
     @property
     def pid(self) -> int | None:
-        slots = self._core.slots()
-        return slots[0].proc.pid if slots else None
+        slot = self._current()
+        return slot.proc.pid if slot is not None else None
 
     @property
     def alive(self) -> bool:
@@ -331,9 +337,9 @@ class Worker:
     @property
     def exitcode(self) -> int | None:
         """The last worker process's exit code (None while it runs)."""
-        slots = self._core.slots()
-        if slots:
-            return slots[0].proc.exitcode
+        slot = self._current()
+        if slot is not None:
+            return slot.proc.exitcode
         return self._core.last_exitcode
 
     @property
