@@ -462,6 +462,20 @@ def test_pool_initializer(engine):
     pool.shutdown()
 
 
+def test_pool_worker_dying_while_starting_breaks_it_instead_of_looping(engine):
+    pool = Pool(2, start_method="fork", max_restarts=None, initializer=exit_hard,
+                initargs=(3,))
+    try:
+        fut = pool.submit(add, 1, 1)
+        with pytest.raises(WorkerStartError) as info:
+            fut.result(WAIT)
+        assert "died while starting" in str(info.value) and "exited with code 3" in str(info.value)
+        assert isinstance(pool.broken, WorkerStartError)
+        assert pool._core.restarts == 0  # no process was started to replace them
+    finally:
+        pool.shutdown()
+
+
 def test_pool_shutdown_cancel_futures_and_stats(engine):
     pool = Pool(1, start_method="fork")
     assert pool.submit(add, 1, 1).result(WAIT) == 2

@@ -936,7 +936,13 @@ class Core:
                 for task in reversed(orphans):
                     task.delivered = False
                     self._pending.appendleft(task)
-        if not expected and not self.closing:
+        if not slot.ready and not expected and not self.closing:
+            # It died before it could take a task (its bootstrap or imports failed): another
+            # process would die the same way, so the workers are not restarted.
+            start_err = WorkerStartError(f"a worker of {self.name} died while starting: {err}")
+            start_err.__cause__ = err
+            self._break(start_err)
+        elif not expected and not self.closing:
             self.crashes.append(err)
             del self.crashes[:-20]
             now = time.monotonic()
