@@ -166,3 +166,15 @@ def array(nbytes):
     import numpy as np
 
     return np.full(nbytes, 7, dtype=np.uint8)
+
+
+def filled(nbytes, value):
+    import numpy as np
+
+    return np.full(nbytes, value, dtype=np.uint8)
+
+
+def filled_pair(nbytes, value):
+    import numpy as np
+
+    return ("pair", np.full(nbytes, value, dtype=np.uint8), {"n": nbytes})

@@ -343,7 +343,7 @@ class Unpicklable:
         return 6
 
     def __getitem__(self, i: int):
-        array = np.full(loader_module.SHM_MIN, i, dtype=np.uint8)  # takes a memfd first
+        array = np.full(loader_module._shm.SHM_MIN, i, dtype=np.uint8)  # takes a memfd first
         return (array, (lambda: i)) if i == 2 else (array, None)
 
 
@@ -458,7 +458,7 @@ def test_deleting_the_loader_stops_persistent_workers():
 @pytest.fixture
 def small_shm(monkeypatch):
     """Arrays of 64 KiB and more in shared memory (forked workers inherit the setting)."""
-    monkeypatch.setattr(loader_module, "SHM_MIN", 64 * 1024)
+    monkeypatch.setattr(loader_module._shm, "SHM_MIN", 64 * 1024)
     return 128 * 1024
 
 

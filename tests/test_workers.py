@@ -382,6 +382,29 @@ def test_pool_is_an_executor(engine):
         pool.submit(add, 1, 2)
 
 
+def test_pool_large_array_results_never_overwritten_while_held(engine):
+    np = pytest.importorskip("numpy")
+    from _worker_tasks import filled, filled_pair
+
+    with Pool(2, start_method="fork") as pool:
+        # more arrays held at once than a worker has memfds: the rest take the bulk channel
+        held = [pool.submit(filled, 2 << 20, i % 251).result(WAIT) for i in range(40)]
+        views = [a[::4096] for a in held]
+        for i, (a, v) in enumerate(zip(held, views)):
+            assert a.nbytes == 2 << 20 and np.all(a == i % 251) and np.all(v == i % 251)
+        tag, arr, meta = pool.submit(filled_pair, 3 << 20, 9).result(WAIT)
+        assert tag == "pair" and meta == {"n": 3 << 20} and np.all(arr == 9)
+        del held, views, arr
+        # freed memfds go back to their worker and are used again: no growth
+        counts = []
+        for i in range(60):
+            a = pool.submit(filled, 1 << 20, i % 7).result(WAIT)
+            assert np.all(a == i % 7)
+            del a
+            counts.append(sum(len(s.shm.memfds) for s in pool._core.slots()))
+        assert max(counts) <= 2 * 16
+
+
 def test_pool_task_exceptions_never_break_it(engine):
     with Pool(2, start_method="fork") as pool:
         futures = [pool.submit(raise_two_arg, i, "bad") for i in range(20)]

@@ -31,6 +31,7 @@ import os
 import pickle
 import select
 import signal
+import socket
 import threading
 import time
 import weakref
@@ -39,13 +40,13 @@ from typing import Any
 
 from ..errors import ReadTimeout, WriterDied
 from ..remote import dumps_exception, loads_exception
-from . import _process
+from . import _process, _shm
 from ._process import ChildContext, WorkerProcess
 from .errors import PoolBroken, TaskTimeout, WorkerCancelled, WorkerError, WorkerStartError
 
 # Operations, parent to worker (first item of the pickled tuple). BATCH carries the pickles of
 # several tasks in one frame: one write for many small tasks.
-CALL, STREAM, CLOSE, BATCH = 0, 1, 2, 3
+CALL, STREAM, CLOSE, BATCH, RETURN = 0, 1, 2, 3, 4
 # Replies, worker to parent.
 RESULT, ERROR, ITEM, END, RECYCLE = 0, 1, 2, 3, 4
 
@@ -53,6 +54,7 @@ PIPE_ROOM = 512 * 1024  # bytes a worker may owe us before it gets more (its pip
 MAX_INFLIGHT = 128  # tasks sent to one worker before its first answer
 BATCH_BYTES = 64 * 1024  # tasks smaller than this may share one frame
 _MAP_STEP = 256  # map() queues its items this many at a time
+SHM_SLOTS = 16  # memfds per worker for large arrays in results (more use the bulk channel)
 LOW_WATER = 8  # a submitting thread sends directly only to a worker with fewer tasks in hand
 QUEUE_SECONDS = 0.002  # a worker is given about this much work ahead
 STACK_WAIT = 1.0  # seconds to wait for a worker's stack dump at a deadline
@@ -113,6 +115,9 @@ def task_loop(ctx: ChildContext) -> None:
     send = conn.send
     loads = pickle.loads
     max_rss = ctx.options.get("max_rss")
+    fdsock = ctx.options.get("fdsock")
+    wire = None if fdsock is None else _shm.Wire(socket.socket(fileno=fdsock.fd),
+                                                 ctx.options.get("shm_slots", SHM_SLOTS))
     perf = time.perf_counter
     inbox: collections.deque[Any] = collections.deque()
     while True:
@@ -141,8 +146,15 @@ def task_loop(ctx: ChildContext) -> None:
                 send((ERROR, tid, _revivable(exc)))
             else:
                 try:
+                    if wire is not None:
+                        wire.used = []
+                        value = _shm.convert_result(wire, value)
+                        if wire.new:
+                            wire.flush()
                     send((RESULT, tid, value))
                 except Exception as exc:  # noqa: BLE001 - an unpicklable result
+                    if wire is not None:
+                        wire.give_back(wire.used)  # the parent never saw these arrays
                     err = WorkerError(
                         f"the result of {_task_name(fn)} could not be sent back: "
                         f"{type(exc).__name__}: {exc}"
@@ -155,6 +167,9 @@ def task_loop(ctx: ChildContext) -> None:
                 rss = _process.current_rss(os.getpid())
                 if rss is not None and rss > max_rss:
                     send((RECYCLE, rss))
+        elif op == RETURN:
+            if wire is not None:
+                wire.give_back(msg[1])
         elif op == STREAM:
             _run_stream(ctx, msg[1], msg[2], msg[3], msg[4], msg[5])
         elif op == CLOSE:
@@ -381,9 +396,10 @@ class Task:
 class Slot:
     """The manager's view of one worker."""
 
-    def __init__(self, proc: WorkerProcess, index: int) -> None:
+    def __init__(self, proc: WorkerProcess, index: int, shm: _shm.Receiver) -> None:
         self.proc = proc
         self.index = index
+        self.shm = shm
         self.outstanding: collections.deque[Task] = collections.deque()
         self.sent_bytes = 0  # written by the dispatcher only
         self.done_bytes = 0  # written by the manager only
@@ -676,9 +692,25 @@ class Core:
 
     def _spawn(self) -> Slot:
         index = next(self._names)
-        proc = WorkerProcess(self._mp, f"{self.name}-{index}", self._loop, **self._proc_kw)
-        slot = Slot(proc, index)
-        proc.start()
+        kw = dict(self._proc_kw)
+        mine = theirs = None
+        if _shm.HAVE_MEMFD:
+            # large arrays in results travel in memfds the worker passes over this socket
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            kw["options"] = {**kw["options"], "fdsock": _process._FdHandle(theirs.fileno()),
+                             "shm_slots": SHM_SLOTS}
+        proc = WorkerProcess(self._mp, f"{self.name}-{index}", self._loop, **kw)
+        slot = Slot(proc, index, _shm.Receiver(mine))
+        if mine is not None:
+            _process.register_parent_side(slot.shm)
+        try:
+            proc.start()
+        except BaseException:
+            slot.shm.close_fds()
+            raise
+        finally:
+            if theirs is not None:
+                theirs.close()
         if index >= self._n:
             self.restarts += 1  # every process after the first max_workers
         with self._lock:
@@ -809,6 +841,7 @@ class Core:
         conn = slot.proc.conn
         answered = 0
         handle = self._handle
+        _shm.set_receiving(slot.shm)
         try:
             while True:
                 try:
@@ -827,6 +860,10 @@ class Core:
         except (EOFError, OSError) as exc:
             self._on_death(slot, None, reason=f"its channel failed: {exc}")
         finally:
+            _shm.set_receiving(None)
+            if slot.shm.returned and not slot.dead:
+                with contextlib.suppress(OSError, ValueError):
+                    conn.send_bytes(pickle.dumps((RETURN, slot.shm.take_returned())))
             if answered:
                 # Timing once a batch of answers: the time per task (which sets how far ahead
                 # a worker is fed), when the new head task started, and now and then the RSS.
@@ -967,6 +1004,7 @@ class Core:
     def _reap(self, slot: Slot) -> None:
         slot.proc.stop(timeout=1.0, grace=0.5)
         slot.proc.close()
+        slot.shm.close_fds()
         self.last_exitcode = slot.proc.exitcode
         with self._lock:
             if slot in self._slots:
@@ -1128,6 +1166,7 @@ class Core:
             for task in list(slot.outstanding):
                 task.fail(WorkerError(f"{self.name} shut down before task {task.tid} finished"))
             slot.proc.close()
+            slot.shm.close_fds()
             self.last_exitcode = slot.proc.exitcode
         with self._submit_lock, self._lock:
             leftovers = list(self._pending)

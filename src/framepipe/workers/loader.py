@@ -39,7 +39,6 @@ import collections
 import contextlib
 import itertools
 import math
-import mmap
 import multiprocessing
 import os
 import pickle
@@ -55,6 +54,7 @@ from typing import Any
 from .. import connection as _connection
 from ..errors import WriterDied
 from ..remote import dumps_exception, loads_exception
+from . import _shm
 from ._process import ChildContext, WorkerProcess, _FdHandle, register_parent_side
 from .errors import TaskTimeout, WorkerError, WorkerStartError
 
@@ -105,11 +105,6 @@ def get_worker_info() -> WorkerInfo | None:
     return _worker_info
 
 
-def _is_torch_tensor(obj: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
-
-
 def default_collate(batch: Sequence[Any]) -> Any:
     """Merge a list of items into a batch: NumPy arrays are stacked (a new leading axis),
     numbers become a NumPy array, torch tensors are stacked with ``torch.stack``, dicts,
@@ -119,7 +114,7 @@ def default_collate(batch: Sequence[Any]) -> Any:
     np = sys.modules.get("numpy")
     if np is not None and isinstance(elem, np.ndarray):
         return np.stack(batch)
-    if _is_torch_tensor(elem):
+    if _shm._is_torch_tensor(elem):
         return sys.modules["torch"].stack(list(batch))
     if isinstance(elem, (bool, int, float, complex)) or (
             np is not None and isinstance(elem, np.generic)):
@@ -219,124 +214,6 @@ def _short(indices: Any, limit: int = 8) -> str:
 # -- the wire: torch tensors as NumPy views, large arrays in shared memory -------------------
 
 
-def _rebuild_tensor(array: Any) -> Any:
-    import torch
-
-    return torch.from_numpy(array)
-
-
-class _TensorView:
-    __slots__ = ("array",)
-
-    def __init__(self, array: Any) -> None:
-        self.array = array
-
-    def __reduce__(self) -> Any:
-        return (_rebuild_tensor, (self.array,))
-
-
-#: Arrays of at least this many bytes travel in shared memory: a pool of memfds per worker,
-#: each passed to the parent once (SCM_RIGHTS over a SOCK_SEQPACKET socketpair), mapped by
-#: the parent for each array and handed back to the worker when the array is freed. Smaller
-#: arrays go out of band on the connection's bulk channel (16 KiB and more) or in the pickle.
-#: The README's loader section has the measurement behind the value.
-SHM_MIN = int(os.environ.get("FRAMEPIPE_LOADER_SHM_MIN", str(1 << 20)))
-_HAVE_MEMFD = hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
-_MAX_FDS = 250  # descriptors per SCM_RIGHTS message (the kernel's limit is 253)
-
-
-class _Shared:
-    """A large array's place in a worker's message: its data is in memfd ``sid``."""
-
-    __slots__ = ("sid", "shape", "dtype", "nbytes")
-
-    def __init__(self, sid: int, shape: tuple[int, ...], dtype: str, nbytes: int) -> None:
-        self.sid, self.shape, self.dtype, self.nbytes = sid, shape, dtype, nbytes
-
-    def __reduce__(self) -> Any:
-        return (_rebuild_shared, (self.sid, self.shape, self.dtype, self.nbytes))
-
-
-# The worker whose message the parent is unpickling: where _rebuild_shared finds memfds.
-_receiving: _Slot | None = None
-
-
-def _rebuild_shared(sid: int, shape: tuple[int, ...], dtype: str, nbytes: int) -> Any:
-    import numpy as np
-
-    slot = _receiving
-    if slot is None:
-        raise RuntimeError("a shared-memory array arrived outside a DataLoader")
-    mm = mmap.mmap(slot.memfd(sid), nbytes)
-    # the memfd goes back to the worker when the last view of the array is gone
-    weakref.finalize(mm, slot.returned.append, sid)
-    return np.frombuffer(mm, dtype=np.dtype(dtype)).reshape(shape)
-
-
-class _Wire:
-    """A worker's side of the shared-memory pool: puts large arrays of a batch in memfds
-    the parent is not using (see :data:`SHM_MIN`), at most ``slots`` of them; when all are
-    in use the array takes the bulk channel instead."""
-
-    def __init__(self, fdsock: socket.socket | None, slots: int) -> None:
-        self.fdsock = fdsock
-        self.slots = slots
-        self.np = sys.modules.get("numpy")
-        self.memfds: list[int] = []  # memfd number sid is memfds[sid]
-        self.free: list[int] = []  # sids the parent handed back
-        self.new: list[int] = []  # sids created for this batch: their fds go with it
-        self.used: list[int] = []  # sids holding this batch's arrays
-
-    def convert(self, obj: Any) -> Any:
-        """``obj`` ready to send: large arrays replaced by their memfd, CPU torch tensors by
-        their NumPy view (no copy), rebuilt with ``torch.from_numpy`` in the parent."""
-        np = self.np
-        if np is not None and type(obj) is np.ndarray:
-            return self._array(obj)
-        if _is_torch_tensor(obj):
-            if obj.device.type == "cpu" and not obj.requires_grad and \
-                    str(obj.layout) == "torch.strided":
-                return _TensorView(self._array(obj.detach().contiguous().numpy()))
-            return obj
-        if isinstance(obj, dict):
-            return {k: self.convert(v) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [self.convert(v) for v in obj]
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(self.convert(v) for v in obj)
-        return obj
-
-    def _array(self, array: Any) -> Any:
-        if self.fdsock is None or array.nbytes < SHM_MIN or array.dtype.hasobject or \
-                not array.flags.c_contiguous:
-            return array
-        if self.free:
-            sid = self.free.pop()
-        elif len(self.memfds) < self.slots:
-            sid = len(self.memfds)
-            self.memfds.append(os.memfd_create("framepipe-batch",  # type: ignore[attr-defined]
-                                               os.MFD_CLOEXEC))  # type: ignore[attr-defined]
-            self.new.append(sid)
-        else:
-            return array
-        self.used.append(sid)
-        fd, view, offset = self.memfds[sid], memoryview(array).cast("B"), 0
-        while offset < len(view):
-            offset += os.pwrite(fd, view[offset:], offset)
-        return _Shared(sid, array.shape, array.dtype.str, array.nbytes)
-
-    def flush(self) -> None:
-        """Send the memfds created for this batch (before the batch itself)."""
-        new, self.new = self.new, []
-        fds = [self.memfds[sid] for sid in new]
-        for i in range(0, len(fds), _MAX_FDS):
-            part = fds[i:i + _MAX_FDS]
-            socket.send_fds(self.fdsock, [b"%d" % len(part)], part)  # type: ignore[arg-type]
-
-    def give_back(self, sids: list[int]) -> None:
-        self.free.extend(sids)
-
-
 # -- seeds --------------------------------------------------------------------------------------
 
 
@@ -386,7 +263,7 @@ def _send_failure(conn: Any, bid: int, exc: BaseException, where: str) -> None:
     conn.send((FAIL, bid, dumps_exception(exc), where))
 
 
-def _answer(conn: Any, fetcher: _Fetcher, wire: _Wire, bid: int, indices: Any) -> None:
+def _answer(conn: Any, fetcher: _Fetcher, wire: _shm.Wire, bid: int, indices: Any) -> None:
     try:
         data = fetcher.fetch(indices)
     except StopIteration:
@@ -429,7 +306,7 @@ def loader_loop(ctx: ChildContext) -> None:
     fetcher = _Fetcher(dataset, opts["iterable"], opts["batch_size"], opts["collate_fn"],
                        opts["drop_last"])
     fdsock = opts["fdsock"]
-    wire = _Wire(None if fdsock is None else socket.socket(fileno=fdsock.fd), opts["shm_slots"])
+    wire = _shm.Wire(None if fdsock is None else socket.socket(fileno=fdsock.fd), opts["shm_slots"])
     recv_bytes, loads = conn.recv_bytes, pickle.loads
     try:
         while True:
@@ -452,47 +329,19 @@ def loader_loop(ctx: ChildContext) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-class _Slot:
+class _Slot(_shm.Receiver):
     """The parent's view of one worker."""
 
-    __slots__ = ("id", "proc", "conn", "outstanding", "exhausted", "fdsock", "memfds",
-                 "returned", "__weakref__")
+    __slots__ = ("id", "proc", "conn", "outstanding", "exhausted")
 
     def __init__(self, wid: int, proc: WorkerProcess, fdsock: socket.socket | None) -> None:
+        super().__init__(fdsock)
         self.id = wid
         self.proc = proc
         self.conn = proc.conn
         self.outstanding: collections.deque[int] = collections.deque()  # batch ids, in order
         self.exhausted = False
-        self.fdsock = fdsock  # the worker's memfds arrive here
-        self.memfds: list[int] = []  # memfd sid, as numbered by the worker
-        # sids whose arrays were freed (appended by finalizers, from any thread)
-        self.returned: collections.deque[int] = collections.deque()
         register_parent_side(self)  # a worker forked later closes our memfds and socket
-
-    def _close_in_child(self) -> None:
-        self.close_fds()
-
-    def memfd(self, sid: int) -> int:
-        """The worker's memfd ``sid``: new ones were sent before the message that uses them,
-        so this never waits for the worker."""
-        while sid >= len(self.memfds):
-            assert self.fdsock is not None
-            _, fds, _, _ = socket.recv_fds(self.fdsock, 16, _MAX_FDS)
-            if not fds:
-                raise WorkerError(f"DataLoader worker {self.id} sent a shared-memory array "
-                                  "without its memfd")
-            self.memfds.extend(fds)
-        return self.memfds[sid]
-
-    def close_fds(self) -> None:
-        """Close the memfds here (mapped arrays stay valid) and the socket."""
-        for fd in self.memfds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.memfds = []
-        if self.fdsock is not None:
-            self.fdsock.close()
 
 
 _live: weakref.WeakSet[_Workers] = weakref.WeakSet()
@@ -538,7 +387,7 @@ class _Workers:
         try:
             for wid in range(loader.num_workers):
                 mine = theirs = None
-                if _HAVE_MEMFD:
+                if _shm.HAVE_MEMFD:
                     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                 fdsock = None if theirs is None else _FdHandle(theirs.fileno())
                 proc = WorkerProcess(ctx, f"DataLoader-worker-{wid}", loader_loop,
@@ -575,9 +424,7 @@ class _Workers:
         slot.outstanding.extend(bids)
         self._rr = (self._rr + 1) % len(self.slots)
         try:
-            returned = []
-            while slot.returned:
-                returned.append(slot.returned.popleft())
+            returned = slot.take_returned()
             slot.conn.send_bytes(pickle.dumps((FETCH, first, requests, returned), protocol=5))
         except (OSError, ValueError):
             pass  # the worker is gone: reading its channel reports how
@@ -640,17 +487,14 @@ class _Workers:
                 return bid, self.results.pop(bid)
 
     def _recv(self, slot: _Slot) -> tuple[int, Any]:
-        global _receiving
         while True:
-            _receiving = slot
             try:
-                msg = slot.conn.recv()
+                with _shm.receiving(slot):
+                    msg = slot.conn.recv()
             except WriterDied as died:
                 raise self._crashed(slot, died) from None
             except (EOFError, OSError) as exc:
                 raise self._crashed(slot, None, f"its channel failed: {exc}") from None
-            finally:
-                _receiving = None
             kind = msg[0]
             if kind == "ready":
                 continue
