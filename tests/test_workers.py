@@ -405,6 +405,30 @@ def test_pool_large_array_results_never_overwritten_while_held(engine):
         assert max(counts) <= 2 * 16
 
 
+def test_pool_results_read_by_their_callers_never_starve_the_queue(engine):
+    # result() reads the answer in the calling thread when it can; the answers it reads must
+    # still send the queued tasks out (a burst far larger than the workers take at once), and
+    # several callers reading at once must each get their own results.
+    with Pool(2, start_method="fork") as pool:
+        futures = [pool.submit(square, i) for i in range(20000)]
+        assert [f.result(WAIT) for f in futures] == [i * i for i in range(20000)]
+
+        got: dict[int, list[int]] = {}
+
+        def caller(base):
+            got[base] = [pool.submit(add, base, i).result(WAIT) for i in range(300)]
+
+        threads = [threading.Thread(target=caller, args=(k * 1000,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT)
+        assert not any(t.is_alive() for t in threads)
+        assert got == {k * 1000: [k * 1000 + i for i in range(300)] for k in range(4)}
+        done, _ = cf.wait([pool.submit(add, i, 1) for i in range(100)], WAIT)  # manager alone
+        assert sorted(f.result() for f in done) == list(range(1, 101))
+
+
 def test_pool_task_exceptions_never_break_it(engine):
     with Pool(2, start_method="fork") as pool:
         futures = [pool.submit(raise_two_arg, i, "bad") for i in range(20)]
