@@ -102,10 +102,6 @@ def worker_namespace() -> dict[str, Any]:
     return _context.namespace
 
 
-def _revivable(exc: BaseException) -> bytes:
-    return dumps_exception(exc)
-
-
 def task_loop(ctx: ChildContext) -> None:
     """A worker's main loop: run tasks in the order they arrive, answer each."""
     global _context
@@ -143,7 +139,7 @@ def task_loop(ctx: ChildContext) -> None:
                 ctx.current = None
             except BaseException as exc:  # noqa: BLE001 - every failure goes to the caller
                 ctx.current = None
-                send((ERROR, tid, _revivable(exc)))
+                send((ERROR, tid, dumps_exception(exc)))
             else:
                 try:
                     if wire is not None:
@@ -160,7 +156,7 @@ def task_loop(ctx: ChildContext) -> None:
                         f"{type(exc).__name__}: {exc}"
                     )
                     err.__cause__ = exc
-                    send((ERROR, tid, _revivable(err)))
+                    send((ERROR, tid, dumps_exception(err)))
             ctx.calls += 1
             ctx.busy += perf() - start
             if max_rss is not None:
@@ -206,7 +202,7 @@ def _run_stream(ctx: ChildContext, tid: int, fn: Any, args: Any, kwargs: Any, wi
         send((END, tid))
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
         ctx.current = None
-        send((ERROR, tid, _revivable(exc)))
+        send((ERROR, tid, dumps_exception(exc)))
     finally:
         ctx.close_stream(tid)
         ctx.calls += 1

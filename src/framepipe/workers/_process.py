@@ -22,7 +22,6 @@ group), no inherited parent-side descriptors after a fork.
 from __future__ import annotations
 
 import contextlib
-import errno
 import faulthandler
 import os
 import re
@@ -110,8 +109,8 @@ class ChildContext:
     """The worker side of the channels, handed to the worker's loop.
 
     ``conn`` is the data connection; ``name``; ``options`` (the loop's own settings);
-    ``namespace`` (a dict kept for the worker's lifetime). The loop marks the task it runs with
-    :meth:`running` so that a cancel request interrupts that task only; stream producers wait
+    ``namespace`` (a dict kept for the worker's lifetime). The loop sets ``current`` to the
+    task it runs, so that a cancel request interrupts that task only; stream producers wait
     for credit with :meth:`wait_credit`.
     """
 
@@ -131,21 +130,6 @@ class ChildContext:
         self._main = threading.main_thread().ident
 
     # -- called from the main thread --
-
-    @contextlib.contextmanager
-    def running(self, tid: int) -> Any:
-        """Mark task ``tid`` as running for the body: a cancel of ``tid`` raises
-        :class:`WorkerCancelled` inside it (and only inside it)."""
-        start = time.perf_counter()
-        self.current = tid
-        try:
-            if tid in self.cancelled:
-                raise WorkerCancelled(f"task {tid} was cancelled before it started")
-            yield
-        finally:
-            self.current = None
-            self.calls += 1
-            self.busy += time.perf_counter() - start
 
     def open_stream(self, tid: int, window: int) -> None:
         with self._cond:
@@ -167,9 +151,6 @@ class ChildContext:
         with self._cond:
             self._credit.pop(tid, None)
             self._stopped.discard(tid)
-
-    def stream_stopped(self, tid: int) -> bool:
-        return tid in self._stopped or tid in self.cancelled
 
     # -- called from the health thread --
 
@@ -340,10 +321,6 @@ def child_main(boot: _Boot) -> None:
 
 _QUIET = 0.1  # no repeat (a thread started between the two dumps): a pause this long ends it
 _FIRST_LINE = re.compile(rb"^(?:Current thread|Thread) (0x[0-9a-f]+)", re.M)
-
-
-def _set_nonblocking(fd: int) -> None:
-    os.set_blocking(fd, False)
 
 
 def _read_available(fd: int) -> tuple[bytes, bool]:
@@ -556,8 +533,8 @@ class WorkerProcess:
         self.started_at = time.monotonic()
         with contextlib.suppress(OSError):
             os.setpgid(self.pid, self.pid)  # before the child does it too (fork)
-        _set_nonblocking(stack_r)
-        _set_nonblocking(err_r)
+        os.set_blocking(stack_r, False)
+        os.set_blocking(err_r, False)
         conn.watch(self.process)
         health.watch(self.process)
 
@@ -737,6 +714,3 @@ class WorkerProcess:
         self._closed = True
         _parent_side.discard(self)
 
-
-def is_eintr(exc: OSError) -> bool:
-    return exc.errno == errno.EINTR

@@ -86,7 +86,8 @@ class Stream(Iterator[Any], AsyncIterator[Any]):
             ok, item = self._task.stream.get(0)  # type: ignore[union-attr]
         if ok:
             raise item.exc
-        raise TaskTimeout("?", None, timeout, task_name=self._task.name,
+        raise TaskTimeout(slot.proc.name if slot else self._core.name,
+                          slot.proc.pid if slot else None, timeout, task_name=self._task.name,
                           task_id=self._task.tid, what="item")
 
     def __next__(self) -> Any:
