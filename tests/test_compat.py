@@ -194,7 +194,7 @@ def test_wrapper_in_process_and_pickled() -> None:
     assert again.exc_type is KeyError
     with pytest.raises(KeyError) as info:
         again.reraise()
-    assert str(info.value) == "no such key\nlooked in: a, b"
+    assert str(info.value) == str(KeyError("no such key\nlooked in: a, b"))
     assert info.value.__notes__ == ["Caught KeyError in loader."]
 
 

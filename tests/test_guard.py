@@ -165,15 +165,17 @@ def test_error_file_from_the_environment(tmp_path: Any, monkeypatch: pytest.Monk
     assert not [p for p in path.parent.iterdir() if p.name != "error.json"]  # no temp left
 
 
-def test_error_file_keeps_multiline_key_errors_readable(tmp_path: Any) -> None:
+def test_error_file_shows_a_multiline_key_error_as_python_prints_it(tmp_path: Any) -> None:
     path = tmp_path / "error.json"
     try:
         raise KeyError("first line\nsecond line")
     except KeyError as exc:
         write_error_file(path, exc)
+        printed = "".join(traceback.format_exception(exc))
     data = json.loads(path.read_text())
-    assert data["message"]["message"] == "KeyError: first line\nsecond line"
-    assert "KeyError: first line\nsecond line" in data["message"]["extraInfo"]["py_callstack"]
+    # torchelastic's message, f"{type(e).__name__}: {e}": KeyError quotes its key
+    assert data["message"]["message"] == "KeyError: 'first line\\nsecond line'"
+    assert data["message"]["extraInfo"]["py_callstack"] == printed
 
 
 # --- native crashes ------------------------------------------------------------------------

@@ -6,9 +6,12 @@ processes intact and :func:`guard` makes sure the parent hears about every failu
 ``implementation`` says which core runs: ``"c"`` (compiled) or ``"python"`` (the twin).
 """
 
+from typing import TYPE_CHECKING
+
 from . import connection
 from ._impl import core as _core
 from ._impl import implementation
+from ._version import __version__
 from .errors import (
     BufferTooShort,
     FrameError,
@@ -17,7 +20,14 @@ from .errors import (
     ReadTimeout,
     WriterDied,
 )
-from .guard import Guard, ProcessFailure, guard, record, write_error_file
+from .guard import Guard, ProcessFailure, record, write_error_file
+
+if TYPE_CHECKING:
+    # For type checkers, ``framepipe.guard`` is the function; at run time it is the module
+    # framepipe.guard, which is callable and calls that function (see framepipe.guard).
+    from .guard import guard as guard
+else:
+    from . import guard
 from .remote import (
     RefusedPayload,
     RemoteError,
@@ -29,9 +39,8 @@ from .remote import (
 Connection = _core.Connection
 Pipe = _core.Pipe
 
-__version__ = "0.1.0"
-
 __all__ = [
+    "__version__",
     "BufferTooShort",
     "Connection",
     "FrameError",

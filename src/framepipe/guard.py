@@ -6,6 +6,11 @@ writes a JSON error file, puts ``{"error": text}`` on ``queue`` and sets ``stop_
 lets the exception propagate. Every step is best effort: one that fails prints a one-line
 warning and the next steps still run, and the original exception is the one that propagates.
 
+The guard's ``label`` names the worker everywhere the failure is reported: in the banner, in
+the error file, in the parent's revived exception (its :class:`~framepipe.remote.RemoteTraceback`
+says ``Traceback from loader process 4242``) and in the parent's ``WriterDied`` when the worker
+dies inside the guard (``loader 4242 was killed by signal SIGSEGV``).
+
 While the body runs, faulthandler is armed (all threads) to the file :func:`fault_path` names
 for this process, so when the worker dies in native code (SIGSEGV, SIGBUS, SIGFPE, SIGABRT,
 SIGILL) the parent reads the native traceback with :func:`read_native_traceback` and shows it
@@ -13,6 +18,10 @@ in its ``WriterDied``. The file is removed when the outermost guard exits normal
 
 :func:`record` is torchelastic's ``@record`` and :class:`ProcessFailure` reads the error files
 both write back.
+
+This module is also callable: ``framepipe.guard`` is this module (``import framepipe.guard``
+and ``from framepipe.guard import fault_path`` work as for any module), and calling it,
+``framepipe.guard(conn)`` or ``@framepipe.guard``, calls :func:`guard`.
 """
 
 from __future__ import annotations
@@ -23,17 +32,18 @@ import functools
 import inspect
 import json
 import os
-import stat
 import sys
 import tempfile
-import threading
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from types import TracebackType
-from typing import IO, Any, Literal, TypeVar, overload
+from typing import Any, Literal, Protocol, TypeVar, overload
 
+from ._faults import FaultHandler, fault_path, read_native_traceback, warn
+from ._proc import start_time
 from .errors import signal_name as _signal_name
 from .remote import (
     dumps_exception,
@@ -41,6 +51,7 @@ from .remote import (
     format_exception_text,
     origin,
     qualified_name,
+    sender_label,
 )
 
 __all__ = [
@@ -61,114 +72,43 @@ _NOT_AVAILABLE = "<N/A>"
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _warn(message: str) -> None:
-    stream = sys.stderr if sys.stderr is not None else sys.__stderr__
-    try:
-        if stream is not None:
-            print(message, file=stream, flush=True)
-    except Exception:
-        pass
+class ErrorChannel(Protocol):
+    """What ``conn`` may be: anything with ``send_bytes`` (a ``multiprocessing`` connection,
+    which gets the :func:`~framepipe.remote.dumps_exception` bytes as one message); a framepipe
+    ``Connection`` is used through its ``send_exception`` (an error frame) instead."""
+
+    def send_bytes(self, buf: bytes, /) -> object: ...
+
+
+class ErrorQueue(Protocol):
+    """What ``queue`` may be: anything with ``put_nowait`` (``queue.Queue``,
+    ``multiprocessing.Queue``, ...); it receives ``{"error": <formatted traceback>}``."""
+
+    def put_nowait(self, item: dict[str, str], /) -> object: ...
+
+
+class StopEvent(Protocol):
+    """What ``stop_event`` may be: anything with ``set()`` (``threading.Event``,
+    ``multiprocessing.Event``, ``asyncio.Event`` from its loop's thread, ...)."""
+
+    def set(self) -> object: ...
 
 
 # --- native crash hand-off ------------------------------------------------------------------
 
-
-def _fault_dir() -> str:
-    uid = os.getuid() if hasattr(os, "getuid") else 0
-    return os.path.join(tempfile.gettempdir(), f"framepipe-faults-{uid}")
+_fault_handler = FaultHandler()
+_own_start: tuple[int, float | None] | None = None
 
 
-def fault_path(pid: int) -> str:
-    """The file a guarded worker with this pid dumps its native traceback into."""
-    return os.path.join(_fault_dir(), f"{int(pid)}.txt")
+def _start_of_this_process() -> float | None:
+    """This process's start time (read once per process), written into its fault file so a
+    watcher never takes the file of an earlier process with the same pid for this one's."""
+    global _own_start
+    pid = os.getpid()
+    if _own_start is None or _own_start[0] != pid:
+        _own_start = (pid, start_time(pid))
+    return _own_start[1]
 
-
-def _private_dir(create: bool) -> bool:
-    """Whether the fault directory exists (created if asked) as a real directory that only
-    this user can write: a directory planted by someone else is never trusted."""
-    path = _fault_dir()
-    if create:
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-        except OSError:
-            return False
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    owner_ok = not hasattr(os, "getuid") or st.st_uid == os.getuid()
-    return stat.S_ISDIR(st.st_mode) and owner_ok and not st.st_mode & 0o022
-
-
-def read_native_traceback(pid: int) -> str | None:
-    """The native traceback a guarded worker wrote as it crashed, or None.
-
-    Returns the text when the worker's fault file exists and is not empty, and removes the
-    file either way. The parent calls it for a worker that died of a fatal signal.
-    """
-    if not _private_dir(create=False):
-        return None
-    path = fault_path(pid)
-    try:
-        with open(path, encoding="utf-8", errors="replace") as file:
-            text = file.read()
-    except OSError:
-        return None
-    with contextlib.suppress(OSError):
-        os.remove(path)
-    return text if text.strip() else None
-
-
-class _FaultHandler:
-    """Process-wide: arm faulthandler to this process's fault file while any guard is open."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pid: int | None = None
-        self._depth = 0
-        self._file: IO[str] | None = None
-        self._was_enabled = False
-
-    def arm(self) -> None:
-        with self._lock:
-            pid = os.getpid()
-            if self._pid != pid:  # a fresh process, or a fork child: the file is not ours
-                self._pid, self._depth, self._file = pid, 0, None
-            self._depth += 1
-            if self._depth > 1 or not _private_dir(create=True):
-                return
-            try:
-                # kept open while armed: faulthandler writes to its descriptor at a crash
-                self._file = open(fault_path(pid), "w", encoding="utf-8")  # noqa: SIM115
-                self._was_enabled = faulthandler.is_enabled()
-                faulthandler.enable(file=self._file, all_threads=True)
-            except Exception as err:
-                _warn(f"framepipe.guard: could not arm faulthandler: {type(err).__name__}: {err}")
-
-    def disarm(self) -> None:
-        with self._lock:
-            if self._pid != os.getpid() or self._depth == 0:
-                return
-            self._depth -= 1
-            if self._depth or self._file is None:
-                return
-            file, self._file = self._file, None
-            try:
-                faulthandler.disable()
-                if self._was_enabled and sys.__stderr__ is not None:
-                    faulthandler.enable(file=sys.__stderr__, all_threads=True)
-            except Exception:
-                pass
-            with contextlib.suppress(OSError):
-                empty = os.fstat(file.fileno()).st_size == 0
-                file.close()
-                if empty:
-                    os.remove(fault_path(os.getpid()))
-
-
-_fault_handler = _FaultHandler()
 
 
 # --- error files ----------------------------------------------------------------------------
@@ -236,15 +176,23 @@ def _write_json(path: str, data: Any) -> None:
 class Guard(contextlib.ContextDecorator):
     """The context manager (and decorator) :func:`guard` returns."""
 
+    conn: ErrorChannel | None
+    label: str
+    error_file: str | os.PathLike[str] | None
+    queue: ErrorQueue | None
+    stop_event: StopEvent | None
+
     def __init__(
         self,
-        conn: Any = None,
+        conn: ErrorChannel | None = None,
         *,
         label: str = "worker",
         error_file: str | os.PathLike[str] | None = None,
-        queue: Any = None,
-        stop_event: Any = None,
+        queue: ErrorQueue | None = None,
+        stop_event: StopEvent | None = None,
     ) -> None:
+        if not isinstance(label, str):
+            raise TypeError(f"label must be a str naming the worker, not {type(label).__name__}")
         self.conn = conn
         self.label = label
         self.error_file = error_file
@@ -252,7 +200,7 @@ class Guard(contextlib.ContextDecorator):
         self.stop_event = stop_event
 
     def __enter__(self) -> Guard:  # noqa: PYI034 (typing.Self needs Python 3.11)
-        _fault_handler.arm()
+        _fault_handler.arm(self.label, _start_of_this_process())
         return self
 
     def __exit__(
@@ -276,19 +224,22 @@ class Guard(contextlib.ContextDecorator):
         return not isinstance(exc, GeneratorExit)
 
     def report(self, exc: BaseException) -> None:
-        """Run every reporting step for ``exc``; never raises."""
-        text = format_exception_text(exc)
-        self._step("print the crash banner", self._print_banner, text)
-        self._step("send the exception through conn", self.send, exc)
-        self._step("write the error file", self._write_error_file, exc)
-        self._step("put the error on the queue", self._put, text)
-        self._step("set the stop event", self._set_stop)
+        """Run every reporting step for ``exc``; never raises. Exceptions serialized meanwhile
+        (the one sent through ``conn``) carry this guard's label (see
+        :func:`~framepipe.remote.sender_label`)."""
+        with sender_label(self.label):
+            text = format_exception_text(exc)
+            self._step("print the crash banner", self._print_banner, text)
+            self._step("send the exception through conn", self.send, exc)
+            self._step("write the error file", self._write_error_file, exc)
+            self._step("put the error on the queue", self._put, text)
+            self._step("set the stop event", self._set_stop)
 
-    def _step(self, what: str, action: Callable[..., None], *args: Any) -> None:
+    def _step(self, what: str, action: Callable[..., None], *args: object) -> None:
         try:
             action(*args)
         except Exception as err:
-            _warn(f"framepipe.guard ({self.label}): could not {what}: {type(err).__name__}: {err}")
+            warn(f"framepipe.guard ({self.label}): could not {what}: {type(err).__name__}: {err}")
 
     def _print_banner(self, text: str) -> None:
         here = origin()
@@ -314,7 +265,7 @@ class Guard(contextlib.ContextDecorator):
         if send_exception is not None:
             send_exception(exc)
         else:
-            self.conn.send_bytes(dumps_exception(exc))
+            self.conn.send_bytes(dumps_exception(exc, label=self.label))
 
     def _write_error_file(self, exc: BaseException) -> None:
         path = self.error_file if self.error_file is not None else os.environ.get(ERROR_FILE_ENV)
@@ -331,28 +282,28 @@ class Guard(contextlib.ContextDecorator):
 
 
 @overload
-def guard(conn: F) -> F: ...
+def guard(conn: F, /) -> F: ...
 
 
 @overload
 def guard(
-    conn: Any = None,
+    conn: ErrorChannel | None = None,
     *,
     label: str = "worker",
     error_file: str | os.PathLike[str] | None = None,
-    queue: Any = None,
-    stop_event: Any = None,
+    queue: ErrorQueue | None = None,
+    stop_event: StopEvent | None = None,
 ) -> Guard: ...
 
 
 def guard(
-    conn: Any = None,
+    conn: ErrorChannel | Callable[..., Any] | None = None,
     *,
     label: str = "worker",
     error_file: str | os.PathLike[str] | None = None,
-    queue: Any = None,
-    stop_event: Any = None,
-) -> Any:
+    queue: ErrorQueue | None = None,
+    stop_event: StopEvent | None = None,
+) -> Guard | Callable[..., Any]:
     """Guard a worker's body: on an exception, make sure the parent hears of it, then re-raise.
 
     Use it as ``with guard(conn): ...``, as ``@guard(conn)`` or as a bare ``@guard``. On an
@@ -373,7 +324,8 @@ def guard(
     """
     if inspect.isroutine(conn):
         return Guard()(conn)
-    return Guard(conn, label=label, error_file=error_file, queue=queue, stop_event=stop_event)
+    channel: ErrorChannel | None = conn  # type: ignore[assignment]  # not a routine: a channel
+    return Guard(channel, label=label, error_file=error_file, queue=queue, stop_event=stop_event)
 
 
 # --- torchelastic's @record and ProcessFailure ----------------------------------------------
@@ -402,7 +354,15 @@ def _dump_root_cause(exc: BaseException, error_file: str | None) -> bool:
     return True
 
 
-def record(fn: F | None = None, *, error_file: str | None = None) -> Any:
+@overload
+def record(fn: F, /) -> F: ...
+
+
+@overload
+def record(fn: None = None, *, error_file: str | None = None) -> Callable[[F], F]: ...
+
+
+def record(fn: F | None = None, *, error_file: str | None = None) -> F | Callable[[F], F]:
     """torchelastic's ``@record``: write the entry point's uncaught exception to an error file.
 
     Semantics as torchelastic's: faulthandler is enabled (to stderr, unless a guard already
@@ -432,7 +392,7 @@ def record(fn: F | None = None, *, error_file: str | None = None) -> Any:
                     if not _dump_root_cause(exc, path) and path:
                         write_error_file(path, exc, label=getattr(f, "__name__", "worker"))
                 except Exception as err:
-                    _warn(f"framepipe.record: could not write the error file: {err!r}")
+                    warn(f"framepipe.record: could not write the error file: {err!r}")
                 raise
 
         return wrapper  # type: ignore[return-value]
@@ -456,8 +416,8 @@ class ProcessFailure:
     pid: int
     exitcode: int
     error_file: str
-    error_file_data: dict[str, Any] = field(init=False)
-    message: Any = field(init=False)
+    error_file_data: dict[str, Any] = field(init=False)  # parsed JSON
+    message: str | dict[str, Any] = field(init=False)
     timestamp: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -487,8 +447,10 @@ class ProcessFailure:
             message = data["message"]
             if isinstance(message, str):
                 timestamp = int(data.get("timestamp", 0))
-            else:
+            elif isinstance(message, dict):
                 timestamp = int(message["extraInfo"]["timestamp"])
+            else:
+                raise ValueError(f'"message" is a {type(message).__name__}, not a str or object')
         except Exception as err:
             self.message = f"<error file {self.error_file} could not be read: {err!r}>"
             with contextlib.suppress(OSError):
@@ -504,7 +466,7 @@ class ProcessFailure:
         """The timestamp as ``YYYY-MM-DD_HH:MM:SS``."""
         return datetime.fromtimestamp(self.timestamp).isoformat(sep="_")
 
-    def _extra(self, key: str) -> Any:
+    def _extra(self, key: str) -> object:
         extra = self.error_file_data.get("framepipe")
         return extra.get(key) if isinstance(extra, dict) else None
 
@@ -525,14 +487,34 @@ class ProcessFailure:
     @property
     def host(self) -> str | None:
         """The host the worker ran on (framepipe's error files only)."""
-        return self._extra("host")  # type: ignore[no-any-return]
+        host = self._extra("host")
+        return host if isinstance(host, str) else None
 
     @property
     def exit_reason(self) -> str | None:
         """``"exception"``, ``"keyboard_interrupt"`` or ``"system_exit"`` (framepipe's only)."""
-        return self._extra("exit_reason")  # type: ignore[no-any-return]
+        reason = self._extra("exit_reason")
+        return reason if isinstance(reason, str) else None
 
     @property
     def timestamp_ns(self) -> int | None:
         """When the error was recorded, in nanoseconds since the epoch (framepipe's only)."""
-        return self._extra("timestamp_ns")  # type: ignore[no-any-return]
+        stamp = self._extra("timestamp_ns")
+        return stamp if isinstance(stamp, int) and not isinstance(stamp, bool) else None
+
+
+# --- the module is callable -----------------------------------------------------------------
+
+
+class _CallableModule(types.ModuleType):
+    """This module's class: calling the module calls :func:`guard`, so ``framepipe.guard`` can
+    be the module (``import framepipe.guard`` gives it, not a function hiding it) and still
+    be called as it always was (``with framepipe.guard(conn): ...``, ``@framepipe.guard``)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Guard | Callable[..., Any]:
+        result: Guard | Callable[..., Any] = guard(*args, **kwargs)
+        return result
+
+
+__signature__ = inspect.signature(guard)  # what inspect.signature(framepipe.guard) reports
+sys.modules[__name__].__class__ = _CallableModule

@@ -26,14 +26,14 @@ payload that names any other global (``os.system``, ``builtins.eval``, ...) is r
 :class:`RefusedPayload` before anything it names is called. Classes are looked up in modules
 the receiver has already imported (a submodule of an imported package may be imported, a new
 top-level package never is), and ``__main__`` classes only when both processes run the same
-main script. ``allow=`` narrows revival further.
+main script. ``allow=`` narrows revival further. That policy, and the only unpickler that
+reads a payload, are :mod:`framepipe._unpickle`: the security boundary, audited on its own.
 """
 
 from __future__ import annotations
 
 import builtins
-import importlib
-import io
+import contextlib
 import multiprocessing
 import os
 import pickle
@@ -41,20 +41,31 @@ import socket
 import sys
 import traceback
 import types
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from typing import Any, TypedDict
 
 import tblib
 
-from .errors import FramepipeError
+from ._unpickle import (
+    Allow,
+    RefusedPayload,
+    Resolver,
+    Unavailable,
+    load_envelope,
+    load_value,
+)
 
 __all__ = [
     "MAX_FRAMES",
+    "Allow",
+    "Origin",
     "RefusedPayload",
     "RemoteError",
     "RemoteTraceback",
     "dumps_exception",
     "loads_exception",
+    "sender_label",
 ]
 
 #: Frames kept per traceback; a deeper one keeps its first and last frames around a marker.
@@ -69,17 +80,21 @@ _PROTOCOL = 5
 _BaseExceptionGroup: type[BaseException] | None = getattr(builtins, "BaseExceptionGroup", None)
 _SKIPPED_MEMBERS = frozenset({"__dict__", "__weakref__"})
 
-Allow = Iterable[type | str]
-"""What ``allow=`` takes: exception classes (exactly those) and module prefixes (``"builtins"``
-matches the module ``builtins``, ``"myapp"`` matches ``myapp`` and ``myapp.errors``)."""
-
 Frame = tuple[str, str, int, str]  # filename, function name, line number, module name
 
+_label: ContextVar[str | None] = ContextVar("framepipe_remote_label", default=None)
 
-class RefusedPayload(FramepipeError, pickle.UnpicklingError):
-    """An error payload was refused: it names a global that is not an exception class (a
-    function such as ``os.system``), or it is not an error payload at all. Nothing it names
-    was called."""
+
+class Origin(TypedDict):
+    """Where a payload was made: :func:`origin`'s answer, carried in every payload."""
+
+    pid: int
+    name: str
+    host: str
+    main: str | None
+    """The main script's absolute path (``__main__`` classes revive only under the same one)."""
+    label: str | None
+    """The label of the guard reporting the exception (see :func:`sender_label`), or None."""
 
 
 class RemoteTraceback(Exception):
@@ -96,17 +111,21 @@ class RemoteTraceback(Exception):
         pid: int | None = None,
         process_name: str | None = None,
         host: str | None = None,
+        *,
+        label: str | None = None,
     ) -> None:
         super().__init__(text, pid, process_name, host)
         self.text = text
         self.pid = pid
         self.process_name = process_name
         self.host = host
+        self.label = label
 
     def __str__(self) -> str:
-        where = "another process"
+        label = getattr(self, "label", None)
+        where = f"the {label}" if label else "another process"
         if self.pid is not None:
-            where = f"process {self.pid}"
+            where = f"{label} process {self.pid}" if label else f"process {self.pid}"
             if self.process_name:
                 where += f" ({self.process_name})"
             if self.host:
@@ -138,27 +157,11 @@ class RemoteError(BaseException):
         message = self.__dict__.get("remote_message")
         return message if isinstance(message, str) else super().__str__()
 
-    def __reduce__(self) -> Any:
+    def __reduce__(self) -> str | tuple[Any, ...]:
         parts = type(self)._remote_parts
         if parts is None:
             return super().__reduce__()
         return (_rebuild_standin, (*parts, type(self)._remote_mro, self.args), self.__dict__)
-
-
-class _KeyMessage(str):
-    """A multi-line KeyError message that prints as itself rather than as a quoted repr."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return str(self)
-
-    def __reduce__(self) -> Any:
-        return (_KeyMessage, (str(self),))
-
-
-class _Unavailable(Exception):
-    """A class is not importable here or not allowed: revive at a lower layer."""
 
 
 # --- shared helpers -------------------------------------------------------------------------
@@ -171,24 +174,9 @@ def _safe(fn: Callable[[Any], str], obj: Any) -> str:
         return f"<{fn.__name__}() of {type(obj).__qualname__} object failed: {type(err).__name__}>"
 
 
-def _readable_key(exc: BaseException) -> str | None:
-    """The message of a KeyError that holds a multi-line message, which its ``str()`` would
-    quote onto one line; None for any other exception."""
-    if (
-        isinstance(exc, KeyError)
-        and type(exc).__str__ is KeyError.__str__
-        and len(exc.args) == 1
-        and isinstance(exc.args[0], str)
-        and "\n" in exc.args[0]
-    ):
-        return str(exc.args[0])
-    return None
-
-
 def exception_message(exc: BaseException) -> str:
-    """``str(exc)`` that never raises, with multi-line KeyError messages left readable."""
-    key = _readable_key(exc)
-    return key if key is not None else _safe(str, exc)
+    """``str(exc)`` that never raises."""
+    return _safe(str, exc)
 
 
 def qualified_name(cls: type) -> str:
@@ -196,35 +184,13 @@ def qualified_name(cls: type) -> str:
     return _dotted(*_type_names(cls)[0]) if issubclass(cls, BaseException) else cls.__qualname__
 
 
-def _walk_tracebacks(te: traceback.TracebackException, exc: BaseException) -> None:
-    """Make the formatted text show multi-line KeyError messages readably."""
-    pending: list[tuple[Any, Any]] = [(te, exc)]
-    seen: set[int] = set()
-    while pending:
-        t, e = pending.pop()
-        if t is None or e is None or id(t) in seen:
-            continue
-        seen.add(id(t))
-        key = _readable_key(e)
-        if key is not None and hasattr(t, "_str"):
-            t._str = key
-        pending.append((t.__cause__, e.__cause__))
-        pending.append((t.__context__, e.__context__))
-        pending.extend(zip(getattr(t, "exceptions", None) or (), getattr(e, "exceptions", ())))
-
-
 def format_exception_text(exc: BaseException) -> str:
     """The whole traceback of ``exc`` (chains and groups included) as text; never raises.
 
-    Multi-line KeyError messages stay readable, and a text over :data:`MAX_TEXT` characters
-    keeps both ends around a marker."""
+    The text is what ``traceback.print_exception`` prints; one over :data:`MAX_TEXT`
+    characters keeps both ends around a marker."""
     try:
-        te = traceback.TracebackException.from_exception(exc)
-        try:
-            _walk_tracebacks(te, exc)
-        except Exception:
-            pass
-        text = "".join(te.format())
+        text = "".join(traceback.TracebackException.from_exception(exc).format())
     except Exception as err:
         text = (
             f"{qualified_name(type(exc))}: {exception_message(exc)}\n"
@@ -243,8 +209,9 @@ def _main_file() -> str | None:
     return os.path.abspath(path) if isinstance(path, str) else None
 
 
-def origin() -> dict[str, Any]:
-    """Who this process is: pid, process name, host, and the main script's absolute path."""
+def origin(label: str | None = None) -> Origin:
+    """Who this process is: pid, process name, host, the main script's absolute path, and
+    ``label`` (by default the one :func:`sender_label` set in this context, if any)."""
     try:
         host = socket.gethostname()
     except OSError:
@@ -254,122 +221,41 @@ def origin() -> dict[str, Any]:
         "name": multiprocessing.current_process().name,
         "host": host,
         "main": _main_file(),
+        "label": label if label is not None else _label.get(),
     }
 
 
-# --- class resolution, shared by both sides ---------------------------------------------------
-
-
-class _Resolver:
-    """Finds exception classes by name, under the safety rules and ``allow``."""
-
-    def __init__(self, allow: Allow | None, main_file: str | None) -> None:
-        self._classes: set[type] | None = None
-        self._prefixes: tuple[str, ...] = ()
-        if allow is not None:
-            entries = [allow] if isinstance(allow, (str, type)) else list(allow)
-            self._classes = {e for e in entries if isinstance(e, type)}
-            self._prefixes = tuple(e for e in entries if isinstance(e, str))
-        self._main_file = main_file
-
-    def allows(self, cls: type) -> bool:
-        if self._classes is None or cls in self._classes:
-            return True
-        module = getattr(cls, "__module__", "") or ""
-        return any(
-            module == p or module.startswith(p if p.endswith(".") else p + ".")
-            for p in self._prefixes
-        )
-
-    def _module(self, name: str) -> types.ModuleType:
-        if name in ("__main__", "__mp_main__"):
-            for candidate in ("__mp_main__", "__main__"):
-                module = sys.modules.get(candidate)
-                path = getattr(module, "__file__", None)
-                if (
-                    module is not None
-                    and isinstance(path, str)
-                    and os.path.abspath(path) == self._main_file
-                ):
-                    return module
-            raise _Unavailable(name)
-        module = sys.modules.get(name)
-        if module is not None:
-            return module
-        if name.split(".")[0] in sys.modules:
-            try:
-                return importlib.import_module(name)
-            except Exception:
-                pass
-        raise _Unavailable(name)
-
-    def resolve(self, module: Any, qualname: Any) -> type[BaseException]:
-        """The class; raises :class:`_Unavailable` to degrade, :class:`RefusedPayload` to
-        refuse."""
-        if not isinstance(module, str) or not isinstance(qualname, str):
-            raise RefusedPayload(f"malformed class reference {module!r}.{qualname!r}")
-        parts = qualname.split(".")
-        if "<locals>" in parts:
-            raise _Unavailable(qualname)
-        if not all(p.isidentifier() for p in module.split(".")) or not all(
-            p.isidentifier() and not p.startswith("__") for p in parts
-        ):
-            raise RefusedPayload(f"refused to resolve {module}.{qualname}: not a class name")
-        obj: Any = self._module(module)
-        for part in parts:
-            try:
-                obj = getattr(obj, part)
-            except AttributeError:
-                raise _Unavailable(qualname) from None
-        if not (isinstance(obj, type) and issubclass(obj, BaseException)):
-            raise RefusedPayload(
-                f"refused to load {module}.{qualname}: an error payload may only name exception "
-                "classes, and this is not one (nothing was called)"
-            )
-        if not self.allows(obj):
-            raise _Unavailable(qualname)
-        return obj
-
-
-class _Unpickler(pickle.Unpickler):
-    """Resolves exception classes through a resolver, or no global at all without one."""
-
-    def __init__(self, data: bytes, resolver: _Resolver | None) -> None:
-        super().__init__(io.BytesIO(data))
-        self._resolver = resolver
-
-    def find_class(self, module: str, name: str) -> Any:
-        if self._resolver is not None:
-            if module == __name__ and name == "_KeyMessage":
-                return _KeyMessage
-            return self._resolver.resolve(module, name)
-        raise RefusedPayload(f"refused to load {module}.{name}: not part of an error payload")
-
-
-def _load_blob(blob: Any, resolver: _Resolver) -> Any:
-    if not isinstance(blob, bytes):
-        raise RefusedPayload("malformed error payload: a pickled value is not bytes")
-    return _Unpickler(blob, resolver).load()
+@contextlib.contextmanager
+def sender_label(label: str) -> Iterator[None]:
+    """While the block runs, every payload :func:`dumps_exception` makes in this context (a
+    ``Connection.send_exception`` included) carries ``label``, and the receiver's
+    :class:`RemoteTraceback` names the sender by it (``Traceback from loader process 4242``).
+    :func:`framepipe.guard` reports under its own label this way."""
+    token = _label.set(label)
+    try:
+        yield
+    finally:
+        _label.reset(token)
 
 
 # --- the sender -----------------------------------------------------------------------------
 
-_own_resolver: _Resolver | None = None
+_own_resolver: Resolver | None = None
 
 
-def _sender_resolver() -> _Resolver:
+def _sender_resolver() -> Resolver:
     global _own_resolver
     main = _main_file()
-    if _own_resolver is None or _own_resolver._main_file != main:
-        _own_resolver = _Resolver(None, main)
+    if _own_resolver is None or _own_resolver.main_file != main:
+        _own_resolver = Resolver(None, main)
     return _own_resolver
 
 
-def _round_trip(obj: Any, resolver: _Resolver, same_type: bool = False) -> bytes | None:
+def _round_trip(obj: Any, resolver: Resolver, same_type: bool = False) -> bytes | None:
     """``obj`` pickled, when the receiver's rules can load it back; else None."""
     try:
         data = pickle.dumps(obj, protocol=_PROTOCOL)
-        back = _load_blob(data, resolver)
+        back = load_value(data, resolver)
     except Exception:
         return None
     if same_type and type(back) is not type(obj):
@@ -377,7 +263,7 @@ def _round_trip(obj: Any, resolver: _Resolver, same_type: bool = False) -> bytes
     return data
 
 
-def _value(obj: Any, resolver: _Resolver) -> tuple[bytes | None, str]:
+def _value(obj: Any, resolver: Resolver) -> tuple[bytes | None, str]:
     return _round_trip(obj, resolver), _safe(repr, obj)
 
 
@@ -507,7 +393,7 @@ def _members(exc: BaseException) -> tuple[BaseException, ...] | None:
     return None
 
 
-def _last_resort(exc: BaseException, err: BaseException) -> bytes:
+def _last_resort(exc: BaseException, err: BaseException, label: str | None) -> bytes:
     """A payload built from names and text only, for when recording failed."""
     try:
         node = {
@@ -517,7 +403,13 @@ def _last_resort(exc: BaseException, err: BaseException) -> bytes:
             "args": [(None, a if isinstance(a, str) else _safe(repr, a)) for a in exc.args],
         }
         text = f"{qualified_name(type(exc))}: {node['str']}\n(recording it failed: {err!r})\n"
-        envelope = {"format": _FORMAT, "root": 0, "nodes": [node], "text": text, "origin": origin()}
+        envelope = {
+            "format": _FORMAT,
+            "root": 0,
+            "nodes": [node],
+            "text": text,
+            "origin": origin(label),
+        }
         return pickle.dumps(envelope, protocol=_PROTOCOL)
     except Exception:
         return _UNKNOWN_PAYLOAD
@@ -537,13 +429,14 @@ _UNKNOWN_PAYLOAD = pickle.dumps(
 )
 
 
-def dumps_exception(exc: BaseException) -> bytes:
+def dumps_exception(exc: BaseException, *, label: str | None = None) -> bytes:
     """Serialize ``exc`` with its traceback, causes, context, notes and group members.
 
     Never raises (short of an interrupt): whatever cannot be recorded faithfully degrades to
     a lower layer (see the module documentation). The bytes are what
     ``Connection.send_exception`` writes in an error frame; :func:`loads_exception` revives
-    them.
+    them. ``label`` names the sender in the receiver's :class:`RemoteTraceback` (by default,
+    the label :func:`sender_label` set in this context, if any).
     """
     try:
         encoder = _Encoder(exc)
@@ -552,11 +445,11 @@ def dumps_exception(exc: BaseException) -> bytes:
             "root": 0,
             "nodes": encoder.nodes(),
             "text": format_exception_text(exc),
-            "origin": origin(),
+            "origin": origin(label),
         }
         return pickle.dumps(envelope, protocol=_PROTOCOL)
     except Exception as err:
-        return _last_resort(exc, err)
+        return _last_resort(exc, err, label)
 
 
 # --- the receiver ---------------------------------------------------------------------------
@@ -569,7 +462,7 @@ def _new_without_init(cls: type[BaseException], args: tuple[Any, ...]) -> BaseEx
     except Exception:
         solid = next(c for c in cls.__mro__ if c.__module__ == "builtins")
         try:
-            obj = solid.__new__(cls, *args)  # type: ignore[call-overload]
+            obj = solid.__new__(cls, *args)
         except Exception:
             obj = solid.__new__(cls)  # type: ignore[call-overload]
     if not isinstance(obj, cls):
@@ -647,7 +540,7 @@ def _traceback(frames: Any) -> types.TracebackType | None:
 class _Reviver:
     """Builds every recorded exception, then links causes, contexts and tracebacks."""
 
-    def __init__(self, nodes: list[Any], resolver: _Resolver, marker: type[RemoteError]) -> None:
+    def __init__(self, nodes: list[Any], resolver: Resolver, marker: type[RemoteError]) -> None:
         self._nodes = nodes
         self._resolver = resolver
         self._marker = marker
@@ -694,13 +587,13 @@ class _Reviver:
         mro = self._mro(node)
         try:
             cls: type[BaseException] | None = self._resolver.resolve(*mro[0])
-        except _Unavailable:
+        except Unavailable:
             cls = None
         if cls is not None:
             blob = node.get("object")
             if blob is not None:
                 try:
-                    obj = _load_blob(blob, self._resolver)
+                    obj = load_value(blob, self._resolver)
                 except RefusedPayload:
                     raise
                 except Exception:
@@ -739,7 +632,7 @@ class _Reviver:
         blob, text = value
         if blob is not None:
             try:
-                return _load_blob(blob, self._resolver)
+                return load_value(blob, self._resolver)
             except RefusedPayload:
                 raise
             except Exception:
@@ -775,7 +668,7 @@ class _Reviver:
         for module, qualname in mro[1:]:
             try:
                 yield self._resolver.resolve(module, qualname)
-            except _Unavailable:
+            except Unavailable:
                 continue
         if ("builtins", "Exception") in mro:
             yield Exception
@@ -808,16 +701,14 @@ class _Reviver:
                 obj.__traceback__ = tb
             notes = node.get("notes")
             if isinstance(notes, list):
-                obj.__notes__ = [n for n in notes if isinstance(n, str)]  # type: ignore[attr-defined]
+                kept = [n for n in notes if isinstance(n, str)]
+                obj.__notes__ = kept  # type: ignore[attr-defined,unused-ignore]  # 3.10
             cause, context = self._object(node.get("cause")), self._object(node.get("context"))
             if cause is not None:
                 obj.__cause__ = cause
             if context is not None:
                 obj.__context__ = context
             obj.__suppress_context__ = bool(node.get("suppress", False))
-            key = _readable_key(obj)
-            if key is not None:
-                obj.args = (_KeyMessage(key),)
         except Exception:
             pass
 
@@ -839,24 +730,8 @@ def _chain_end(exc: BaseException) -> BaseException:
         exc = nxt
 
 
-def _envelope(data: Any) -> dict[str, Any]:
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise RefusedPayload(f"an error payload is bytes, not {type(data).__name__}")
-    try:
-        envelope = _Unpickler(bytes(data), None).load()
-    except RefusedPayload:
-        raise
-    except Exception as err:
-        raise RefusedPayload(f"not a framepipe error payload: {type(err).__name__}: {err}") from err
-    if not (isinstance(envelope, dict) and envelope.get("format") == _FORMAT):
-        raise RefusedPayload("not a framepipe error payload (unknown format)")
-    if not isinstance(envelope.get("nodes"), list) or not envelope["nodes"]:
-        raise RefusedPayload("malformed framepipe error payload: no exception recorded")
-    return envelope
-
-
 def revive(
-    data: bytes,
+    data: bytes | bytearray | memoryview,
     *,
     allow: Allow | None = None,
     marker: type[RemoteError] = RemoteError,
@@ -864,33 +739,40 @@ def revive(
 ) -> BaseException:
     """:func:`loads_exception` with the stand-in marker class and the type ending the cause
     chain chosen by the caller (``framepipe.compat`` uses its reference names)."""
-    envelope = _envelope(data)
+    envelope = load_envelope(data, _FORMAT)
     place = envelope.get("origin")
     place = place if isinstance(place, dict) else {}
     main = place.get("main")
-    resolver = _Resolver(allow, main if isinstance(main, str) else None)
+    resolver = Resolver(allow, main if isinstance(main, str) else None)
     root = envelope.get("root", 0)
     exc = _Reviver(envelope["nodes"], resolver, marker).revive(root if isinstance(root, int) else 0)
     pid, name, host = place.get("pid"), place.get("name"), place.get("host")
+    label = place.get("label")
     try:
-        _chain_end(exc).__cause__ = trace(
+        end = trace(
             str(envelope.get("text", "")),
             pid if isinstance(pid, int) else None,
             name if isinstance(name, str) else None,
             host if isinstance(host, str) else None,
         )
+        if isinstance(end, RemoteTraceback) and isinstance(label, str):
+            end.label = label
+        _chain_end(exc).__cause__ = end
     except Exception:
         pass
     return exc
 
 
-def loads_exception(data: bytes, *, allow: Allow | None = None) -> BaseException:
+def loads_exception(
+    data: bytes | bytearray | memoryview, *, allow: Allow | None = None
+) -> BaseException:
     """Revive an exception serialized by :func:`dumps_exception`; returns it (raise it).
 
     The result is the original class when it can be revived here (unpickled, else rebuilt
     without ``__init__``), else a :class:`RemoteError` stand-in that is an instance of the
     nearest base class that can; its traceback shows the sender's frames, and its cause chain
-    ends in a :class:`RemoteTraceback` naming the sender's pid, process name and host.
+    ends in a :class:`RemoteTraceback` naming the sender's pid, process name and host (and
+    the label of the guard that reported it).
 
     ``allow`` narrows which classes revive (an iterable of classes and module prefixes;
     ``["builtins"]`` revives builtin exceptions only); others become stand-ins whose base is

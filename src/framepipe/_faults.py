@@ -1,0 +1,194 @@
+"""The native crash hand-off between a guarded process and whoever watches it.
+
+While a :func:`framepipe.guard` is open, faulthandler is armed (all threads) to a file named
+for the process's pid in a directory only this user can write (:func:`fault_path`). The file
+starts with one header line, written when the guard arms it::
+
+    #framepipe {"label": "loader", "start": 123456.0}
+
+naming the outermost guard's label and the process's start time (so a file left by an earlier
+process that had the same pid is never taken for this one's). faulthandler appends its dump
+below the header when the process dies of SIGSEGV, SIGBUS, SIGFPE, SIGABRT or SIGILL. The
+watcher of the process (:class:`framepipe.watch.Liveness`) reads the file once the process is
+dead (:func:`read_fault`) and removes it; the guard removes it itself when the outermost guard
+exits and nothing was dumped.
+
+This module sits below both the guard (which arms) and the watch layer (which reads): it
+imports nothing from framepipe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import math
+import os
+import stat
+import sys
+import tempfile
+import threading
+from typing import IO, NamedTuple
+
+__all__ = ["Fault", "FaultHandler", "fault_path", "read_fault", "read_native_traceback", "warn"]
+
+_HEADER = "#framepipe "
+
+
+class Fault(NamedTuple):
+    """What a guarded process left in its fault file."""
+
+    label: str | None
+    """The label of the outermost guard that was open (None when the file has no header)."""
+    start: float | None
+    """The process's start time as :func:`framepipe._proc.start_time` read it, or None."""
+    traceback: str | None
+    """faulthandler's dump, or None when the process did not crash in native code."""
+
+
+def warn(message: str) -> None:
+    """Print one line to stderr (or the original stderr); never raises."""
+    stream = sys.stderr if sys.stderr is not None else sys.__stderr__
+    try:
+        if stream is not None:
+            print(message, file=stream, flush=True)
+    except Exception:  # noqa: BLE001 - a warning must never become the error
+        pass
+
+
+def _fault_dir() -> str:
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return os.path.join(tempfile.gettempdir(), f"framepipe-faults-{uid}")
+
+
+def fault_path(pid: int) -> str:
+    """The file a guarded process with this pid dumps its native traceback into."""
+    return os.path.join(_fault_dir(), f"{int(pid)}.txt")
+
+
+def _private_dir(create: bool) -> bool:
+    """Whether the fault directory exists (created if asked) as a real directory that only
+    this user can write: a directory planted by someone else is never trusted."""
+    path = _fault_dir()
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError:
+            return False
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    owner_ok = not hasattr(os, "getuid") or st.st_uid == os.getuid()
+    return stat.S_ISDIR(st.st_mode) and owner_ok and not st.st_mode & 0o022
+
+
+def _header(label: str, start: float | None) -> str:
+    return _HEADER + json.dumps({"label": label, "start": start}) + "\n"
+
+
+def _parse(text: str) -> Fault:
+    label: str | None = None
+    start: float | None = None
+    if text.startswith(_HEADER):
+        first, _, text = text.partition("\n")
+        try:
+            data = json.loads(first[len(_HEADER) :])
+        except ValueError:
+            data = None
+        if isinstance(data, dict):
+            if isinstance(data.get("label"), str):
+                label = data["label"]
+            value = data.get("start")
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                start = float(value) if math.isfinite(value) else None
+    return Fault(label, start, text if text.strip() else None)
+
+
+def read_fault(pid: int) -> Fault | None:
+    """What the guarded process ``pid`` left in its fault file, or None when it left none.
+
+    Removes the file: call it once the process is dead (a live one is still writing to it).
+    """
+    if not _private_dir(create=False):
+        return None
+    path = fault_path(pid)
+    try:
+        with open(path, encoding="utf-8", errors="replace") as file:
+            text = file.read()
+    except OSError:
+        return None
+    with contextlib.suppress(OSError):
+        os.remove(path)
+    return _parse(text)
+
+
+def read_native_traceback(pid: int) -> str | None:
+    """The native traceback a guarded process wrote as it crashed, or None.
+
+    Returns faulthandler's dump when the process's fault file holds one, and removes the file
+    either way. Call it for a process that died of a fatal signal.
+    """
+    fault = read_fault(pid)
+    return fault.traceback if fault is not None else None
+
+
+class FaultHandler:
+    """Process-wide: faulthandler armed to this process's fault file while any guard is open.
+
+    :meth:`arm` and :meth:`disarm` nest; the outermost arm writes the header with its label
+    and enables faulthandler, the matching disarm disables it (re-enabling it on stderr when it
+    was enabled there before) and removes the file when nothing was dumped into it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid: int | None = None
+        self._depth = 0
+        self._file: IO[str] | None = None
+        self._header_size = 0
+        self._was_enabled = False
+
+    def arm(self, label: str, start: float | None) -> None:
+        """Enter one guard labelled ``label`` in a process that started at ``start``."""
+        with self._lock:
+            pid = os.getpid()
+            if self._pid != pid:  # a fresh process, or a fork child: the file is not ours
+                self._pid, self._depth, self._file = pid, 0, None
+            self._depth += 1
+            if self._depth > 1 or not _private_dir(create=True):
+                return
+            try:
+                # kept open while armed: faulthandler writes to its descriptor at a crash
+                self._file = open(fault_path(pid), "w", encoding="utf-8")  # noqa: SIM115
+                header = _header(label, start)
+                self._file.write(header)
+                self._file.flush()
+                self._header_size = len(header.encode("utf-8"))
+                self._was_enabled = faulthandler.is_enabled()
+                faulthandler.enable(file=self._file, all_threads=True)
+            except Exception as err:  # noqa: BLE001 - arming is best effort
+                warn(f"framepipe.guard: could not arm faulthandler: {type(err).__name__}: {err}")
+
+    def disarm(self) -> None:
+        """Leave one guard."""
+        with self._lock:
+            if self._pid != os.getpid() or self._depth == 0:
+                return
+            self._depth -= 1
+            if self._depth or self._file is None:
+                return
+            file, self._file = self._file, None
+            try:
+                faulthandler.disable()
+                if self._was_enabled and sys.__stderr__ is not None:
+                    faulthandler.enable(file=sys.__stderr__, all_threads=True)
+            except Exception:  # noqa: BLE001 - disarming is best effort
+                pass
+            with contextlib.suppress(OSError):
+                empty = os.fstat(file.fileno()).st_size <= self._header_size
+                file.close()
+                if empty:
+                    os.remove(fault_path(os.getpid()))
