@@ -231,8 +231,7 @@ def test_cancelled_read_leaves_the_stream_consistent(impl, how, size, cancel):
                 task = asyncio.ensure_future(recv_async(r, how, WAIT))
                 # The task takes the first half out of the pipe, then waits for the rest.
                 await until(lambda: not writer.is_alive() and unread(w.fileno()) == 0, "drain")
-                await asyncio.sleep(0.01)
-                assert not task.done()
+                assert not task.done()  # half a frame: it waits for the rest
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
@@ -345,7 +344,8 @@ def test_a_cancelled_send_finishes_its_frame_in_the_background(impl, transport):
         r, w = plain_pipe(impl) if transport == "plain" else impl.pipe(False)
         try:
             sending = asyncio.ensure_future(w.send_bytes_async(data))
-            await asyncio.sleep(0.05)  # the pipe is full: the send waits for the writer callback
+            # the frame has started; the rest waits for the writer callback
+            await until(lambda: unread(r.fileno()) > 0, "the frame to start")
             assert not sending.done()
             sending.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -414,8 +414,8 @@ def test_a_blocking_send_under_an_open_async_frame_raises_instead_of_hanging(imp
         r, w = plain_pipe(impl)
         try:
             sending = asyncio.ensure_future(w.send_bytes_async(data))
-            await asyncio.sleep(0.05)  # the frame is open, waiting for the reader
-            assert not sending.done()
+            await until(lambda: unread(r.fileno()) > 0, "the frame to open")
+            assert not sending.done()  # 300 kB cannot fit a pipe: it waits for the reader
             with pytest.raises(RuntimeError, match="in the middle of a frame"):
                 w.send_bytes(b"would deadlock the loop")
             with pytest.raises(RuntimeError, match="in the middle of a frame"):

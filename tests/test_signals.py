@@ -161,8 +161,11 @@ def test_exception_from_a_signal_handler_leaves_the_stream_usable(impl, where):
 # -- 8. Ctrl-C from another process -----------------------------------------------------------
 
 READER = """
-import hashlib, sys
+import hashlib, signal, sys
 from framepipe import _impl
+# A test runner started in the background (nohup, &) leaves SIGINT ignored, and a child
+# inherits that: restore Python's own handler, as an interactive program would have it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 conn = _impl.load(sys.argv[1]).Connection(int(sys.argv[2]), writable=False)
 try:
     print("ready", flush=True)
@@ -176,8 +179,14 @@ for _ in range(2):
 """
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @pytest.mark.parametrize("where", ["boundary", "mid-frame"])
-def test_sigint_interrupts_a_blocked_read_in_another_process(impl, where):
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_sigint_interrupts_a_blocked_read_in_another_process(impl, where, inherited):
+    # "ignored": the child starts as under a test runner in the background (SIGINT ignored).
     data = payload(200_000)
     frame = header(len(data)) + data
     split = 0 if where == "boundary" else len(frame) // 2
@@ -187,6 +196,7 @@ def test_sigint_interrupts_a_blocked_read_in_another_process(impl, where):
         pass_fds=[rfd],
         stdout=subprocess.PIPE,
         env=subprocess_env(),
+        preexec_fn=_ignore_sigint if inherited == "ignored" else None,
     )
     os.close(rfd)
     try:

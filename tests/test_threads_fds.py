@@ -274,6 +274,29 @@ def _fds_of_pipe(fd: int) -> int:
     return count
 
 
+def _wait_blocked_in_pipe_read(pid: int) -> int | None:
+    """Wait until the child ``pid`` sleeps in a read of a pipe (None), or has exited (its wait
+    status). Fails after TIMEOUT seconds."""
+    end = time.monotonic() + TIMEOUT
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        try:
+            with open(f"/proc/{pid}/wchan") as file:
+                wchan = file.read()
+        except OSError:
+            wchan = ""
+        if wchan.endswith("pipe_read"):  # pipe_read, anon_pipe_read (Linux 6.x)
+            return None
+        if time.monotonic() > end:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the child never blocked in its read (wchan {wchan!r})")
+        time.sleep(0.001)
+
+
+@linux_only
 def test_timed_reads_never_make_the_inherited_fd_non_blocking(impl):
     r, w = impl.pipe(False)
     with r, w:
@@ -295,9 +318,12 @@ def test_timed_reads_never_make_the_inherited_fd_non_blocking(impl):
                 code = 3
             finally:
                 os._exit(code)
-        time.sleep(0.2)
+        # Write only once the child sleeps in its read of the empty pipe (or has already
+        # failed): a read that found the frame there would prove nothing.
+        status = _wait_blocked_in_pipe_read(pid)
         w.send_bytes(b"hello")
-        _, status = os.waitpid(pid, 0)
+        if status is None:
+            _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0  # 3: the description was non-blocking
 
 
