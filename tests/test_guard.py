@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from framepipe._proc import start_time
 from framepipe.guard import (
     ERROR_FILE_ENV,
     ProcessFailure,
@@ -29,8 +30,10 @@ from framepipe.guard import (
     write_error_file,
 )
 from framepipe.remote import loads_exception
+from framepipe.watch import Liveness
 
 CONTEXTS = ["fork", "spawn"]
+WAIT = 60.0  # upper bound on any wait; a healthy run never comes close
 
 
 class ShardError(ValueError):
@@ -68,6 +71,7 @@ def test_guard_runs_every_step_in_a_child(method: str, tmp_path: Any) -> None:
 
     assert type(exc) is ShardError and exc.shard == 3
     assert "load_shard" in [f.name for f in traceback.extract_tb(exc.__traceback__)]
+    assert f"Traceback from loader process {process.pid} (" in str(exc.__cause__)
 
     item = metrics.get(timeout=60)
     assert set(item) == {"error"}
@@ -219,6 +223,93 @@ def test_fault_file_lives_while_the_guard_is_open() -> None:
     assert not os.path.exists(path)
     assert os.path.dirname(path).endswith(f"framepipe-faults-{os.getuid()}")
     assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+
+
+def _exit_inside(label: str, how: str) -> None:
+    with guard(label=label):
+        if how == "exit":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_a_death_inside_a_guard_is_named_by_its_label(how: str, no_leftover_processes: Any) -> None:
+    process = multiprocessing.get_context("fork").Process(target=_exit_inside, args=("shard-7", how))
+    process.start()
+    try:
+        with Liveness(process) as liveness:
+            process.join(WAIT)
+            err = liveness.error()
+            assert liveness.guard_label() == "shard-7"
+    finally:
+        if process.is_alive():
+            process.kill()
+        process.join(WAIT)
+    assert process.pid is not None
+    what = "exited with code 3" if how == "exit" else "was killed by signal SIGKILL"
+    assert str(err).startswith(f"shard-7 {process.pid} {what}"), str(err)
+    assert err.label == "shard-7" and err.native_traceback is None
+    assert not os.path.exists(fault_path(process.pid))  # read once, then removed
+
+
+def test_an_explicit_label_wins_and_no_guard_means_worker(no_leftover_processes: Any) -> None:
+    for target, label, expected in [
+        (_exit_inside, "rank 3", "rank 3"),  # the reader's own name for it
+        (os._exit, None, "worker"),  # never guarded
+    ]:
+        args = ("shard-7", "exit") if target is _exit_inside else (3,)
+        process = multiprocessing.get_context("fork").Process(target=target, args=args)
+        process.start()
+        with Liveness(process) as liveness:
+            process.join(WAIT)
+            err = liveness.error(label=label)
+        assert err.label == expected
+        assert str(err).startswith(f"{expected} {process.pid} exited with code 3")
+
+
+def _wait_for_kill(ready: Any) -> None:
+    ready.set()
+    time.sleep(WAIT)
+
+
+@pytest.mark.parametrize("start", ["same process", "earlier process"])
+def test_a_fault_file_of_an_earlier_process_with_the_pid_is_ignored(
+    start: str, no_leftover_processes: Any
+) -> None:
+    # The fault file names the start time of the process that wrote it: a file left by an
+    # earlier process that had the same pid (killed before it could clean up) is not read as
+    # the new one's crash.
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    process = ctx.Process(target=_wait_for_kill, args=(ready,))
+    process.start()
+    try:
+        assert ready.wait(WAIT) and process.pid is not None
+        with Liveness(process) as liveness:
+            began = start_time(process.pid)
+            assert began is not None
+            written = began if start == "same process" else began - 1000.0
+            header = json.dumps({"label": "old-loader", "start": written})
+            with open(fault_path(process.pid), "w", encoding="utf-8") as file:
+                file.write(f"#framepipe {header}\nFatal Python error: Segmentation fault\n")
+            os.kill(process.pid, signal.SIGSEGV)
+            process.join(WAIT)
+            err = liveness.error()
+        if start == "same process":
+            assert err.label == "old-loader"
+            assert err.native_traceback == "Fatal Python error: Segmentation fault\n"
+        else:
+            assert err.label == "worker" and err.native_traceback is None
+        assert not os.path.exists(fault_path(process.pid))
+    finally:
+        if process.is_alive():
+            process.kill()
+        process.join(WAIT)
+
+
+def test_guard_label_must_be_a_string() -> None:
+    with pytest.raises(TypeError, match="label must be a str"):
+        guard(label=7)  # type: ignore[call-overload]
 
 
 # --- the framepipe Connection path: an error frame -----------------------------------------

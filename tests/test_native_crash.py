@@ -9,7 +9,7 @@ import signal
 import pytest
 from _fault_children import TwoArgError, guarded_crash, guarded_raise
 
-from framepipe import WriterDied
+from framepipe import RemoteTraceback, WriterDied
 
 WAIT = 60.0
 
@@ -34,6 +34,9 @@ def test_segfault_reaches_the_parent_with_the_native_traceback(impl, method):
         assert "crash_in_c_code" in err.native_traceback
         assert "guarded_crash" in err.native_traceback
         assert "Segmentation fault" in str(err) and "crash_in_c_code" in str(err)
+        # the guard's label names the worker in the parent's message
+        assert err.label == "crasher"
+        assert str(err).startswith(f"crasher {proc.pid} was killed by signal SIGSEGV")
         proc.join(WAIT)
         assert proc.exitcode == -signal.SIGSEGV  # never reaped by framepipe
     finally:
@@ -60,6 +63,10 @@ def test_guarded_exception_is_raised_by_recv(impl, method):
 
         text = "".join(traceback.format_exception(err))
         assert "guarded_raise" in text
+        # the guard's label names the worker in the parent's message
+        assert f"Traceback from raiser process {proc.pid} (" in text
+        end = err.__cause__
+        assert isinstance(end, RemoteTraceback) and end.label == "raiser"
         # After the error frame, the worker's exit is reported, not a hang.
         with pytest.raises(WriterDied) as died:
             parent.recv(timeout=WAIT)

@@ -26,6 +26,7 @@ from framepipe.remote import (
     RemoteTraceback,
     dumps_exception,
     loads_exception,
+    sender_label,
 )
 
 # --- exception classes the children raise ---------------------------------------------------
@@ -628,3 +629,33 @@ def test_cycles_are_cut() -> None:
     exc = loads_exception(dumps_exception(first))
     assert type(exc) is ValueError and type(exc.__context__) is TypeError
     assert exc.__context__.__context__ is exc
+
+
+# --- the sender's label ---------------------------------------------------------------------
+
+
+def _end(exc: BaseException) -> RemoteTraceback:
+    end = exc.__cause__
+    assert isinstance(end, RemoteTraceback)
+    return end
+
+
+def test_a_label_names_the_sender_in_the_remote_traceback() -> None:
+    plain = loads_exception(dumps_exception(ValueError("x")))
+    assert _end(plain).label is None
+    assert f"Traceback from process {os.getpid()} (" in str(_end(plain))
+
+    named = loads_exception(dumps_exception(ValueError("x"), label="loader"))
+    assert _end(named).label == "loader"
+    assert f"Traceback from loader process {os.getpid()} (" in str(_end(named))
+
+    with sender_label("collector"):
+        inside = loads_exception(dumps_exception(ValueError("x")))
+        explicit = loads_exception(dumps_exception(ValueError("x"), label="rank 2"))
+    after = loads_exception(dumps_exception(ValueError("x")))
+    assert _end(inside).label == "collector"
+    assert _end(explicit).label == "rank 2"
+    assert _end(after).label is None  # the context ended with the block
+
+    again = pickle.loads(pickle.dumps(_end(named)))
+    assert again.label == "loader" and str(again) == str(_end(named))
