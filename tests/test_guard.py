@@ -234,7 +234,9 @@ def _exit_inside(label: str, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["exit", "kill"])
 def test_a_death_inside_a_guard_is_named_by_its_label(how: str, no_leftover_processes: Any) -> None:
-    process = multiprocessing.get_context("fork").Process(target=_exit_inside, args=("shard-7", how))
+    process = multiprocessing.get_context("fork").Process(
+        target=_exit_inside, args=("shard-7", how)
+    )
     process.start()
     try:
         with Liveness(process) as liveness:

@@ -48,7 +48,9 @@ def _framepipe_imports(tree: ast.Module) -> list[tuple[str, ast.stmt, bool]]:
             names = [(node.module or "").removeprefix("framepipe").lstrip(".")]
         elif isinstance(node, ast.Import):
             names = [
-                a.name.removeprefix("framepipe.") for a in node.names if a.name.startswith("framepipe.")
+                a.name.removeprefix("framepipe.")
+                for a in node.names
+                if a.name.startswith("framepipe.")
             ]
         else:
             continue

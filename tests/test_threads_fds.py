@@ -17,7 +17,6 @@ from _helpers import reuse_fd as _reuse
 TAG = struct.Struct("<III")  # thread, sequence number, payload size
 
 
-
 def body(tid: int, seq: int, size: int) -> bytes:
     """A payload that says who sent it and is wrong anywhere if two frames interleave."""
     assert size >= TAG.size
@@ -75,8 +74,12 @@ def test_send_objects_from_four_threads_never_interleaves(pair):
 
     def obj(tid: int, seq: int):
         n = [10, 20_000, 100_000][(tid + seq) % 3]
-        return {"tid": tid, "seq": seq, "a": np.full(n, tid * 100 + seq, dtype=np.int32),
-                "b": bytes([tid]) * (n * 2)}
+        return {
+            "tid": tid,
+            "seq": seq,
+            "a": np.full(n, tid * 100 + seq, dtype=np.int32),
+            "b": bytes([tid]) * (n * 2),
+        }
 
     def send(tid: int) -> None:
         start.wait(TIMEOUT)
@@ -195,7 +198,6 @@ def test_dropped_connections_are_closed_when_collected(impl, fd_count):
         impl.Pipe()
     gc.collect()
     assert fd_count() == before
-
 
 
 def _alive(r: int, w: int) -> None:

@@ -633,4 +633,3 @@ class Liveness:
             native_traceback=self.native_traceback(),
             label=label,
         )
-

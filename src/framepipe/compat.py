@@ -96,6 +96,8 @@ class _CollectorGuard(Guard):
     """The reference guard's protocol: ``Exception`` only, an :class:`ExceptionWrapper` sent
     with ``conn.send`` (so the parent's ``recv()`` returns it, over any connection)."""
 
+    conn: Any  # any connection with send()
+
     def reports(self, exc: BaseException) -> bool:
         return isinstance(exc, Exception)
 

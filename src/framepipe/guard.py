@@ -110,7 +110,6 @@ def _start_of_this_process() -> float | None:
     return _own_start[1]
 
 
-
 # --- error files ----------------------------------------------------------------------------
 
 
