@@ -26,6 +26,7 @@ import signal
 import subprocess
 import threading
 import time
+import types
 from multiprocessing.connection import wait as _mp_wait
 from typing import TYPE_CHECKING, Any
 
@@ -77,10 +78,21 @@ _STATUS_GRACE = 2.0
 # After the forkserver's report arrives, how long a concurrent join() may take to collect it.
 _JOIN_GRACE = 0.05
 
-try:
-    import psutil as _psutil
-except ImportError:  # pragma: no cover - psutil is a dependency; stay usable without it
-    _psutil = None
+_psutil_module: types.ModuleType | None = None
+_psutil_tried = False
+
+
+def _psutil() -> types.ModuleType | None:
+    """psutil, imported on first use (only where procfs cannot answer, so ``import framepipe``
+    does not pay for it); None when it is not installed."""
+    global _psutil_module, _psutil_tried
+    if not _psutil_tried:
+        try:
+            import psutil  # a third-party fallback, imported where it is needed
+        except ImportError:  # pragma: no cover - psutil is a dependency; stay usable without it
+            psutil = None
+        _psutil_module, _psutil_tried = psutil, True
+    return _psutil_module
 
 
 # --------------------------------------------------------------------------------------------
@@ -183,10 +195,11 @@ def start_time(pid: int) -> float | None:
     fields = proc_stat(pid)
     if fields is not None and len(fields) > 19:
         return float(fields[19])
-    if _psutil is not None:
+    ps = _psutil()
+    if ps is not None:
         try:
-            return float(_psutil.Process(pid).create_time())
-        except _psutil.Error:  # NoSuchProcess, AccessDenied, ZombieProcess on some platforms
+            return float(ps.Process(pid).create_time())
+        except ps.Error:  # NoSuchProcess, AccessDenied, ZombieProcess on some platforms
             return None
     return None
 
@@ -196,12 +209,13 @@ def is_zombie(pid: int) -> bool | None:
     fields = proc_stat(pid)
     if fields is not None:
         return fields[0] in ("Z", "X")
-    if _psutil is not None:
+    ps = _psutil()
+    if ps is not None:
         try:
-            return bool(_psutil.Process(pid).status() == _psutil.STATUS_ZOMBIE)
-        except _psutil.NoSuchProcess:
+            return bool(ps.Process(pid).status() == ps.STATUS_ZOMBIE)
+        except ps.NoSuchProcess:
             return None
-        except _psutil.Error:
+        except ps.Error:
             return False
     try:
         os.kill(pid, 0)
