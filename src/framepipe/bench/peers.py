@@ -248,6 +248,10 @@ ZMQ_COPY_BELOW = 64 * 1024
 """pyzmq copies a message smaller than this (its own advice for small messages) and sends or
 receives a larger one without a copy (``copy=False``)."""
 
+ZMQ_READ_LIMIT = 30.0
+"""Seconds a pyzmq reader in this process waits for a message before TimeoutError: zmq has no end
+of file, so a writer that died would otherwise leave it waiting forever."""
+
 _addresses = itertools.count()
 
 
@@ -269,7 +273,10 @@ class ZmqEnd:
 
         self._context = zmq.Context()
         sock = self._context.socket(zmq.PAIR)
-        sock.setsockopt(zmq.LINGER, 5000)  # a writer's last messages reach the reader
+        # A reader never waits forever, since zmq has no end of file to tell it that its
+        # writer died (see close() for how a writer's last messages are kept).
+        self._timeout = None if not self.bind else ZMQ_READ_LIMIT
+        sock.setsockopt(zmq.RCVTIMEO, -1 if self._timeout is None else int(self._timeout * 1000))
         if self.bind:
             sock.bind(self.address)
         else:
@@ -288,19 +295,25 @@ class ZmqEnd:
         the socket's receive timeout (``RCVTIMEO``, zmq's own way); TimeoutError when it
         expires."""
         sock = self._socket if self._socket is not None else self._open()
+        if timeout is None and self.bind:
+            timeout = ZMQ_READ_LIMIT
         if timeout != self._timeout:
             import zmq
 
             sock.setsockopt(zmq.RCVTIMEO, -1 if timeout is None else int(timeout * 1000))
             self._timeout = timeout
-        try:
-            got = sock.recv(copy=self._copy)
-        except Exception as exc:
-            if type(exc).__name__ == "Again":
-                raise TimeoutError(f"no message within {timeout:g} s") from None
-            raise
+        got = self._timed(sock.recv, copy=self._copy)
         self._copy = len(got) < ZMQ_COPY_BELOW
         return got
+
+    def _timed(self, call: Callable[..., Any], **kwargs: Any) -> Any:
+        """``call(**kwargs)``, its zmq.Again (the receive timeout expired) a TimeoutError."""
+        try:
+            return call(**kwargs)
+        except Exception as exc:
+            if type(exc).__name__ == "Again":
+                raise TimeoutError(f"no message within {self._timeout:g} s") from None
+            raise
 
     def send(self, obj: Any) -> None:
         """Send a picklable object: pickle protocol 5, its large buffers as zero-copy parts of
@@ -313,21 +326,49 @@ class ZmqEnd:
     def recv(self) -> Any:
         """Receive an object sent by :meth:`send`."""
         sock = self._socket if self._socket is not None else self._open()
-        head, *buffers = sock.recv_multipart(copy=False)
+        head, *buffers = self._timed(sock.recv_multipart, copy=False)
         return pickle.loads(head.buffer, buffers=[b.buffer for b in buffers])
 
     def close(self) -> None:
-        """Close the socket and its context (in the process that opened them)."""
+        """Close the socket and its context (in the process that opened them).
+
+        zmq drops the messages a reader has not yet taken when its peer disconnects, so the
+        two ends agree on the end: the reader's end sends a last empty message as it closes,
+        and the writer's end waits for it (up to :data:`ZMQ_READ_LIMIT`) before closing."""
         if self._socket is None or self._pid != os.getpid():
             return
-        self._socket.close()
-        self._context.term()
-        self._socket = None
+        sock = self._socket
+        try:
+            if self.bind:
+                sock.send(b"", flags=_zmq_noblock())
+            else:
+                self._timeout = ZMQ_READ_LIMIT
+                sock.setsockopt(_zmq_rcvtimeo(), int(ZMQ_READ_LIMIT * 1000))
+                while len(self._timed(sock.recv)) != 0:
+                    pass  # an answer still in flight (a round trip's writer)
+        except Exception:  # noqa: BLE001 - the other end is gone: nothing is left to deliver
+            pass
+        finally:
+            sock.close(linger=1000 if self.bind else 0)  # the last message goes out
+            self._context.term()
+            self._socket = None
         if self.bind and self.address.startswith("ipc://"):
             try:
                 os.unlink(self.address[len("ipc://") :])
             except OSError:
                 pass
+
+
+def _zmq_noblock() -> int:
+    import zmq
+
+    return int(zmq.NOBLOCK)
+
+
+def _zmq_rcvtimeo() -> int:
+    import zmq
+
+    return int(zmq.RCVTIMEO)
 
 
 def _zmq_pair() -> tuple[ZmqEnd, ZmqEnd]:

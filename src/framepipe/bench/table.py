@@ -128,18 +128,27 @@ def targets(rows: Sequence[Row]) -> list[Row]:
     ]
 
 
+def _judged_value(item: Row) -> str:
+    if item.get("basis") == "absolute":
+        p99 = item.get("p99_us")
+        return result_text(item) + (f", p99 {p99:.0f} us" if isinstance(p99, (int, float)) else "")
+    return _ratio(item.get("ratio")) or result_text(item)
+
+
 def _target_lines(rows: Sequence[Row]) -> list[str]:
     judged = targets(rows)
     if not judged:
         return []
+    cells = [
+        (str(r.get("title")), str(r["impl"]).split(" ")[0], _judged_value(r), str(r["target"]))
+        for r in judged
+    ]
+    widths = [max(len(c[i]) for c in cells) for i in range(4)]
     out = ["targets (framepipe's cores with their default settings):"]
-    width = max(len(str(r.get("title"))) for r in judged)
-    for r in judged:
-        impl = str(r["impl"]).split(" ")[0]
+    for r, (title, impl, value, target) in zip(judged, cells):
         out.append(
-            f"  {str(r.get('title')):<{width}}  {impl:<7}"
-            f"{_ratio(r.get('ratio')) or result_text(r):>11}  "
-            f"{str(r['target']):<9}{_met(r) or 'MISSED'}"
+            f"  {title:<{widths[0]}}  {impl:<{widths[1]}}  {value:>{widths[2]}}  "
+            f"{target:<{widths[3]}}  {_met(r) or 'MISSED'}"
         )
     by_impl: dict[str, list[Row]] = {}
     for r in judged:
