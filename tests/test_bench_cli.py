@@ -458,3 +458,17 @@ def test_python_m_framepipe_bench_is_the_same_command() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == run_bench("--list").stdout
+
+
+def test_pyzmq_rows_run_when_installed() -> None:
+    pytest.importorskip("zmq")
+    proc = run_bench(
+        "--quick", "--impls", "pyzmq", "--rows", "oneway-64B,timeout-64B,numpy-1MiB",
+        "--json", "-",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    measured = [r for r in json.loads(proc.stdout)["rows"] if r["impl"] == "pyzmq"]
+    assert [r["bench"] for r in measured] == ["oneway-64B", "timeout-64B", "numpy-1MiB"]
+    for r in measured:
+        assert not r.get("error"), r
+        assert r["value"] > 0 and r["family"] == "other" and r["met"] is None

@@ -226,7 +226,7 @@ class Depth:
 
 DEPTHS = {
     "quick": Depth("quick", repeat=1, seconds=0.05, kills=3),
-    "default": Depth("default", repeat=3, seconds=0.12, kills=12),
+    "default": Depth("default", repeat=5, seconds=0.15, kills=15),
     "full": Depth("full", repeat=5, seconds=0.3, kills=30),
 }
 

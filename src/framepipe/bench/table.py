@@ -132,7 +132,8 @@ def _judged_value(item: Row) -> str:
     if item.get("basis") == "absolute":
         p99 = item.get("p99_us")
         return result_text(item) + (f", p99 {p99:.0f} us" if isinstance(p99, (int, float)) else "")
-    return _ratio(item.get("ratio")) or result_text(item)
+    ratio = item.get("ratio")
+    return f"{ratio:.3f}x" if isinstance(ratio, (int, float)) else result_text(item)
 
 
 def _target_lines(rows: Sequence[Row]) -> list[str]:
