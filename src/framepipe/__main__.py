@@ -7,11 +7,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from . import _demo
+from .bench import cli
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m framepipe`` argument parser, one subcommand per tool."""
-    from .bench import cli
-
     parser = argparse.ArgumentParser(
         prog="python -m framepipe",
         description="framepipe: framed pipes for worker processes",
@@ -37,8 +38,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from . import _demo
-
     return _demo.main(args)
 
 

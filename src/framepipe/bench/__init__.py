@@ -4,7 +4,7 @@ libraries people use, side by side in one run, as ratios.
 One job a module:
 
 ``runner``
-    a writer in a forked child with a watchdog, cells, calibration and repeats (:func:`measure`)
+    a writer in a forked child with a watchdog, cells, calibration and repeats (``measure``)
 ``peers``
     who is compared: framepipe's cores, ``multiprocessing.connection``, pyzmq, and the optional
     libraries with what to install when one is missing
@@ -16,17 +16,6 @@ One job a module:
     the worker pools and the data loader against their peers
 ``table``, ``plot``
     the text report (at most 100 columns) and the ``--plot`` bar chart
-``machine``, ``cli``
-    what a run ran on; the command line
+``output``, ``machine``, ``cli``
+    where a report goes (the table, ``--json``, ``--plot``); what a run ran on; the command line
 """
-
-from __future__ import annotations
-
-__all__ = ["main"]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m framepipe bench ARGV...``."""
-    from ..__main__ import main as framepipe_main
-
-    return framepipe_main(["bench", *(argv or [])])

@@ -2,6 +2,6 @@
 
 import sys
 
-from . import main
+from .cli import run_argv
 
-sys.exit(main(sys.argv[1:]))
+sys.exit(run_argv(sys.argv[1:]))

@@ -10,21 +10,21 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import json
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import peers
+from . import loader, peers, workers
 from .core import READ_TIMEOUT, SECTIONS
 from .machine import machine_info
-from .plot import PlotUnavailable, core_groups, draw
+from .output import check_plot, emit
+from .plot import core_groups, draw
 from .rows import Row, finish
 from .runner import DEPTHS, PLACEMENTS, Context, Depth, Section, placement_cpus
 from .table import format_report
 
-__all__ = ["SUITES", "add_arguments", "main", "run_core", "selected"]
+__all__ = ["SUITES", "add_arguments", "main", "run_argv", "run_core", "selected"]
 
 SUITES = ("core", "workers", "loader")
 DEFAULT_IMPLS = ("c", "pyzmq")
@@ -226,67 +226,15 @@ def _progress(args: argparse.Namespace) -> Callable[[str], None]:
     return progress
 
 
-def write_json(report: dict[str, Any], path: str) -> None:
-    """``report`` as JSON to ``path`` (``-``: stdout)."""
-    text = json.dumps(report, indent=2, default=str) + "\n"
-    if path == "-":
-        sys.stdout.write(text)
-        return
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-
-
-def emit(
-    args: argparse.Namespace,
-    report: dict[str, Any],
-    text: str,
-    plot: Callable[[str], None] | None,
-) -> int:
-    """Print the table (unless JSON goes to stdout), write ``--json``, draw ``--plot``."""
-    if args.json != "-":
-        print(text)
-    if args.json:
-        write_json(report, args.json)
-        if args.json != "-":
-            print(f"framepipe bench: the report is in {args.json}", file=sys.stderr)
-    if args.plot:
-        if plot is None:
-            print(f"framepipe bench: --plot draws nothing for {args.suite}", file=sys.stderr)
-            return 2
-        try:
-            plot(args.plot)
-        except (PlotUnavailable, ValueError) as exc:
-            print(f"framepipe bench: {exc}", file=sys.stderr)
-            return 3
-        print(f"framepipe bench: the chart is in {args.plot}", file=sys.stderr)
-    return 0
-
-
-def _check_plot(args: argparse.Namespace) -> str | None:
-    """The refusal of ``--plot`` before any run, when it cannot be drawn."""
-    if not args.plot:
-        return None
-    if not any(p.module == "matplotlib" for p in peers.missing(args.suite)):
-        return None
-    return (
-        f"--plot {args.plot} needs matplotlib, which is not installed: {peers.EXTRA_HINT} or "
-        "pip install matplotlib (the table and --json do not need it)"
-    )
-
-
 def main(args: argparse.Namespace) -> int:
     """Run ``python -m framepipe bench`` with parsed ``args``; returns the exit status."""
-    refusal = _check_plot(args)
+    refusal = check_plot(args)
     if refusal:
         print(f"framepipe bench: {refusal}", file=sys.stderr)
         return 3
     if args.suite == "workers":
-        from . import workers
-
         return workers.main(args)
     if args.suite == "loader":
-        from . import loader
-
         return loader.main(args)
     if args.list:
         for section in SECTIONS:
@@ -309,3 +257,18 @@ def main(args: argparse.Namespace) -> int:
         )
 
     return emit(args, report, format_report(report), plot)
+
+
+def run_argv(argv: Sequence[str]) -> int:
+    """``python -m framepipe.bench ARGV``: the same command as ``python -m framepipe bench``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m framepipe.bench",
+        description="framepipe's benchmark (the same as python -m framepipe bench)",
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return main(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

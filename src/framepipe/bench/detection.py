@@ -32,6 +32,7 @@ from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 from ..errors import WriterDied
+from ..watch import Liveness, watcher
 from .peers import Impl
 from .rows import Row, row
 from .runner import Context, Section
@@ -292,8 +293,6 @@ def _measure_recv(impl: Impl, kills: int, *, keep_write_end: bool, start: str) -
 
 
 def _trial_watcher(proc: Any) -> float:
-    from ..watch import Liveness, watcher
-
     done = threading.Event()
     seen: list[float] = []
 
@@ -313,8 +312,6 @@ def _trial_watcher(proc: Any) -> float:
 
 
 def _trial_pidfd_poll(proc: Any) -> float:
-    from ..watch import Liveness
-
     with Liveness(proc) as lv:
         fd = lv.fd
         if fd is None:

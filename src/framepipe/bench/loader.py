@@ -39,8 +39,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from ..connection import Pipe
+from ..workers import DataLoader
 from . import peers
 from .machine import machine_info
+from .output import emit
+from .plot import Bar, Group, draw
 from .table import fit, wrap
 
 KiB, MiB = 1024, 1024 * 1024
@@ -125,8 +129,6 @@ def framepipe_items(
     size: int, batch: int | None, seconds: float, prefetch_factor: int = 2
 ) -> Iterator[Iterator[Any]]:
     """Items (or batches) from framepipe's DataLoader with its defaults."""
-    from ..workers import DataLoader
-
     with DataLoader(
         ArrayDataset(size), batch_size=batch, num_workers=WORKERS, prefetch_factor=prefetch_factor
     ) as loader:
@@ -150,8 +152,6 @@ def _writer(
 @contextlib.contextmanager
 def bare_items(size: int, batch: int | None, seconds: float) -> Iterator[Iterator[Any]]:
     """No loader: 2 forked writers send arrays on their own pipe; read round robin."""
-    from ..connection import Pipe
-
     ctx = multiprocessing.get_context("fork")
     readers: list[Any] = []
     procs: list[Any] = []
@@ -451,8 +451,6 @@ def format_report(report: dict[str, Any]) -> str:
 
 def plot_groups(report: dict[str, Any]) -> list[Any]:
     """The ``--plot`` groups: each loader's items/s against ``multiprocessing.Pool.imap``."""
-    from .plot import Bar, Group
-
     groups: dict[str, Any] = {}
     base: dict[str, float] = {}
     for r in report["rows"]:
@@ -471,8 +469,6 @@ def plot_groups(report: dict[str, Any]) -> list[Any]:
 
 def main(args: argparse.Namespace) -> int:
     """``python -m framepipe bench loader``."""
-    from .cli import emit
-
     try:
         import numpy  # noqa: F401
     except ImportError:
@@ -501,8 +497,6 @@ def main(args: argparse.Namespace) -> int:
         return 2
 
     def plot(path: str) -> None:
-        from .plot import draw
-
         m = report["machine"]
         draw(
             plot_groups(report),

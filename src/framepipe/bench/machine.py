@@ -7,6 +7,8 @@ import os
 import platform
 from typing import Any
 
+from .. import __version__, _impl
+
 __all__ = ["machine_info"]
 
 
@@ -26,8 +28,6 @@ def machine_info() -> dict[str, Any]:
                     break
     except OSError:
         pass
-    from .. import __version__, _impl
-
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "platform": platform.platform(),

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from .. import _impl
 from .rows import STDLIB_DUPLEX, STDLIB_SIMPLEX
 
 __all__ = [
@@ -219,8 +220,6 @@ def framepipe_impl(name: str, *, read_ahead: bool = False, pipes: bool = False) 
     """framepipe's core ``name`` (``"c"`` or ``"python"``) with its default settings; raises
     ImportError when it is not available here. ``read_ahead`` makes the ``<name> read-ahead``
     variant, ``pipes`` the ``<name> pipes`` one (a duplex connection over two one-way pipes)."""
-    from .. import _impl
-
     module = _impl.load(name)
     pipe = _pipe_function(module)
     label = name + (" read-ahead" if read_ahead else "") + (" pipes" if pipes else "")

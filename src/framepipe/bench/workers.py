@@ -26,8 +26,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..workers import Pool
 from . import peers
 from .machine import machine_info
+from .output import emit
+from .plot import Bar, Group, draw
 from .table import fit, wrap
 
 WORKERS = 2
@@ -107,8 +110,6 @@ class FramepipePool(Adapter):
     name = "framepipe Pool"
 
     def __init__(self, task_timeout: float | None = None) -> None:
-        from ..workers import Pool
-
         self.pool = Pool(
             WORKERS, start_method="spawn", task_timeout=task_timeout, max_restarts=None
         )
@@ -631,8 +632,6 @@ _METRICS = (
 
 def plot_groups(report: dict[str, Any]) -> list[Any]:
     """The ``--plot`` groups: each pool's speed against ProcessPoolExecutor, per metric."""
-    from .plot import Bar, Group
-
     rows = report["rows"]
     base = rows.get("ProcessPoolExecutor", {})
     groups = []
@@ -652,7 +651,6 @@ def plot_groups(report: dict[str, Any]) -> list[Any]:
 
 def main(args: argparse.Namespace) -> int:
     """``python -m framepipe bench workers``."""
-    from .cli import emit
 
     def progress(line: str) -> None:
         if not args.quiet:
@@ -665,8 +663,6 @@ def main(args: argparse.Namespace) -> int:
         return 2
 
     def plot(path: str) -> None:
-        from .plot import draw
-
         m = report["machine"]
         draw(
             plot_groups(report),
