@@ -6,7 +6,7 @@ as usual). Every test is parametrized over ``impl``: framepipe's compiled core (
 when it is not built unless ``FRAMEPIPE_REQUIRE_EXTENSIONS=1``), its pure-Python twin (``py``)
 and ``multiprocessing.connection`` over a socketpair (``stdlib-duplex``) and over
 ``os.pipe()`` (``stdlib-simplex``). The writer always runs in a forked child, managed by
-:class:`framepipe._bench.Peer`, which kills it if it outlives its time limit.
+:class:`framepipe.bench.runner.Child`, which kills it if it outlives its time limit.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ try:
 except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from framepipe import _bench
+from framepipe.bench.peers import Impl, framepipe_impl, stdlib_impls
+from framepipe.bench.runner import Child
 
 IMPLS = ["c", "py", "stdlib-duplex", "stdlib-simplex"]
 _CORES = {"c": "c", "py": "python"}
@@ -41,19 +42,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session", params=IMPLS)
-def impl(request: pytest.FixtureRequest) -> _bench.Impl:
+def impl(request: pytest.FixtureRequest) -> Impl:
     """One implementation under test (see the module docstring for the ids)."""
     name: str = request.param
     if name in _CORES:
         try:
-            return _bench.framepipe_impl(_CORES[name])
+            return framepipe_impl(_CORES[name])
         except ImportError as exc:
             if name == "c" and os.environ.get("FRAMEPIPE_REQUIRE_EXTENSIONS"):
                 pytest.fail(
                     f"FRAMEPIPE_REQUIRE_EXTENSIONS=1 but the compiled core is missing: {exc}"
                 )
             pytest.skip(f"framepipe {_CORES[name]!r} core not available: {exc}")
-    return {i.name.replace(" ", "-"): i for i in _bench.stdlib_impls()}[name]
+    return {i.name.replace(" ", "-"): i for i in stdlib_impls()}[name]
 
 
 def _serve_echo(end: Any) -> None:
@@ -74,10 +75,10 @@ def _stream(make: Callable[[], Any], method: str) -> Callable[[Any], None]:
 
 
 @pytest.fixture
-def echo(impl: _bench.Impl) -> Iterator[Any]:
+def echo(impl: Impl) -> Iterator[Any]:
     """This process's end of a duplex connection whose other end echoes every message."""
     parent, child = impl.duplex()
-    with _bench.Peer(
+    with Child(
         _serve_echo,
         (child,),
         drop_in_child=[parent],
@@ -89,15 +90,15 @@ def echo(impl: _bench.Impl) -> Iterator[Any]:
 
 
 @pytest.fixture
-def stream_from(impl: _bench.Impl) -> Iterator[Callable[[Callable[[], Any], str], Any]]:
+def stream_from(impl: Impl) -> Iterator[Callable[[Callable[[], Any], str], Any]]:
     """``stream_from(make_payload, "send_bytes" | "send")`` starts a child that sends
     ``make_payload()`` over and over; returns ``(reading end, the child's Process)``. Torn
     down after the test."""
-    peers: list[_bench.Peer] = []
+    peers: list[Child] = []
 
     def start(make: Callable[[], Any], method: str) -> tuple[Any, Any]:
         reader, writer = impl.oneway()
-        peer = _bench.Peer(
+        peer = Child(
             _stream(make, method),
             (writer,),
             drop_in_child=[reader],

@@ -3,7 +3,7 @@ one item (float32 arrays of 4 KiB, 1 MiB, 16 MiB; 2 workers, in order) from a ru
 
 Every round is ``next(items)`` plus a touch of one element, so the mean is the inverse of the
 loader's items/s once it runs; groups compare the loaders side by side. torch's row is skipped
-when torch is not installed (``pip install torch==2.13.0``). ``multiprocessing.Pool.imap`` is
+when torch is not installed (``pip install 'framepipe[bench]'``). ``multiprocessing.Pool.imap`` is
 left to ``python -m framepipe bench loader``: it has no back pressure, so an open-ended run
 would grow without bound.
 """
@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("numpy")
 
-from framepipe import _bench_loader as B  # noqa: E402
+from framepipe.bench import loader as B  # noqa: E402
 
 SOURCES = {
     "framepipe-DataLoader": B.framepipe_items,

@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
-from framepipe import WriterDied, _bench
-from framepipe._bench_watch import _sleeper
+from framepipe import WriterDied
+from framepipe.bench.detection import hold
+from framepipe.bench.peers import Impl
 
 SIZE = 64
 BATCH = 1000  # reads per round: a single 1 us read would be mostly timer overhead
@@ -41,7 +42,7 @@ def _stdlib_timed_read(reader: Any, extra: list[Any]) -> Callable[[], bytes]:
 @pytest.mark.benchmark(group="read-64B-x1000")
 @pytest.mark.parametrize("mode", ["plain", "timed", "watched+timed"])
 def test_read_64B(
-    benchmark: Any, stream_from: Callable[..., Any], impl: _bench.Impl, mode: str
+    benchmark: Any, stream_from: Callable[..., Any], impl: Impl, mode: str
 ) -> None:
     reader, process = stream_from(lambda: b"\x5a" * SIZE, "send_bytes")
     benchmark.extra_info["bytes_per_round"] = SIZE * BATCH
@@ -63,7 +64,7 @@ def test_read_64B(
 
 
 @pytest.mark.benchmark(group="timeout-10ms")
-def test_timeout_10ms(benchmark: Any, impl: _bench.Impl) -> None:
+def test_timeout_10ms(benchmark: Any, impl: Impl) -> None:
     """A 10 ms read timeout on a silent pipe: the time above 10 ms is the overshoot."""
     reader, writer = impl.oneway()
     try:
@@ -87,10 +88,10 @@ def test_timeout_10ms(benchmark: Any, impl: _bench.Impl) -> None:
         writer.close()
 
 
-def _start_small_child(impl: _bench.Impl) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _start_small_child(impl: Impl) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A fresh spawned interpreter holding the only write end of a new pipe."""
     reader, writer = impl.oneway()
-    proc = multiprocessing.get_context("spawn").Process(target=_sleeper, args=(writer,))
+    proc = multiprocessing.get_context("spawn").Process(target=hold, args=(writer,))
     proc.start()
     writer.close()
     if impl.is_framepipe:
@@ -100,7 +101,7 @@ def _start_small_child(impl: _bench.Impl) -> tuple[tuple[Any, ...], dict[str, An
 
 
 @pytest.mark.benchmark(group="death-seen")
-def test_sigkill_to_notice(benchmark: Any, impl: _bench.Impl) -> None:
+def test_sigkill_to_notice(benchmark: Any, impl: Impl) -> None:
     """SIGKILL to the reader knowing: framepipe's watched ``recv_bytes`` raising WriterDied,
     the stdlib's ``wait([conn, process.sentinel])`` returning."""
     seen: list[tuple[Any, Any]] = []

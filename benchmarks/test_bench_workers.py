@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from framepipe._bench_workers import noop
+from framepipe.bench.workers import noop
 from framepipe.workers import Pool
 
 TASKS = 2000

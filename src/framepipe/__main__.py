@@ -1,5 +1,5 @@
-"""Command line: ``python -m framepipe bench [core|workers|loader] [--quick] [--json]`` and
-``python -m framepipe demo``."""
+"""Command line: ``python -m framepipe bench [core|workers|loader] [--full] [--json FILE]
+[--plot FILE.png]`` and ``python -m framepipe demo``."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from . import _demo
+from .bench import cli
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m framepipe`` argument parser, one subcommand per tool."""
-    from . import _bench
-
     parser = argparse.ArgumentParser(
         prog="python -m framepipe",
         description="framepipe: framed pipes for worker processes",
@@ -20,12 +21,13 @@ def build_parser() -> argparse.ArgumentParser:
     commands.required = True
     bench = commands.add_parser(
         "bench",
-        help="compare framepipe's cores with multiprocessing.connection",
-        description="Time framepipe's compiled core and Python twin against "
-        "multiprocessing.connection in one run and print the ratios.",
+        help="compare framepipe with multiprocessing and the libraries people use",
+        description="Time framepipe against the stdlib (and pyzmq, loky, pebble, mpire, "
+        "torch when installed) in one run and print the ratios. Progress goes to stderr, "
+        "the table to stdout.",
     )
-    _bench.add_arguments(bench)
-    bench.set_defaults(handler=_bench.main)
+    cli.add_arguments(bench)
+    bench.set_defaults(handler=cli.main)
     demo = commands.add_parser(
         "demo",
         help="a worker pool meeting a task exception, a killed worker and a hung task",
@@ -36,8 +38,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from . import _demo
-
     return _demo.main(args)
 
 

@@ -13,6 +13,8 @@ import signal
 import sys
 import time
 
+from .workers import Pool, TaskTimeout, WorkerCrashed
+
 
 class QuotaExceeded(Exception):
     """An exception the stdlib's pools cannot carry: two required constructor arguments."""
@@ -41,8 +43,6 @@ def wait_for_lock() -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .workers import Pool, TaskTimeout, WorkerCrashed
-
     out = sys.stdout
     with Pool(2, task_timeout=1.0, name="demo") as pool:
         print("1. A task raises QuotaExceeded('alice', 100): it arrives as itself.\n", file=out)

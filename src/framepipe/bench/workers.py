@@ -8,13 +8,14 @@ it); a task raising an exception whose constructor takes two arguments; a 0.5 s 
 (how late the task fails, and whether the hung worker's stack is shown). Peers: the stdlib's
 ``ProcessPoolExecutor`` and ``multiprocessing.Pool``, and loky, pebble and mpire when installed.
 Every pool starts with the ``spawn`` method (mpire: its default, ``fork``).
+
+The task functions live at module level: spawned workers import them from here.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import json
 import multiprocessing
 import os
 import signal
@@ -22,8 +23,15 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from ..workers import Pool
+from . import peers
+from .machine import machine_info
+from .output import emit
+from .plot import Bar, Group, draw
+from .table import fit, wrap
 
 WORKERS = 2
 _ARRAYS: dict[int, Any] = {}
@@ -102,10 +110,9 @@ class FramepipePool(Adapter):
     name = "framepipe Pool"
 
     def __init__(self, task_timeout: float | None = None) -> None:
-        from .workers import Pool
-
-        self.pool = Pool(WORKERS, start_method="spawn", task_timeout=task_timeout,
-                         max_restarts=None)
+        self.pool = Pool(
+            WORKERS, start_method="spawn", task_timeout=task_timeout, max_restarts=None
+        )
 
     def submit_with_timeout(self, fn: Callable[..., Any], timeout: float) -> Any:
         return self.pool.submit(fn)
@@ -226,15 +233,9 @@ PEERS: list[tuple[str, type[Adapter], str | None]] = [
 
 
 def missing_peers() -> list[str]:
-    out = []
-    for _, _, module in PEERS:
-        if module is None:
-            continue
-        try:
-            __import__(module)
-        except ImportError:
-            out.append(module)
-    return out
+    """The optional pools that do not import here."""
+    gone = {p.module for p in peers.missing("workers")}
+    return [module for _, _, module in PEERS if module is not None and module in gone]
 
 
 # -- measurements -----------------------------------------------------------------------------
@@ -377,15 +378,36 @@ def _fresh(cls: type[Adapter], fn: Callable[[Adapter], Any], **kw: Any) -> Any:
             pass
 
 
-def run(quick: bool, progress: Callable[[str], None]) -> dict[str, Any]:
+def _chosen(names: Sequence[str]) -> list[tuple[str, type[Adapter], str | None]]:
+    patterns = [p.strip().lower() for value in names for p in value.split(",") if p.strip()]
+    if not patterns:
+        return list(PEERS)
+    chosen = [peer for peer in PEERS if any(peer[0].lower().startswith(p) for p in patterns)]
+    if not chosen:
+        raise ValueError(
+            f"--rows {','.join(names)} selects no pool; the pools are: "
+            + ", ".join(name for name, _, _ in PEERS)
+        )
+    return chosen
+
+
+def run(
+    quick: bool,
+    progress: Callable[[str], None] = lambda line: None,
+    names: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Every chosen pool's rows: ``{"machine", "settings", "rows", "missing", ...}``."""
+    chosen = _chosen(names)
     n = 5000 if quick else 20000
     repeat = 2 if quick else 3
+    machine = machine_info()
+    started = time.monotonic()
     rows: dict[str, dict[str, Any]] = {}
     skipped = missing_peers()
-    for name, cls, module in PEERS:
-        if module in skipped:
-            continue
-        progress(f"[{name}] throughput")
+    runnable = [peer for peer in chosen if peer[2] not in skipped]
+    progress(f"bench workers: {len(runnable)} pools, {WORKERS} workers each, {n:,} tasks a run")
+    for k, (name, cls, _module) in enumerate(runnable, 1):
+        progress(f"[{k}/{len(runnable)}] {name}: throughput")
         row: dict[str, Any] = {}
 
         def speed(a: Adapter, row: dict[str, Any] = row) -> None:
@@ -397,7 +419,9 @@ def run(quick: bool, progress: Callable[[str], None]) -> dict[str, Any]:
         failed = _fresh(cls, speed)
         if failed:
             row["error"] = failed
-        progress(f"[{name}] an exception with two arguments, a crash, a timeout")
+        progress(
+            f"[{k}/{len(runnable)}] {name}: an exception with two arguments, a crash, a timeout"
+        )
         row["two_arg"] = _fresh(cls, two_arg)
         row["crash"] = _fresh(cls, crash)
         if isinstance(row["crash"], str):
@@ -408,11 +432,31 @@ def run(quick: bool, progress: Callable[[str], None]) -> dict[str, Any]:
             late = _fresh(cls, timeout_overshoot)
         else:
             late = (None, None)
-        row["timeout_late"], row["timeout_stack"] = late if isinstance(late, tuple) else \
-            (None, None)
+        row["timeout_late"], row["timeout_stack"] = (
+            late if isinstance(late, tuple) else (None, None)
+        )
         rows[name] = row
-    return {"workers": WORKERS, "tasks": n, "rows": rows, "missing": skipped,
-            "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    elapsed = time.monotonic() - started
+    progress(f"done in {elapsed:.1f} s")
+    gone = [p for p in peers.missing("workers") if p.module != "matplotlib"]
+    return {
+        "machine": machine,
+        "settings": {
+            "suite": "workers",
+            "quick": quick,
+            "workers": WORKERS,
+            "tasks": n,
+            "repeat": repeat,
+            "elapsed_s": round(elapsed, 2),
+        },
+        "workers": WORKERS,
+        "tasks": n,
+        "rows": rows,
+        "missing": skipped,
+        "missing_line": peers.missing_line_for(gone),
+        "peers": peers.versions("workers"),
+        "targets": _targets(rows),
+    }
 
 
 def _fmt_rate(x: float | None) -> str:
@@ -429,30 +473,113 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.1f}"
 
 
-def format_report(report: dict[str, Any]) -> str:
-    rows = report["rows"]
+def _targets(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """framepipe's Pool against the peers of this run: ``{"what", "got", "unit", "target",
+    "met"}`` each."""
     fp = rows.get("framepipe Pool", {})
-    peers = {k: v for k, v in rows.items() if k != "framepipe Pool" and "error" not in v}
+    if not fp or "error" in fp:
+        return []
+    out: list[dict[str, Any]] = []
+
+    def add(what: str, got: float, unit: str, target: str, met: bool) -> None:
+        out.append({"what": what, "got": got, "unit": unit, "target": target, "met": met})
+
+    others = {k: v for k, v in rows.items() if k != "framepipe Pool" and "error" not in v}
+    if others:
+        best_submit = max(v["submit"] for v in others.values())
+        best_map = max(v["map"] for v in others.values())
+        add(
+            "no-op submit/s vs the fastest peer",
+            fp["submit"] / best_submit,
+            "x",
+            ">= 1.3x",
+            fp["submit"] / best_submit >= 1.3,
+        )
+        add(
+            "no-op map/s vs the fastest peer",
+            fp["map"] / best_map,
+            "x",
+            ">= 2x",
+            fp["map"] / best_map >= 2,
+        )
+    ppe = rows.get("ProcessPoolExecutor", {})
+    if ppe and "error" not in ppe:
+        rt = fp["rt_median"] / ppe["rt_median"]
+        add("round trip vs ProcessPoolExecutor", rt, "x", "<= 0.6x", rt <= 0.6)
+        if fp.get("mb16") and ppe.get("mb16"):
+            m = fp["mb16"] / ppe["mb16"]
+            add("16 MiB results vs ProcessPoolExecutor", m, "x", ">= 3x", m >= 3)
+    c = fp.get("crash", {})
+    if c.get("to_failure") is not None:
+        add(
+            "crash to the failed future",
+            c["to_failure"] * 1e3,
+            "ms",
+            "<= 3 ms",
+            c["to_failure"] <= 0.003,
+        )
+    if c.get("to_serving") is not None:
+        add(
+            "crash to the next task served",
+            c["to_serving"] * 1e3,
+            "ms",
+            "<= 20 ms",
+            c["to_serving"] <= 0.02,
+        )
+    if fp.get("timeout_late") is not None:
+        add(
+            "0.5 s timeout overshoot, stack captured",
+            fp["timeout_late"] * 1e3,
+            "ms",
+            "<= 5 ms",
+            bool(fp["timeout_late"] <= 0.005 and fp.get("timeout_stack")),
+        )
+    return out
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The throughput table, the fault table, the timeouts, the targets and the missing
+    pools, within 100 columns."""
+    rows = report["rows"]
+    m = report["machine"]
     lines = [
-        f"framepipe bench workers: {report['workers']} workers, {report['tasks']:,} no-op tasks "
-        f"a run, best of runs ({report['time']})",
+        f"framepipe {m['framepipe']} bench workers: {report['workers']} workers a pool, "
+        f"{report['tasks']:,} no-op tasks a run, the best of {report['settings']['repeat']} runs",
+        f"run {m['date']} on {m['cpus_usable']} CPUs; {m['cpu_model']}; {m['python']}; "
+        f"core {m['core']}",
+        "",
+        *wrap(
+            "throughput: submit/s and map/s are no-op tasks per second through submit() + "
+            "result() and through map(chunksize=1); rt is one task's round trip (median, "
+            "p99); 1MiB and 16MiB are MB/s of float32 array results; higher rates and "
+            "lower times are better",
+            "",
+        ),
         "",
         f"{'pool':<21}{'submit/s':>9}{'map/s':>9}{'rt med':>8}{'rt p99':>8}"
         f"{'1MiB MB/s':>10}{'16MiB MB/s':>11}",
     ]
     for name, r in rows.items():
         if "error" in r:
-            lines.append(f"{name:<21} failed: {r['error']}")
+            lines += wrap(f"{name:<21}failed: {r['error']}", "", " " * 21)
             continue
         lines.append(
             f"{name:<21}{_fmt_rate(r.get('submit')):>9}{_fmt_rate(r.get('map')):>9}"
             f"{r['rt_median'] * 1e6:>6.0f}us{r['rt_p99'] * 1e6:>6.0f}us"
             f"{_fmt_mb(r.get('mb1')):>10}{_fmt_mb(r.get('mb16')):>11}"
         )
-    lines += ["", "a worker SIGKILLed mid-task, 20 tasks queued behind it; a task raising "
-              "TwoArgError(code, detail):", ""]
-    lines.append(f"{'pool':<21}{'fails in':>9}{'serves in':>10}{'queued ok':>10}  "
-                 f"{'error (pid named?)':<26}")
+    lines += [
+        "",
+        *wrap(
+            "faults: a worker SIGKILLed mid-task with 20 tasks queued behind it: how soon "
+            "its future fails, how soon the pool serves again, how many of the 20 finish, "
+            "what the caller gets ('pid': the error names the dead worker); then a task "
+            "raising TwoArgError(code, detail), an exception the stdlib cannot unpickle",
+            "",
+        ),
+        "",
+        f"{'pool':<21}{'fails in':>9}{'serves in':>10}{'queued ok':>10}  error",
+    ]
     for name, r in rows.items():
         c = r.get("crash")
         if not c:
@@ -462,65 +589,87 @@ def format_report(report: dict[str, Any]) -> str:
             err += " (pid)"
         serving = f"{_ms(c['to_serving'])}ms" if c.get("to_serving") is not None else "never"
         fails = f"{_ms(c['to_failure'])}ms" if c.get("to_failure") is not None else "never"
-        lines.append(f"{name:<21}{fails:>9}{serving:>10}{c.get('queued_ok', 0):>7}/20  "
-                     f"{err[:40]}")
-        lines.append(f"{'':<21}two-arg exception: {r.get('two_arg')}")
-    lines += ["", "0.5 s task timeout: how late the task failed, and whether the hung worker's "
-              "stack came with it:", ""]
+        lines.append(f"{name:<21}{fails:>9}{serving:>10}{c.get('queued_ok', 0):>7}/20  {err[:40]}")
+        lines += wrap(f"two-arg exception: {r.get('two_arg')}", " " * 21, " " * 23)
+    lines += [
+        "",
+        *wrap(
+            "timeouts: a task that hangs, given 0.5 s: how late it fails, and "
+            "whether the hung worker's stack comes with the error",
+            "",
+        ),
+        "",
+    ]
     for name, r in rows.items():
         late = r.get("timeout_late")
         if late is None:
             lines.append(f"  {name:<21} no per-task timeout")
         else:
-            lines.append(f"  {name:<21} {late * 1e3:6.1f} ms late, stack: "
-                         f"{'yes' if r.get('timeout_stack') else 'no'}")
-    if fp and "error" not in fp and peers:
-        best_submit = max(v["submit"] for v in peers.values())
-        best_map = max(v["map"] for v in peers.values())
-        ppe = rows.get("ProcessPoolExecutor", {})
-        lines += ["", "targets (framepipe against the peers of this run):"]
+            lines.append(
+                f"  {name:<21} {late * 1e3:6.1f} ms late, stack: "
+                f"{'yes' if r.get('timeout_stack') else 'no'}"
+            )
+    if report["targets"]:
+        lines += ["", "targets (framepipe's Pool against the other pools of this run):"]
+        for t in report["targets"]:
+            got = f"{t['got']:.2f}x" if t["unit"] == "x" else f"{t['got']:.1f}ms"
+            lines.append(
+                f"  {t['what']:<46}{got:>8}  {t['target']:<10}{'met' if t['met'] else 'MISSED'}"
+            )
+    if report.get("missing_line"):
+        lines += ["", *wrap(report["missing_line"], "")]
+    return "\n".join(fit(lines))
 
-        def target(text: str, ratio: float | None, goal: str, met: bool | None) -> None:
-            r = "-" if ratio is None else f"{ratio:.2f}x"
-            verdict = "-" if met is None else ("met" if met else "NOT met")
-            lines.append(f"  {text:<46}{r:>8}  {goal:<10}{verdict}")
 
-        target("no-op submit/s vs the fastest peer", fp["submit"] / best_submit, ">= 1.3x",
-               fp["submit"] / best_submit >= 1.3)
-        target("no-op map/s vs the fastest peer", fp["map"] / best_map, ">= 2x",
-               fp["map"] / best_map >= 2)
-        if ppe and "error" not in ppe:
-            rt = fp["rt_median"] / ppe["rt_median"]
-            target("round trip vs ProcessPoolExecutor", rt, "<= 0.6x", rt <= 0.6)
-            if fp.get("mb16") and ppe.get("mb16"):
-                m = fp["mb16"] / ppe["mb16"]
-                target("16 MiB results vs ProcessPoolExecutor", m, ">= 3x", m >= 3)
-        c = fp.get("crash", {})
-        if c.get("to_failure") is not None:
-            lines.append(f"  {'crash to failed future':<46}{c['to_failure'] * 1e3:>6.1f}ms  "
-                         f"{'<= 3 ms':<10}{'met' if c['to_failure'] <= 0.003 else 'NOT met'}")
-        if c.get("to_serving") is not None:
-            lines.append(f"  {'crash to the next task served':<46}{c['to_serving'] * 1e3:>6.1f}ms"
-                         f"  {'<= 20 ms':<10}{'met' if c['to_serving'] <= 0.02 else 'NOT met'}")
-        if fp.get("timeout_late") is not None:
-            ok = fp["timeout_late"] <= 0.005 and fp.get("timeout_stack")
-            lines.append(f"  {'0.5 s timeout overshoot, stack captured':<46}"
-                         f"{fp['timeout_late'] * 1e3:>6.1f}ms  {'<= 5 ms':<10}"
-                         f"{'met' if ok else 'NOT met'}")
-    if report["missing"]:
-        lines += ["", "not installed: " + ", ".join(report["missing"]) +
-                  " (pip install " + " ".join(report["missing"]) + ")"]
-    return "\n".join(lines)
+_METRICS = (
+    ("submit", "no-op submit/s", False),
+    ("map", "no-op map/s", False),
+    ("rt_median", "round trip", True),
+    ("mb1", "1 MiB results", False),
+    ("mb16", "16 MiB results", False),
+)
+
+
+def plot_groups(report: dict[str, Any]) -> list[Any]:
+    """The ``--plot`` groups: each pool's speed against ProcessPoolExecutor, per metric."""
+    rows = report["rows"]
+    base = rows.get("ProcessPoolExecutor", {})
+    groups = []
+    for key, title, lower in _METRICS:
+        ref = base.get(key)
+        if not ref:
+            continue
+        group = Group(title)
+        for name, r in rows.items():
+            value = r.get(key)
+            if value:
+                speed = ref / value if lower else value / ref
+                group.bars.append(Bar(name, speed, name.startswith("framepipe")))
+        groups.append(group)
+    return groups
 
 
 def main(args: argparse.Namespace) -> int:
-    def progress(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
+    """``python -m framepipe bench workers``."""
 
-    report = run(quick=args.quick, progress=progress)
-    if args.json:
-        json.dump(report, sys.stdout, indent=2, default=str)
-        sys.stdout.write("\n")
-    else:
-        print(format_report(report))
-    return 0
+    def progress(line: str) -> None:
+        if not args.quiet:
+            print(line, file=sys.stderr, flush=True)
+
+    try:
+        report = run(quick=args.quick, progress=progress, names=args.rows)
+    except ValueError as exc:
+        print(f"framepipe bench: {exc}", file=sys.stderr)
+        return 2
+
+    def plot(path: str) -> None:
+        m = report["machine"]
+        draw(
+            plot_groups(report),
+            path,
+            f"framepipe {m['framepipe']} bench workers, {m['date']}, {m['cpus_usable']} CPUs",
+            "speed against concurrent.futures.ProcessPoolExecutor (x, log scale; above 1 is "
+            "faster)",
+        )
+
+    return emit(args, report, format_report(report), plot)
