@@ -84,10 +84,11 @@ def _extensions() -> list[Extension]:
         f"neither Cython 3 nor the generated {GENERATED_C} is here, so the compiled core "
         "cannot be built: pip install 'Cython>=3.0', or build from the sdist"
     )
+    if not BUILDING:
+        return []  # a metadata step: the build proper runs this file again, with Cython if asked
     if STRICT:
         raise BuildError(f"{_who()} but {message}")
-    if BUILDING:
-        _warn(message)
+    _warn(message)
     return []
 
 
