@@ -95,6 +95,7 @@ def ready_connections(conns: list[connection.Connection]) -> list[object]:
 
 
 def watch_a_worker() -> str:
+    print("usage: a worker fails on purpose; its crash report follows", file=sys.stderr)
     parent, child = connection.Pipe()
     p = mp.get_context("spawn").Process(target=fail_in_guard, args=(child,))
     p.start()
