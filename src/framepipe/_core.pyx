@@ -14,7 +14,7 @@ from cpython.pythread cimport (
     NOWAIT_LOCK, PyThread_acquire_lock, PyThread_allocate_lock, PyThread_free_lock,
     PyThread_get_thread_ident, PyThread_release_lock, PyThread_type_lock,
 )
-from libc.errno cimport EAGAIN, EINTR, EINVAL, errno
+from libc.errno cimport EAGAIN, EINTR, EINVAL, ENOSYS, EOPNOTSUPP, errno
 from libc.stdint cimport uint64_t
 from libc.string cimport memcpy, memmove, strerror
 
@@ -66,8 +66,6 @@ cdef extern from "unistd.h" nogil:
 
 DEF READ_CHUNK = 65536
 DEF DIRECT_MIN = 16384
-DEF EOPNOTSUPP_ = 95
-DEF ENOSYS_ = 38
 
 cdef int K_DATA = F.KIND_DATA
 cdef int K_TIMEOUT = F.KIND_TIMEOUT
@@ -653,7 +651,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                     if err == EINTR:
                         PyErr_CheckSignals()
                         continue
-                    if err == EOPNOTSUPP_ or err == EINVAL:
+                    if err == EOPNOTSUPP or err == EINVAL:
                         mode = FP_MODE_BLOCK  # this kernel cannot; poll first from now on
                         if bulk:
                             self._bmode = mode
@@ -1186,7 +1184,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         if err == EAGAIN or err == EINTR:
             PyErr_CheckSignals()
             return 0
-        if err == EOPNOTSUPP_ or err == ENOSYS_:
+        if err == EOPNOTSUPP or err == ENOSYS:
             return -1
         raise _oserror(err)
 
