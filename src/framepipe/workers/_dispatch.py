@@ -55,8 +55,9 @@ from ._process import ChildContext, WorkerProcess
 from .errors import PoolBroken, TaskTimeout, WorkerCancelled, WorkerError, WorkerStartError
 
 # Operations, parent to worker (first item of the pickled tuple). BATCH carries the pickles of
-# several tasks in one frame: one write for many small tasks.
-CALL, STREAM, CLOSE, BATCH, RETURN = 0, 1, 2, 3, 4
+# several tasks in one frame: one write for many small tasks. MAP carries a function once and
+# the pickles of (task id, args) of several calls of it (map's items).
+CALL, STREAM, CLOSE, BATCH, RETURN, MAP = 0, 1, 2, 3, 4, 5
 # Replies, worker to parent.
 RESULT, ERROR, ITEM, END, RECYCLE = 0, 1, 2, 3, 4
 
@@ -83,6 +84,8 @@ _ALL_SIGNALS = signal.valid_signals() if hasattr(signal, "valid_signals") else s
 
 
 _names: dict[Any, str] = {}
+_NO_KWARGS: dict[str, Any] = {}  # never changed: a call's **kwargs is a new dict
+_SCALARS = frozenset({type(None), bool, int, float, complex})
 _MAIN_ID = threading.main_thread().ident
 
 
@@ -136,7 +139,9 @@ def task_loop(ctx: ChildContext) -> None:
     conn = ctx.conn
     recv_bytes = conn.recv_bytes
     send = conn.send
+    send_bytes = conn.send_bytes
     loads = pickle.loads
+    dumps = pickle.dumps
     max_rss = ctx.options.get("max_rss")
     fdsock = ctx.options.get("fdsock")
     wire = None if fdsock is None else _shm.Wire(socket.socket(fileno=fdsock.fd),
@@ -154,6 +159,11 @@ def task_loop(ctx: ChildContext) -> None:
             if msg[0] == BATCH:
                 inbox.extend(map(loads, msg[1]))
                 continue
+            if msg[0] == MAP:
+                fn = msg[1]
+                for tid, args in map(loads, msg[2]):
+                    inbox.append((CALL, tid, fn, args, _NO_KWARGS))
+                continue
         op = msg[0]
         if op == CALL:
             tid, fn, args, kwargs = msg[1], msg[2], msg[3], msg[4]
@@ -169,12 +179,17 @@ def task_loop(ctx: ChildContext) -> None:
                 send((ERROR, tid, dumps_exception(exc)))
             else:
                 try:
-                    if wire is not None:
-                        wire.used = []
-                        value = _shm.convert_result(wire, value)
-                        if wire.new:
-                            wire.flush()
-                    send((RESULT, tid, value))
+                    if type(value) in _SCALARS:
+                        # pickled here: the connection's own send looks for out-of-band
+                        # buffers, which a number or a short string never has
+                        send_bytes(dumps((RESULT, tid, value), protocol=5))
+                    else:
+                        if wire is not None:
+                            wire.used = []
+                            value = _shm.convert_result(wire, value)
+                            if wire.new:
+                                wire.flush()
+                        send((RESULT, tid, value))
                 except Exception as exc:  # noqa: BLE001 - an unpicklable result
                     if wire is not None:
                         wire.give_back(wire.used)  # the parent never saw these arrays
@@ -428,10 +443,12 @@ class MapItem:
         return True
 
     def set_result(self, value: Any) -> None:
-        self.results.store(self.index, value)
+        if self.results.values[self.index] is _EMPTY:
+            self.results.store(self.index, value)
 
     def set_exception(self, exc: BaseException) -> None:
-        self.results.store(self.index, _Failure(exc))
+        if self.results.values[self.index] is _EMPTY:
+            self.results.store(self.index, _Failure(exc))
 
     def cancel(self) -> bool:
         if self.done():
@@ -441,11 +458,15 @@ class MapItem:
 
 
 class Task:
+    """One call. ``payload`` is its pickled message; for an item of a map it is the pickle of
+    ``(tid, args)`` only, and ``fn`` the function, sent once per frame (see MAP)."""
+
     __slots__ = ("tid", "future", "name", "payload", "size", "timeout", "stream", "delivered",
-                 "slot", "running")
+                 "slot", "running", "fn")
 
     def __init__(self, tid: int, future: concurrent.futures.Future[Any], name: str,
-                 payload: bytes, timeout: float | None, stream: ItemChannel | None) -> None:
+                 payload: bytes, timeout: float | None, stream: ItemChannel | None,
+                 fn: Any = None) -> None:
         self.tid = tid
         self.future = future
         self.name = name
@@ -456,6 +477,7 @@ class Task:
         self.delivered = False
         self.running = False
         self.slot: Slot | None = None
+        self.fn = fn
 
     def fail(self, exc: BaseException) -> None:
         if self.stream is not None:
@@ -719,6 +741,13 @@ class Core:
         name = _task_name(fn)
         dumps = pickle.dumps
         ids = self._ids
+        try:
+            dumps(fn, protocol=5)  # sent once per frame of items, not with each
+        except Exception as exc:  # noqa: BLE001 - every item fails with it
+            err = _unpicklable(fn, exc)
+            for i in range(len(items)):
+                results.store(i, _Failure(err))
+            return results
         # Queued a few hundred at a time, so the workers start while the rest is pickled.
         for start in range(0, len(items), _MAP_STEP):
             tasks = []
@@ -726,11 +755,11 @@ class Core:
                 tid = next(ids)
                 item = MapItem(results, i)
                 try:
-                    payload = dumps((CALL, tid, fn, items[i], {}), protocol=5)
+                    payload = dumps((tid, items[i]), protocol=5)
                 except Exception as exc:  # noqa: BLE001 - this item fails, the others run
                     item.set_exception(_unpicklable(fn, exc))
                     continue
-                tasks.append(Task(tid, item, name, payload, timeout, None))  # type: ignore[arg-type]
+                tasks.append(Task(tid, item, name, payload, timeout, None, fn))  # type: ignore[arg-type]
             with self._submit_lock:
                 if self.broken is not None:
                     raise self.broken
@@ -777,7 +806,10 @@ class Core:
                 batch = self._take_for(slot)
             if not batch:
                 continue
-            if len(batch) == 1:
+            fn = batch[0].fn
+            if fn is not None:
+                payload = pickle.dumps((MAP, fn, [t.payload for t in batch]), protocol=5)
+            elif len(batch) == 1:
                 payload = batch[0].payload
             else:
                 payload = pickle.dumps((BATCH, [t.payload for t in batch]), protocol=5)
@@ -788,36 +820,43 @@ class Core:
                     t.delivered = False  # the worker is gone: its death reschedules these
 
     def _take_for(self, slot: Slot) -> list[Task]:
-        """Move the pending tasks that ``slot`` has room for into its queue (lock held)."""
+        """Move the pending tasks that ``slot`` has room for into its queue (lock held): one
+        frame's worth, of tasks that share a frame format (map items of one function, or
+        whole tasks)."""
         batch: list[Task] = []
         nbytes = 0
-        room = max(1, slot.cap() - len(slot.outstanding))
+        outstanding = slot.outstanding
+        room = max(1, slot.cap() - len(outstanding))
+        owed = slot.sent_bytes - slot.done_bytes
         pending = self._pending
+        max_tasks = self.max_tasks
         while pending and len(batch) < room:
             task = pending[0]
-            if batch and (task.size >= BATCH_BYTES or nbytes + task.size > BATCH_BYTES or
-                          slot.out_bytes + task.size > PIPE_ROOM):
+            size = task.size
+            if batch and (size >= BATCH_BYTES or nbytes + size > BATCH_BYTES or
+                          owed + size > PIPE_ROOM or task.fn is not batch[0].fn):
                 break
             pending.popleft()
             if not task.running:  # a task rescheduled after a crash is running already
                 if not task.future.set_running_or_notify_cancel():
                     continue
                 task.running = True
-            if not slot.outstanding:
+            if not outstanding:
                 slot.head_since = time.monotonic()
                 if task.timeout is not None:
                     self.wake()
             if task.timeout is not None:
                 self._timers = True
-            slot.outstanding.append(task)
-            slot.sent_bytes += task.size
+            outstanding.append(task)
+            slot.sent_bytes += size
+            owed += size
             slot.sent += 1
             task.slot = slot
             task.future._slot = slot  # type: ignore[attr-defined]
             task.delivered = True  # before the write: the worker may die of it at once
             batch.append(task)
-            nbytes += task.size
-            if self.max_tasks is not None and slot.sent >= self.max_tasks:
+            nbytes += size
+            if max_tasks is not None and slot.sent >= max_tasks:
                 slot.retiring = True
                 self._dirty = True
                 self.wake()
@@ -1230,9 +1269,11 @@ class Core:
                 if self._cancelled and task.tid in self._cancelled:
                     self._cancelled.discard(task.tid)
                     task.fail(WorkerCancelled(f"task {task.tid} was cancelled"))
-                elif not task.future.done():
-                    with contextlib.suppress(concurrent.futures.InvalidStateError):
+                else:
+                    try:
                         task.future.set_result(msg[2])
+                    except concurrent.futures.InvalidStateError:
+                        pass  # it failed already (its deadline passed, it was cancelled)
             elif kind == ERROR:
                 self._cancelled.discard(task.tid)
                 task.fail(_revive(msg[2]))
