@@ -404,57 +404,27 @@ class MapResults:
         """Item ``i``'s result (raising its exception); TimeoutError after ``timeout``."""
         values = self.values
         if values[i] is _EMPTY:
-            with self.cond:
-                self.waiting = i
-                if not self.cond.wait_for(lambda: values[i] is not _EMPTY, timeout):
-                    raise TimeoutError("map() did not finish within its timeout")
-                self.waiting = -1
+            self.wait(i, timeout)
         value = values[i]
         values[i] = None  # the iterator hands each result out once: let it go
-        if isinstance(value, _Failure):
+        if type(value) is _Failure:
             raise value.exc
         return value
+
+    def wait(self, i: int, timeout: float | None) -> None:
+        """Wait until item ``i`` has its outcome; TimeoutError after ``timeout``."""
+        values = self.values
+        with self.cond:
+            self.waiting = i
+            if not self.cond.wait_for(lambda: values[i] is not _EMPTY, timeout):
+                raise TimeoutError("map() did not finish within its timeout")
+            self.waiting = -1
 
     def store(self, i: int, value: Any) -> None:
         self.values[i] = value
         if self.waiting == i:
             with self.cond:
                 self.cond.notify_all()
-
-
-class MapItem:
-    """One item of a :class:`MapResults`, with the part of the Future interface the core
-    uses."""
-
-    __slots__ = ("results", "index", "_slot")
-
-    def __init__(self, results: MapResults, index: int) -> None:
-        self.results = results
-        self.index = index
-        self._slot: Slot | None = None
-
-    def done(self) -> bool:
-        return self.results.values[self.index] is not _EMPTY
-
-    def set_running_or_notify_cancel(self) -> bool:
-        if self.results.cancelled:
-            self.results.store(self.index, _Failure(concurrent.futures.CancelledError()))
-            return False
-        return True
-
-    def set_result(self, value: Any) -> None:
-        if self.results.values[self.index] is _EMPTY:
-            self.results.store(self.index, value)
-
-    def set_exception(self, exc: BaseException) -> None:
-        if self.results.values[self.index] is _EMPTY:
-            self.results.store(self.index, _Failure(exc))
-
-    def cancel(self) -> bool:
-        if self.done():
-            return False
-        self.set_exception(concurrent.futures.CancelledError())
-        return True
 
 
 class Task:
@@ -488,6 +458,61 @@ class Task:
         slot = self.slot
         if slot is not None and slot.lent and slot.lent != threading.get_ident():
             slot.poke()  # a caller may be reading that worker's channel for this answer
+
+
+class MapTask(Task):
+    """An item of a map: a :class:`Task` that is also its own stand-in future (the part of the
+    Future interface the core uses), its outcome kept in slot ``index`` of ``results``."""
+
+    __slots__ = ("results", "index", "_slot")
+
+    @property
+    def future(self) -> MapTask:  # type: ignore[override]
+        return self
+
+    def __init__(self, tid: int, results: MapResults, index: int, name: str, payload: bytes,
+                 timeout: float | None, fn: Any) -> None:
+        self.tid = tid
+        self.results = results
+        self.index = index
+        self.name = name
+        self.payload = payload
+        self.size = len(payload)
+        self.timeout = timeout
+        self.stream = None
+        self.delivered = False
+        self.running = False
+        self.slot = None
+        self._slot = None
+        self.fn = fn
+
+    def done(self) -> bool:
+        return self.results.values[self.index] is not _EMPTY
+
+    def set_running_or_notify_cancel(self) -> bool:
+        if self.results.cancelled:
+            self.set_exception(concurrent.futures.CancelledError())
+            return False
+        return True
+
+    def set_result(self, value: Any) -> None:
+        results = self.results
+        i = self.index
+        if results.values[i] is _EMPTY:
+            results.values[i] = value
+            if results.waiting == i:
+                with results.cond:
+                    results.cond.notify_all()
+
+    def set_exception(self, exc: BaseException) -> None:
+        if self.results.values[self.index] is _EMPTY:
+            self.results.store(self.index, _Failure(exc))
+
+    def cancel(self) -> bool:
+        if self.done():
+            return False
+        self.set_exception(concurrent.futures.CancelledError())
+        return True
 
 
 class Slot:
@@ -753,13 +778,12 @@ class Core:
             tasks = []
             for i in range(start, min(start + _MAP_STEP, len(items))):
                 tid = next(ids)
-                item = MapItem(results, i)
                 try:
                     payload = dumps((tid, items[i]), protocol=5)
                 except Exception as exc:  # noqa: BLE001 - this item fails, the others run
-                    item.set_exception(_unpicklable(fn, exc))
+                    results.store(i, _Failure(_unpicklable(fn, exc)))
                     continue
-                tasks.append(Task(tid, item, name, payload, timeout, None, fn))  # type: ignore[arg-type]
+                tasks.append(MapTask(tid, results, i, name, payload, timeout, fn))
             with self._submit_lock:
                 if self.broken is not None:
                     raise self.broken
