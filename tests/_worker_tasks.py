@@ -178,3 +178,18 @@ def filled_pair(nbytes, value):
     import numpy as np
 
     return ("pair", np.full(nbytes, value, dtype=np.uint8), {"n": nbytes})
+
+
+def join_cgroup(path):
+    """An initializer: move this worker into the cgroup at ``path``."""
+    with open(os.path.join(path, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def allocate_until_killed(step, pause):
+    """Hold ``step`` more bytes (every page written) every ``pause`` seconds, forever: only the
+    OOM killer ends it."""
+    held = []
+    while True:
+        held.append(b"\x01" * step)
+        time.sleep(pause)

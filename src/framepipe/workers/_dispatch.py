@@ -71,6 +71,8 @@ QUEUE_SECONDS = 0.002  # a worker is given about this much work ahead
 STACK_WAIT = 1.0  # seconds to wait for a worker's stack dump at a deadline
 _REAP_DELAY = 0.001  # a dead worker is reaped (and replaced) this long after its report
 _PARTIAL_WAIT = 1.0  # the manager waits this long for the rest of a frame that has started
+RSS_PERIOD = 0.05  # a busy worker's peak RSS (and memory cgroup) is read this often
+_INF = float("inf")
 _WAKE, _DATA, _HEALTH, _STDERR = range(4)
 _EPOLL = getattr(select, "epoll", None)
 # Callers read their worker's answers themselves only where the manager's fd set can be changed
@@ -644,7 +646,7 @@ class Core:
         self._poller: _Poller | None = None
         self._owners: dict[int, tuple[Slot | None, int]] = {}
         self._ep_lock = threading.Lock()  # the poller and _owners, lending a channel
-        self._sleep_until = float("inf")  # when the manager's current wait ends at the latest
+        self._sleep_until = _INF  # when the manager's current wait ends at the latest
         self._manager_id = 0
         self._timers = task_timeout is not None
         self._dirty = True  # _maintain() has work: a death, a retirement, a start
@@ -736,13 +738,12 @@ class Core:
             if not task.future.set_running_or_notify_cancel():
                 return True  # cancelled already: nothing to send
             task.running = True
-            if not slot.outstanding:
-                slot.head_since = time.monotonic()
-                if task.timeout is not None:
-                    self.wake()
-            if task.timeout is not None:
-                self._timers = True
+            idle = not slot.outstanding
             slot.outstanding.append(task)
+            if idle:
+                self._busy(slot, task)
+            elif task.timeout is not None:
+                self._timers = True
             slot.sent_bytes += task.size
             slot.sent += 1
             task.slot = slot
@@ -865,13 +866,12 @@ class Core:
                 if not task.future.set_running_or_notify_cancel():
                     continue
                 task.running = True
-            if not outstanding:
-                slot.head_since = time.monotonic()
-                if task.timeout is not None:
-                    self.wake()
-            if task.timeout is not None:
-                self._timers = True
+            idle = not outstanding
             outstanding.append(task)
+            if idle:
+                self._busy(slot, task)
+            elif task.timeout is not None:
+                self._timers = True
             slot.sent_bytes += size
             owed += size
             slot.sent += 1
@@ -886,6 +886,14 @@ class Core:
                 self.wake()
                 break
         return batch
+
+    def _busy(self, slot: Slot, task: Task) -> None:
+        """``slot`` was idle and has ``task`` now: its deadline and RSS samples start; the
+        manager is woken when it would not know of them (it sleeps without a deadline)."""
+        slot.head_since = slot.last_rss_sample = time.monotonic()
+        self._timers = True
+        if task.timeout is not None or self._sleep_until == _INF:
+            self.wake()
 
     def wake(self) -> None:
         with contextlib.suppress(OSError):
@@ -1138,17 +1146,19 @@ class Core:
         if self._version != self._version_seen:
             self._rebuild_poller()
         timeout = None
-        self._sleep_until = float("inf")
+        self._sleep_until = _INF
         if self._timers:
+            # Cleared before the look, not after: a thread that gives a worker a deadline
+            # sets it again once the deadline can be seen.
+            self._timers = False
             deadline = None
             with self._lock:
                 slots = list(self._slots)
             for slot in slots:
                 for t in self._deadlines(slot):
                     deadline = t if deadline is None else min(deadline, t)
-            if deadline is None:
-                self._timers = False
-            else:
+            if deadline is not None:
+                self._timers = True
                 self._sleep_until = deadline
                 timeout = max(0.0, deadline - time.monotonic())
         try:
@@ -1206,10 +1216,12 @@ class Core:
             yield self._close_deadline
         if slot.kill_at is not None:
             yield slot.kill_at
-        if slot.outstanding and not slot.dead and slot.stopping is None:
-            head = slot.outstanding[0]
-            if head.timeout is not None and head.stream is None:
-                yield slot.head_since + head.timeout
+        if slot.outstanding and not slot.dead:
+            yield slot.last_rss_sample + RSS_PERIOD
+            if slot.stopping is None:
+                head = slot.outstanding[0]
+                if head.timeout is not None and head.stream is None:
+                    yield slot.head_since + head.timeout
 
     def _drain(self, slot: Slot) -> None:
         """Handle every message the worker has sent (its death last, after them). The caller
@@ -1247,9 +1259,6 @@ class Core:
                 per_task = (now - slot.head_since) / answered
                 slot.avg = slot.avg * 0.7 + per_task * 0.3
                 slot.head_since = now
-                if now - slot.last_rss_sample > 0.05:
-                    slot.last_rss_sample = now
-                    slot.proc.sample_rss()
                 if slot.outstanding and threading.get_ident() != self._manager_id:
                     # Read by a caller: the manager sleeps until the deadline it knew of; a
                     # new head task with a shorter one must wake it.
@@ -1322,6 +1331,8 @@ class Core:
             self.wake()  # when a caller read it
         elif kind == "ready":
             slot.ready = True
+            slot.proc.sample_rss()  # its initializer may have moved it to another cgroup
+            slot.last_rss_sample = time.monotonic()
         elif kind == "init-failed":
             exc = _revive(msg[2])
             err = WorkerStartError(
@@ -1419,7 +1430,13 @@ class Core:
             if slot.kill_at is not None and now >= slot.kill_at:
                 slot.kill_at = None
                 slot.proc.kill()
-            if slot.dead or slot.stopping is not None or not slot.outstanding:
+            if slot.dead or not slot.outstanding:
+                continue
+            if now >= slot.last_rss_sample + RSS_PERIOD:
+                # while it works: a worker the OOM killer takes has no /proc left to read
+                slot.last_rss_sample = now
+                slot.proc.sample_rss()
+            if slot.stopping is not None:
                 continue
             head = slot.outstanding[0]
             if head.timeout is not None and head.stream is None and \
