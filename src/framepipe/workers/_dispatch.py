@@ -1237,7 +1237,15 @@ class Core:
                 except ReadTimeout:
                     self._version += 1  # mid-frame: wait on wherever the rest will come from
                     return
-                answered += handle(slot, msg)
+                except (EOFError, OSError):
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - see _unreadable
+                    if not isinstance(exc, Exception) and \
+                            threading.get_ident() != self._manager_id:
+                        raise  # a caller's Ctrl-C, perhaps: see _serve
+                    answered += self._unreadable(slot, exc)
+                else:
+                    answered += handle(slot, msg)
                 if not conn._has_buffered():
                     if conn._pending_bulk_fd is not None or slot.partial:
                         slot.partial = conn._pending_bulk_fd is not None
@@ -1265,6 +1273,32 @@ class Core:
                     head = slot.outstanding[0]
                     if head.timeout is not None and now + head.timeout < self._sleep_until:
                         self.wake()
+
+    def _unreadable(self, slot: Slot, exc: BaseException) -> int:
+        """A frame of ``slot``'s worker could not be unpickled here (a class this process
+        cannot import, a ``__reduce__`` that raises in the parent): whole, but unreadable.
+        Answers come in order, so it belonged to the task at the head: that task fails, the
+        others go on. Returns 1 when that was the task's answer."""
+        task = slot.outstanding[0] if slot.outstanding else None
+        if task is None:
+            raise WorkerError(f"worker {slot.proc.name} sent a message that could not be "
+                              f"read, with no task due: {type(exc).__name__}: {exc}") from exc
+        what = "an item" if task.stream is not None else "the result"
+        err = WorkerError(
+            f"{what} of {task.name} (task {task.tid}) from worker {slot.proc.name!r} could not "
+            f"be unpickled in this process: {type(exc).__name__}: {exc}"
+        )
+        err.__cause__ = exc
+        task.fail(err)
+        if task.stream is not None:
+            # An item (the end and errors always read): the stream stays due until its end,
+            # which its generator, stopped now, sends.
+            self.health_notify(slot, "stop", task.tid)
+            return 0
+        slot.outstanding.popleft()
+        slot.done_bytes += task.size
+        self._cancelled.discard(task.tid)
+        return 1
 
     def _drain_health(self, slot: Slot) -> None:
         conn = slot.proc.health
