@@ -224,6 +224,7 @@ def test_worker_crash_report_and_restart(engine):
         pid = w.call(getpid)
         queued = w.submit(add, 1, 1)  # queued behind nothing yet: runs first
         assert queued.result(WAIT) == 2
+        w.submit(sleep_for, 0.2)  # so that the next two are queued before the worker dies
         dying = w.submit(kill_self_if, 3, {3})
         behind = w.submit(add, 2, 2)
         with pytest.raises(WorkerCrashed) as info:

@@ -72,6 +72,7 @@ STACK_WAIT = 1.0  # seconds to wait for a worker's stack dump at a deadline
 _REAP_DELAY = 0.001  # a dead worker is reaped (and replaced) this long after its report
 _PARTIAL_WAIT = 1.0  # the manager waits this long for the rest of a frame that has started
 RSS_PERIOD = 0.05  # a busy worker's peak RSS (and memory cgroup) is read this often
+RSS_LINGER = 1.0  # the manager's samples go on this long after a worker's last work
 _INF = float("inf")
 _WAKE, _DATA, _HEALTH, _STDERR = range(4)
 _EPOLL = getattr(select, "epoll", None)
@@ -539,6 +540,7 @@ class Slot:
         self.partial = False
         self.health_waiters: dict[int, concurrent.futures.Future[Any]] = {}
         self.last_rss_sample = 0.0
+        self.active_at = -RSS_LINGER  # when it last had work (see Core._busy)
         self.crash_reason: str | None = None
         self.health_eof = False
         # Reading the data channel: whoever holds ``reader`` (the manager, or a caller that
@@ -614,9 +616,9 @@ class Core:
         self.policy = policy
         self._n = max_workers
         self._mp = mp_context
-        self._proc_kw = dict(initializer=initializer, initargs=tuple(initargs), env=env,
-                             cwd=cwd, log_dir=log_dir, tee=tee,
-                             options={"max_rss": max_rss})
+        self._proc_kw: dict[str, Any] = dict(
+            initializer=initializer, initargs=tuple(initargs), env=env, cwd=cwd,
+            log_dir=log_dir, tee=tee, options={"max_rss": max_rss})
         self._loop = loop
         self.max_restarts = max_restarts
         self.restart_window = restart_window
@@ -888,9 +890,15 @@ class Core:
         return batch
 
     def _busy(self, slot: Slot, task: Task) -> None:
-        """``slot`` was idle and has ``task`` now: its deadline and RSS samples start; the
-        manager is woken when it would not know of them (it sleeps without a deadline)."""
-        slot.head_since = slot.last_rss_sample = time.monotonic()
+        """``slot`` was idle and has ``task`` now: its deadline and RSS samples start. The
+        manager is woken when it would not know of them: it sleeps without a deadline only
+        once every worker has been idle for ``RSS_LINGER`` seconds (so calls that come now and
+        then do not each wake it)."""
+        now = time.monotonic()
+        slot.head_since = now
+        if now - slot.active_at >= RSS_LINGER:
+            slot.last_rss_sample = now  # a new series of samples, the first one period away
+        slot.active_at = now
         self._timers = True
         if task.timeout is not None or self._sleep_until == _INF:
             self.wake()
@@ -1167,25 +1175,27 @@ class Core:
             events = []
         owners = self._owners
         for fd, _ in events:
-            slot, kind = owners.get(fd, (None, -1))
+            owner, kind = owners.get(fd, (None, -1))
+            if owner is None:
+                if kind == _WAKE:
+                    with contextlib.suppress(OSError):
+                        os.read(self._wake_r, 4096)
+                continue
             if kind == _DATA:
                 # Not while a caller reads it (it took the fd out of the set, but this event
                 # may have been taken just before)
-                if not slot.dead and slot.reader.acquire(False):  # type: ignore[union-attr]
+                if not owner.dead and owner.reader.acquire(False):
                     try:
-                        if not slot.stale or self._still_readable(slot):  # type: ignore[arg-type]
-                            self._drain(slot)  # type: ignore[arg-type]
+                        if not owner.stale or self._still_readable(owner):
+                            self._drain(owner)
                     finally:
-                        slot.reader.release()  # type: ignore[union-attr]
-            elif kind == _WAKE:
-                with contextlib.suppress(OSError):
-                    os.read(self._wake_r, 4096)
+                        owner.reader.release()
             elif kind == _HEALTH:
-                if not slot.dead:  # type: ignore[union-attr]
-                    self._drain_health(slot)  # type: ignore[arg-type]
+                if not owner.dead:
+                    self._drain_health(owner)
             elif kind == _STDERR:
-                if slot.proc.pump_stderr():  # type: ignore[union-attr]
-                    slot.stderr_eof = True  # type: ignore[union-attr]
+                if owner.proc.pump_stderr():
+                    owner.stderr_eof = True
                     self._version += 1
         if self._to_reap and time.monotonic() >= self._reap_at:
             with self._lock:
@@ -1216,8 +1226,11 @@ class Core:
             yield self._close_deadline
         if slot.kill_at is not None:
             yield slot.kill_at
-        if slot.outstanding and not slot.dead:
+        if slot.dead:
+            return
+        if slot.outstanding or slot.last_rss_sample < slot.active_at + RSS_LINGER:
             yield slot.last_rss_sample + RSS_PERIOD
+        if slot.outstanding:
             if slot.stopping is None:
                 head = slot.outstanding[0]
                 if head.timeout is not None and head.stream is None:
@@ -1266,7 +1279,7 @@ class Core:
                 now = time.monotonic()
                 per_task = (now - slot.head_since) / answered
                 slot.avg = slot.avg * 0.7 + per_task * 0.3
-                slot.head_since = now
+                slot.head_since = slot.active_at = now
                 if slot.outstanding and threading.get_ident() != self._manager_id:
                     # Read by a caller: the manager sleeps until the deadline it knew of; a
                     # new head task with a shorter one must wake it.
@@ -1464,13 +1477,14 @@ class Core:
             if slot.kill_at is not None and now >= slot.kill_at:
                 slot.kill_at = None
                 slot.proc.kill()
-            if slot.dead or not slot.outstanding:
+            if slot.dead:
                 continue
             if now >= slot.last_rss_sample + RSS_PERIOD:
                 # while it works: a worker the OOM killer takes has no /proc left to read
                 slot.last_rss_sample = now
-                slot.proc.sample_rss()
-            if slot.stopping is not None:
+                if slot.outstanding:
+                    slot.proc.sample_rss()
+            if slot.stopping is not None or not slot.outstanding:
                 continue
             head = slot.outstanding[0]
             if head.timeout is not None and head.stream is None and \

@@ -252,14 +252,19 @@ def _alive(pid: int) -> bool:
     return not parent_gone(pid)
 
 
-def _gone(pid: int) -> bool:
-    """Whether ``pid`` has exited (a zombie, or no such process)."""
+_PF_EXITING = 0x4  # the kernel's task flag, set as a process begins to exit
+
+
+def _exiting(pid: int) -> bool:
+    """Whether ``pid`` has begun to exit (or is gone). The kernel moves an exiting process to
+    the root cgroup before it becomes a zombie: a cgroup read after this is not the one it
+    lived in."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & _PF_EXITING)
+    except (OSError, IndexError, ValueError):
         return True
-    return state in (b"Z", b"X")
 
 
 def cgroup_memory_limit(oom_file: str | None) -> int | None:
@@ -359,7 +364,7 @@ _FIRST_LINE = re.compile(rb"^(?:Current thread|Thread) (0x[0-9a-f]+)", re.M)
 
 def _read_available(fd: int) -> tuple[bytes, bool]:
     """Every byte readable now from a non-blocking fd: (data, at_eof)."""
-    chunks = []
+    chunks: list[bytes] = []
     while True:
         try:
             chunk = os.read(fd, 65536)
@@ -614,8 +619,8 @@ class WorkerProcess:
         if pid is None:
             return
         file = _cgroup_oom_file(pid)
-        if file is None or file == self._oom_file or _gone(pid):
-            return  # (a dead process reads as in the root cgroup: not believed)
+        if file is None or file == self._oom_file or _exiting(pid):
+            return  # (an exiting process reads as in the root cgroup: not believed)
         self._oom_file, self._oom_before = file, _read_oom_kills(file)
 
     def _oom_killed(self, died: WriterDied | None, exitcode: int | None) -> bool | None:

@@ -159,12 +159,11 @@ class Pool(concurrent.futures.Executor):
         killed (SIGKILL to each process group), then reaped."""
         self._core.terminate()
 
-    def __exit__(self, exc_type: Any, *exc: object) -> bool | None:
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
         if exc_type is not None and not issubclass(exc_type, Exception):
             self.terminate()  # Ctrl-C or SystemExit: stop now, do not wait for the tasks
         else:
             self.shutdown(wait=True)
-        return False
 
     def __del__(self) -> None:
         core = getattr(self, "_core", None)
