@@ -114,9 +114,22 @@ def test_ctrl_c_stops_every_worker_with_one_traceback():
             parent.wait()
 
 
+def _event_fds() -> int:
+    """This process's eventfds and epoll sets (a pool's manager and its callers use them; the
+    fd_count fixture leaves such anonymous fds out)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}") in ("anon_inode:[eventfd]",
+                                                         "anon_inode:[eventpoll]")
+        except OSError:
+            pass
+    return n
+
+
 def test_start_shutdown_cycles_leak_nothing(engine, fd_count):
     def snapshot():
-        return fd_count(), threading.active_count()
+        return fd_count(), threading.active_count(), _event_fds()
 
     with Pool(2, start_method="fork") as pool:  # warm up: imports, the watcher thread
         pool.submit(add, 1, 1).result(WAIT)
@@ -125,6 +138,7 @@ def test_start_shutdown_cycles_leak_nothing(engine, fd_count):
     for i in range(200):
         with Pool(2, start_method="fork") as pool:
             assert pool.submit(add, i, 1).result(WAIT) == i + 1
+            assert _event_fds() > before[2]  # the pool's own are counted
     end = time.monotonic() + 10
     while snapshot() != before and time.monotonic() < end:
         time.sleep(0.05)
