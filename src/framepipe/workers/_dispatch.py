@@ -82,6 +82,8 @@ LEND = _EPOLL is not None and hasattr(os, "eventfd")
 # A caller reads the channel itself only when at most this many answers are due before and with
 # its own: behind a longer queue the manager is reading anyway, and lending costs four epoll_ctl.
 LEND_DEPTH = 2
+_EPOLL_IN = (select.EPOLLIN | select.EPOLLPRI) if _EPOLL is not None else 0
+_FINISHED = concurrent.futures._base.FINISHED
 _PENDING_STATES = (concurrent.futures._base.PENDING, concurrent.futures._base.RUNNING)
 _ALL_SIGNALS = signal.valid_signals() if hasattr(signal, "valid_signals") else set()
 
@@ -314,6 +316,8 @@ class _Future(concurrent.futures.Future):  # type: ignore[type-arg]
     def result(self, timeout: float | None = None) -> Any:
         if self._state in _PENDING_STATES and self._core is not None:
             timeout = self._core.wait_for(self, timeout)
+        if self._state == _FINISHED and self._exception is None:
+            return self._result  # final once set: no need for the condition
         return super().result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
@@ -550,6 +554,7 @@ class Slot:
         self.lent = 0
         self.stale = False
         self.poke_fd = -1  # a caller reading this channel also waits on this eventfd
+        self.out_fds: list[int] = []  # its fds out of the manager's set while it is lent
         self.help_poller: Any = None
 
     def poke(self) -> None:
@@ -966,11 +971,14 @@ class Core:
                         conn._pending_bulk_fd is not None or conn._liveness_fd is None:
                     return False
                 slot.lent = me  # from here on, the caller's take_back releases the lock
-                owners = self._owners
-                for fd in self._data_fds(slot):
-                    if fd is not None and owners.get(fd, (None, -1))[0] is slot:
-                        del owners[fd]
-                        self._poller.unregister(fd)  # type: ignore[union-attr]
+                # Its data fd only: the pidfd stays with the manager, which takes it out too if
+                # the worker dies meanwhile (see _step).
+                fd = conn.fileno()
+                try:
+                    self._poller._ep.unregister(fd)  # type: ignore[union-attr]
+                except (KeyError, OSError, ValueError):
+                    pass
+                slot.out_fds = [fd]
                 return True
         finally:
             if not slot.lent:
@@ -981,13 +989,20 @@ class Core:
         with self._ep_lock:
             slot.lent = 0
             slot.stale = True
+            out, slot.out_fds = slot.out_fds, []
             if not slot.dead and not self._closed_poller():
-                owners = self._owners
-                for fd in self._data_fds(slot):
-                    if fd is not None and fd >= 0 and fd not in owners:
-                        owners[fd] = (slot, _DATA)
-                        with contextlib.suppress(OSError, ValueError):
-                            self._poller.register(fd)  # type: ignore[union-attr]
+                ep: Any = self._poller._ep  # type: ignore[union-attr]
+                conn = slot.proc.conn
+                bulk = conn._pending_bulk_fd
+                if bulk is not None:  # a payload is pending: wait on the bulk socket instead
+                    data = conn.fileno()
+                    out = [bulk if fd == data else fd for fd in out]
+                    self._owners.setdefault(bulk, (slot, _DATA))
+                for fd in out:
+                    try:
+                        ep.register(fd, _EPOLL_IN)
+                    except (OSError, ValueError):
+                        pass  # (FileExistsError: a rebuild put it back already)
             slot.reader.release()
 
     def _closed_poller(self) -> bool:
@@ -1118,10 +1133,11 @@ class Core:
         poller = _Poller()
         owners: dict[int, tuple[Slot | None, int]] = {}
 
-        def add(fd: int | None, slot: Slot | None, kind: int) -> None:
+        def add(fd: int | None, slot: Slot | None, kind: int, polled: bool = True) -> None:
             if fd is not None and fd >= 0 and fd not in owners:
                 owners[fd] = (slot, kind)
-                poller.register(fd)
+                if polled:
+                    poller.register(fd)
 
         with self._ep_lock:
             self._version_seen = self._version
@@ -1130,9 +1146,12 @@ class Core:
                 slots = list(self._slots)
             for slot in slots:
                 if not slot.dead:
-                    if not slot.lent:  # a caller reads it: it comes back with the channel
-                        for fd in self._data_fds(slot):
-                            add(fd, slot, _DATA)
+                    data, pidfd = self._data_fds(slot)
+                    add(pidfd, slot, _DATA)
+                    # a caller reads it: it comes back with the channel
+                    add(data, slot, _DATA, polled=not slot.lent)
+                    if slot.lent:
+                        slot.out_fds = [] if data is None else [data]
                     if not slot.health_eof:
                         add(slot.proc.health.fileno(), slot, _HEALTH)
                 fd = slot.proc.stderr_fd()
@@ -1182,14 +1201,19 @@ class Core:
                         os.read(self._wake_r, 4096)
                 continue
             if kind == _DATA:
-                # Not while a caller reads it (it took the fd out of the set, but this event
-                # may have been taken just before)
-                if not owner.dead and owner.reader.acquire(False):
+                # Not while a caller reads it (it took the data fd out of the set, but this
+                # event may have been taken just before; or it is the pidfd of a worker that
+                # died while a caller read: that caller sees the death itself)
+                if owner.dead:
+                    continue
+                if owner.reader.acquire(False):
                     try:
                         if not owner.stale or self._still_readable(owner):
                             self._drain(owner)
                     finally:
                         owner.reader.release()
+                elif owner.lent:
+                    self._park(owner, fd)
             elif kind == _HEALTH:
                 if not owner.dead:
                     self._drain_health(owner)
@@ -1210,6 +1234,14 @@ class Core:
             self._maintain()
         if self._pending:
             self.kick()
+
+    def _park(self, slot: Slot, fd: int) -> None:
+        """Take ``fd`` out of the set while a caller reads ``slot`` (a readable fd nobody
+        reads would wake this thread again and again); its take_back puts it back."""
+        with self._ep_lock:
+            if slot.lent and fd not in slot.out_fds and not self._closed_poller():
+                self._poller.unregister(fd)  # type: ignore[union-attr]
+                slot.out_fds.append(fd)
 
     @staticmethod
     def _still_readable(slot: Slot) -> bool:
