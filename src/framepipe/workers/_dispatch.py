@@ -80,18 +80,16 @@ _EPOLL = getattr(select, "epoll", None)
 # while it waits in it (epoll); elsewhere answers always come through the manager.
 LEND = _EPOLL is not None and hasattr(os, "eventfd")
 # A caller reads the channel itself only when at most this many answers are due before and with
-# its own: behind a longer queue the manager is reading anyway, and lending costs four epoll_ctl.
+# its own: behind a longer queue the manager is reading anyway, and lending costs two epoll_ctl.
 LEND_DEPTH = 2
 _EPOLL_IN = (select.EPOLLIN | select.EPOLLPRI) if _EPOLL is not None else 0
 _FINISHED = concurrent.futures._base.FINISHED
 _PENDING_STATES = (concurrent.futures._base.PENDING, concurrent.futures._base.RUNNING)
-_ALL_SIGNALS = signal.valid_signals() if hasattr(signal, "valid_signals") else set()
 
 
 _names: dict[Any, str] = {}
 _NO_KWARGS: dict[str, Any] = {}  # never changed: a call's **kwargs is a new dict
 _SCALARS = frozenset({type(None), bool, int, float, complex})
-_MAIN_ID = threading.main_thread().ident
 
 
 class _Reading(threading.local):
@@ -186,7 +184,7 @@ def task_loop(ctx: ChildContext) -> None:
                 try:
                     if type(value) in _SCALARS:
                         # pickled here: the connection's own send looks for out-of-band
-                        # buffers, which a number or a short string never has
+                        # buffers, which a number never has
                         send_bytes(dumps((RESULT, tid, value), protocol=5))
                     else:
                         if wire is not None:
@@ -959,8 +957,8 @@ class Core:
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     def _lend(self, slot: Slot, me: int) -> bool:
-        """Take ``slot``'s channel from the manager (its fds out of the epoll set) for thread
-        ``me``."""
+        """Take ``slot``'s channel from the manager (its data fd out of the epoll set) for
+        thread ``me``."""
         if slot.dead or slot.lent or len(slot.outstanding) > LEND_DEPTH or \
                 not slot.reader.acquire(False):
             return False
