@@ -383,6 +383,37 @@ def test_pool_is_an_executor(engine):
         pool.submit(add, 1, 2)
 
 
+def test_pool_maps_of_different_functions_at_once_and_what_cannot_be_sent(engine):
+    # map sends its function once per frame of items: frames never mix two functions, or map
+    # items with whole tasks, however the queue interleaves them
+    with Pool(2, start_method="fork") as pool:
+        got = {}
+
+        def mapper(name, fn, n):
+            got[name] = list(pool.map(fn, range(n)))
+
+        threads = [threading.Thread(target=mapper, args=("square", square, 3000)),
+                   threading.Thread(target=mapper, args=("identity", identity, 3000))]
+        for t in threads:
+            t.start()
+        singles = [pool.submit(add, i, i) for i in range(500)]
+        for t in threads:
+            t.join(WAIT)
+        assert got == {"square": [i * i for i in range(3000)],
+                       "identity": list(range(3000))}
+        assert [f.result(WAIT) for f in singles] == [2 * i for i in range(500)]
+        assert list(pool.map(add, range(5), [10] * 5)) == [10, 11, 12, 13, 14]
+        # an item that cannot be sent fails alone, in its place
+        it = pool.map(identity, [1, lambda: 2, 3])
+        assert next(it) == 1
+        with pytest.raises(TypeError, match="cannot send"):
+            next(it)
+        # a function that cannot be sent fails every item
+        with pytest.raises(TypeError, match="cannot send"):
+            next(pool.map(lambda x: x, [1, 2]))
+        assert pool.submit(add, 1, 2).result(WAIT) == 3
+
+
 def test_pool_large_array_results_never_overwritten_while_held(engine):
     np = pytest.importorskip("numpy")
     from _worker_tasks import filled, filled_pair
