@@ -178,3 +178,57 @@ def filled_pair(nbytes, value):
     import numpy as np
 
     return ("pair", np.full(nbytes, value, dtype=np.uint8), {"n": nbytes})
+
+
+def join_cgroup(path):
+    """An initializer: move this worker into the cgroup at ``path``."""
+    with open(os.path.join(path, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def allocate_until_killed(step, pause):
+    """Hold ``step`` more bytes (every page written) every ``pause`` seconds, forever: only the
+    OOM killer ends it."""
+    held = []
+    while True:
+        held.append(b"\x01" * step)
+        time.sleep(pause)
+
+
+def sleep_then_die(seconds):
+    time.sleep(seconds)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def ignore_sigterm_then_hang():
+    """Hang in a loop that SIGTERM does not end (only the ladder's SIGKILL does)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        time.sleep(0.01)
+
+
+class Unreadable:
+    """Pickles in the worker; unpickling it anywhere raises (ModuleNotFoundError, as for a
+    class only the worker can import, or KeyboardInterrupt, as a Ctrl-C landing there)."""
+
+    def __init__(self, kind):
+        self.kind = kind
+
+    def __reduce__(self):
+        return (refuse_to_unpickle, (self.kind,))
+
+
+def refuse_to_unpickle(kind):
+    if kind == "interrupt":
+        raise KeyboardInterrupt
+    raise ModuleNotFoundError("No module named 'only_in_the_worker'")
+
+
+def unreadable_result(kind, delay=0.0):
+    time.sleep(delay)
+    return Unreadable(kind)
+
+
+def items_with_an_unreadable_one(n, bad_at):
+    for i in range(n):
+        yield Unreadable("import") if i == bad_at else i

@@ -224,6 +224,7 @@ def test_worker_crash_report_and_restart(engine):
         pid = w.call(getpid)
         queued = w.submit(add, 1, 1)  # queued behind nothing yet: runs first
         assert queued.result(WAIT) == 2
+        w.submit(sleep_for, 0.2)  # so that the next two are queued before the worker dies
         dying = w.submit(kill_self_if, 3, {3})
         behind = w.submit(add, 2, 2)
         with pytest.raises(WorkerCrashed) as info:
@@ -382,6 +383,37 @@ def test_pool_is_an_executor(engine):
         pool.submit(add, 1, 2)
 
 
+def test_pool_maps_of_different_functions_at_once_and_what_cannot_be_sent(engine):
+    # map sends its function once per frame of items: frames never mix two functions, or map
+    # items with whole tasks, however the queue interleaves them
+    with Pool(2, start_method="fork") as pool:
+        got = {}
+
+        def mapper(name, fn, n):
+            got[name] = list(pool.map(fn, range(n)))
+
+        threads = [threading.Thread(target=mapper, args=("square", square, 3000)),
+                   threading.Thread(target=mapper, args=("identity", identity, 3000))]
+        for t in threads:
+            t.start()
+        singles = [pool.submit(add, i, i) for i in range(500)]
+        for t in threads:
+            t.join(WAIT)
+        assert got == {"square": [i * i for i in range(3000)],
+                       "identity": list(range(3000))}
+        assert [f.result(WAIT) for f in singles] == [2 * i for i in range(500)]
+        assert list(pool.map(add, range(5), [10] * 5)) == [10, 11, 12, 13, 14]
+        # an item that cannot be sent fails alone, in its place
+        it = pool.map(identity, [1, lambda: 2, 3])
+        assert next(it) == 1
+        with pytest.raises(TypeError, match="cannot send"):
+            next(it)
+        # a function that cannot be sent fails every item
+        with pytest.raises(TypeError, match="cannot send"):
+            next(pool.map(lambda x: x, [1, 2]))
+        assert pool.submit(add, 1, 2).result(WAIT) == 3
+
+
 def test_pool_large_array_results_never_overwritten_while_held(engine):
     np = pytest.importorskip("numpy")
     from _worker_tasks import filled, filled_pair
@@ -513,10 +545,16 @@ def test_pool_worker_dying_while_starting_breaks_it_instead_of_looping(engine):
     pool = Pool(2, start_method="fork", max_restarts=None, initializer=exit_hard,
                 initargs=(3,))
     try:
-        fut = pool.submit(add, 1, 1)
-        with pytest.raises(WorkerStartError) as info:
-            fut.result(WAIT)
-        assert "died while starting" in str(info.value) and "exited with code 3" in str(info.value)
+        # the pool may break before this submit (forked workers exit at once) or after it
+        try:
+            fut = pool.submit(add, 1, 1)
+        except WorkerStartError as exc:
+            err = exc
+        else:
+            with pytest.raises(WorkerStartError) as info:
+                fut.result(WAIT)
+            err = info.value
+        assert "died while starting" in str(err) and "exited with code 3" in str(err)
         assert isinstance(pool.broken, WorkerStartError)
         assert pool._core.restarts == 0  # no process was started to replace them
     finally:
@@ -545,3 +583,192 @@ def test_pool_argument_checks():
         Pool(2, start_method="teleport")
     with pytest.raises(TypeError):
         Pool(2, initializer=5)
+
+
+# -- callers reading their own answers ---------------------------------------------------------
+# A thread waiting in Future.result() takes its worker's channel from the manager, reads the
+# answers itself and gives the channel back. These tests watch that the channel was taken (a
+# spy on Core._lend, the real one still runs) and that every caller still gets its own answer.
+
+
+def _spy_lends(pool):
+    core = pool._core
+    real = core._lend
+    lends = []
+
+    def lend(slot, me):
+        ok = real(slot, me)
+        if ok:
+            lends.append((me, slot.index))
+        return ok
+
+    core._lend = lend
+    return lends
+
+
+def test_many_callers_reading_their_own_answers_while_one_waits_long(engine):
+    with Pool(2, start_method="fork") as pool:
+        assert _wait_until(lambda: sum(s.ready for s in pool._core.slots()) == 2)
+        lends = _spy_lends(pool)
+        long = pool.submit(sleep_for, 1.5)
+        got = {}
+
+        def long_waiter():
+            got["long"] = long.result(WAIT)
+
+        def caller(k):
+            got[k] = [pool.submit(add, k, i).result(WAIT) for i in range(200)]
+
+        threads = [threading.Thread(target=long_waiter)]
+        threads[0].start()
+        # it reads its worker's channel while the others come and go
+        assert _wait_until(lambda: any(me == threads[0].ident for me, _ in lends))
+        threads += [threading.Thread(target=caller, args=(k * 1000,)) for k in range(6)]
+        for t in threads[1:]:
+            t.start()
+        for t in threads:
+            t.join(WAIT)
+        assert not any(t.is_alive() for t in threads)
+        assert got.pop("long") == 1.5
+        assert got == {k * 1000: [k * 1000 + i for i in range(200)] for k in range(6)}
+        assert len({me for me, _ in lends}) >= 3  # callers of the other worker read it too
+        assert not any(s.lent for s in pool._core.slots())  # every channel given back
+        done, _ = cf.wait([pool.submit(add, i, 1) for i in range(100)], WAIT)  # manager alone
+        assert sorted(f.result() for f in done) == list(range(1, 101))
+
+
+def test_a_worker_dying_while_its_callers_read_its_channel(engine):
+    from _worker_tasks import sleep_then_die
+
+    with Pool(1, start_method="fork", max_restarts=None) as pool:
+        first = pool.submit(getpid).result(WAIT)
+        lends = _spy_lends(pool)
+        victim = pool.submit(sleep_then_die, 0.3)
+        behind = pool.submit(add, 2, 3)  # queued behind it on the same worker
+        outcome = {}
+
+        def wait_for_victim():
+            try:
+                victim.result(WAIT)
+            except BaseException as exc:  # noqa: BLE001 - the test looks at it
+                outcome["victim"] = exc
+
+        t = threading.Thread(target=wait_for_victim)
+        t.start()
+        assert behind.result(WAIT) == 5  # read the death, then its answer from the new worker
+        t.join(WAIT)
+        err = outcome["victim"]
+        assert isinstance(err, WorkerCrashed) and err.signal_name == "SIGKILL"
+        assert err.pid == first and err.task_name.endswith("sleep_then_die")
+        assert any(index == 0 for _, index in lends)  # a caller read the dying worker
+        assert pool.submit(getpid).result(WAIT) != first
+        assert len(pool.crashes) == 1
+
+
+def test_cancel_while_a_caller_reads_the_channel(engine):
+    with Worker(start_method="fork") as w:
+        assert w.call(add, 1, 1) == 2
+        lends = _spy_lends(w)
+        running = w.submit(sleep_for, 30)
+        queued = w.submit(add, 1, 2)
+        outcome = {}
+
+        def wait_for_queued():
+            try:
+                queued.result(WAIT)
+            except BaseException as exc:  # noqa: BLE001 - the test looks at it
+                outcome["queued"] = exc
+
+        t = threading.Thread(target=wait_for_queued)
+        t.start()
+        assert _wait_until(lambda: any(me == t.ident for me, _ in lends))
+        assert w.cancel() == 2
+        t.join(WAIT)
+        assert isinstance(outcome["queued"], WorkerCancelled)
+        with pytest.raises(WorkerCancelled):
+            running.result(WAIT)
+        assert w.call(add, 2, 2) == 4  # the same process goes on
+
+
+def test_the_deadline_ladder_releases_a_reading_caller_at_the_deadline(engine):
+    from _worker_tasks import ignore_sigterm_then_hang
+
+    pool = Pool(1, start_method="fork", task_timeout=0.5, kill_grace=60)
+    try:
+        lends = _spy_lends(pool)
+        pool.submit(add, 1, 1).result(WAIT)
+        fut = pool.submit(ignore_sigterm_then_hang)
+        with pytest.raises(TaskTimeout) as info:
+            fut.result()  # no timeout of its own: the ladder's SIGKILL is the hang guard
+        assert info.value.stack and "ignore_sigterm_then_hang" in info.value.stack
+        assert lends, "the caller did not read the channel itself"
+        # It ignores SIGTERM and its SIGKILL is a minute away: the caller was let go at the
+        # deadline (its reader was poked), not by the worker's death.
+        assert not _gone(info.value.pid)
+    finally:
+        pool.terminate()
+    assert _wait_until(lambda: _gone(info.value.pid))
+
+
+def test_a_result_timeout_while_reading_gives_the_channel_back(engine):
+    with Pool(1, start_method="fork") as pool:
+        assert pool.submit(add, 1, 1).result(WAIT) == 2  # its worker is up
+        lends = _spy_lends(pool)
+        fut = pool.submit(sleep_for, 0.5)
+        with pytest.raises(cf.TimeoutError):
+            fut.result(0.05)
+        assert lends and not any(s.lent for s in pool._core.slots())
+        assert fut.result(WAIT) == 0.5  # answered all the same (read by the manager)
+        assert pool.submit(add, 3, 4).result(WAIT) == 7
+
+
+def test_results_that_cannot_be_unpickled_fail_only_their_task(engine):
+    from _worker_tasks import items_with_an_unreadable_one, unreadable_result
+
+    with Pool(2, start_method="fork") as pool:
+        # read by the manager: nobody waits in result()
+        futures = [pool.submit(unreadable_result, "import") if i % 10 == 3 else
+                   pool.submit(square, i) for i in range(100)]
+        _, not_done = cf.wait(futures, WAIT)
+        assert not not_done
+        for i, fut in enumerate(futures):
+            if i % 10 == 3:
+                exc = fut.exception()
+                assert isinstance(exc, WorkerError) and "could not be unpickled" in str(exc)
+                assert isinstance(exc.__cause__, ModuleNotFoundError)
+            else:
+                assert fut.result() == i * i
+        # read by the caller itself
+        lends = _spy_lends(pool)
+        with pytest.raises(WorkerError, match="could not be unpickled"):
+            pool.submit(unreadable_result, "import", 0.2).result(WAIT)
+        assert lends
+        assert pool.submit(add, 1, 2).result(WAIT) == 3
+        assert pool.broken is None and pool.crashes == []
+    with Worker(start_method="fork") as w:
+        stream = w.stream(items_with_an_unreadable_one, 100, 3, window=2)
+        assert [next(stream) for _ in range(3)] == [0, 1, 2]
+        with pytest.raises(WorkerError, match="an item of"):
+            next(stream)
+        assert w.call(add, 1, 1) == 2  # its generator was stopped: the worker is free
+
+
+def test_a_caller_interrupted_while_reading_stops_that_worker_only(engine):
+    from _worker_tasks import unreadable_result
+
+    with Pool(1, start_method="fork", max_restarts=None) as pool:
+        first = pool.submit(getpid).result(WAIT)
+        lends = _spy_lends(pool)
+        fut = pool.submit(unreadable_result, "interrupt", 0.2)
+        queued = pool.submit(add, 1, 1)
+        # the answer raises KeyboardInterrupt as it is read, as a Ctrl-C landing mid-read would
+        with pytest.raises(KeyboardInterrupt):
+            fut.result(WAIT)
+        assert lends
+        for f in (fut, queued):  # no answer of that worker can be trusted: both fail, said so
+            exc = f.exception(WAIT)
+            assert isinstance(exc, WorkerError) and "interrupted by KeyboardInterrupt" in str(exc)
+        assert _wait_until(lambda: _gone(first))
+        assert [pool.submit(square, i).result(WAIT) for i in range(20)] == \
+            [i * i for i in range(20)]
+        assert pool.broken is None

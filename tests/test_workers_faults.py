@@ -14,9 +14,10 @@ import time
 
 import psutil
 import pytest
-from _worker_tasks import add, kill_self_if
+from _worker_tasks import add, allocate_until_killed, join_cgroup, kill_self_if
 
 from framepipe.workers import Pool, WorkerCrashed
+from framepipe.workers.errors import format_bytes
 
 HERE = os.path.dirname(__file__)
 WAIT = 120  # a hang guard only
@@ -113,9 +114,22 @@ def test_ctrl_c_stops_every_worker_with_one_traceback():
             parent.wait()
 
 
+def _event_fds() -> int:
+    """This process's eventfds and epoll sets (a pool's manager and its callers use them; the
+    fd_count fixture leaves such anonymous fds out)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}") in ("anon_inode:[eventfd]",
+                                                         "anon_inode:[eventpoll]")
+        except OSError:
+            pass
+    return n
+
+
 def test_start_shutdown_cycles_leak_nothing(engine, fd_count):
     def snapshot():
-        return fd_count(), threading.active_count()
+        return fd_count(), threading.active_count(), _event_fds()
 
     with Pool(2, start_method="fork") as pool:  # warm up: imports, the watcher thread
         pool.submit(add, 1, 1).result(WAIT)
@@ -124,9 +138,126 @@ def test_start_shutdown_cycles_leak_nothing(engine, fd_count):
     for i in range(200):
         with Pool(2, start_method="fork") as pool:
             assert pool.submit(add, i, 1).result(WAIT) == i + 1
+            assert _event_fds() > before[2]  # the pool's own are counted
     end = time.monotonic() + 10
     while snapshot() != before and time.monotonic() < end:
         time.sleep(0.05)
     assert snapshot() == before
     zombies = [p for p in psutil.Process().children() if p.status() == psutil.STATUS_ZOMBIE]
     assert not zombies
+
+
+# -- the OOM killer ---------------------------------------------------------------------------
+
+CGROUP_LIMIT = 96 << 20
+
+
+def _own_memory_cgroup() -> tuple[str, int]:
+    """The directory of this process's memory cgroup and the cgroup version, or a skip."""
+    if os.geteuid() != 0:
+        pytest.skip("making a memory cgroup needs root")
+    with open("/proc/self/cgroup") as f:
+        lines = f.read().splitlines()
+    v1 = v2 = None
+    for line in lines:
+        hier, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            v1 = path
+        elif hier == "0" and controllers == "":
+            v2 = path
+    found = [("/sys/fs/cgroup/memory", v1, 1)] if v1 is not None else []
+    if v2 is not None:
+        found.append(("/sys/fs/cgroup", v2, 2))
+    for root, path, version in found:
+        parts = [p for p in path.split("/") if p]
+        for skip in range(len(parts) + 1):  # a container may see its cgroup as the root
+            d = os.path.join(root, *parts[skip:])
+            marker = "memory.oom_control" if version == 1 else "memory.events"
+            if os.path.isfile(os.path.join(d, marker)) or (
+                    version == 2 and os.path.isfile(os.path.join(d, "cgroup.subtree_control"))):
+                if not os.access(d, os.W_OK):
+                    pytest.skip(f"the memory cgroup {d} is not writable")
+                return d, version
+    pytest.skip("no memory cgroup controller mounted (cgroup v1 memory or v2 with memory)")
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+@pytest.fixture
+def memory_cgroup():
+    """A memory cgroup of its own with a small limit (and no swap), removed afterwards."""
+    parent, version = _own_memory_cgroup()
+    path = os.path.join(parent, f"framepipe-oom-test-{os.getpid()}")
+    try:
+        os.mkdir(path)
+    except OSError as exc:
+        pytest.skip(f"cannot create a memory cgroup in {parent}: {exc}")
+    try:
+        try:
+            if version == 1:
+                _write(os.path.join(path, "memory.limit_in_bytes"), str(CGROUP_LIMIT))
+                if os.path.exists(os.path.join(path, "memory.memsw.limit_in_bytes")):
+                    _write(os.path.join(path, "memory.memsw.limit_in_bytes"), str(CGROUP_LIMIT))
+                _write(os.path.join(path, "memory.swappiness"), "0")
+            else:
+                # cgroup v2: the memory controller must be delegated to this subtree
+                if not os.path.exists(os.path.join(path, "memory.max")):
+                    pytest.skip(f"cgroup v2 without the memory controller delegated to {parent}")
+                _write(os.path.join(path, "memory.max"), str(CGROUP_LIMIT))
+                if os.path.exists(os.path.join(path, "memory.swap.max")):
+                    _write(os.path.join(path, "memory.swap.max"), "0")
+        except OSError as exc:
+            pytest.skip(f"cannot set a memory limit on {path}: {exc}")
+        yield path
+    finally:
+        end = time.monotonic() + 10  # the workers have exited; their cgroup may lag a moment
+        while True:
+            try:
+                os.rmdir(path)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.05)
+
+
+def test_a_worker_the_oom_killer_takes_is_reported_as_such(engine, memory_cgroup):
+    # Each worker moves itself into the cgroup (as a worker started by a job system would be
+    # in one of its own), then a task grows until the kernel's OOM killer ends it.
+    with Pool(1, start_method="spawn", initializer=join_cgroup, initargs=(memory_cgroup,),
+              max_restarts=None) as pool:
+        first = pool.submit(os.getpid).result(WAIT)
+        with open(os.path.join(memory_cgroup, "cgroup.procs")) as f:
+            assert str(first) in f.read().split()
+        fut = pool.submit(allocate_until_killed, 4 << 20, 0.02)
+        with pytest.raises(WorkerCrashed) as info:
+            fut.result(WAIT)
+        err = info.value
+        assert err.pid == first and err.signal_name == "SIGKILL"
+        assert err.task_name.endswith("allocate_until_killed")
+        assert err.oom_killed is True
+        # its resident size was read while it grew: the peak is most of the limit
+        assert err.peak_rss is not None and err.peak_rss >= CGROUP_LIMIT // 2
+        assert err.memory_limit == CGROUP_LIMIT
+        text = str(err)
+        assert f"likely the OOM killer: peak RSS {format_bytes(err.peak_rss)}" in text
+        assert f"its memory cgroup's limit is {format_bytes(CGROUP_LIMIT)}" in text
+        # the pool goes on with a new worker (in the cgroup too)
+        assert pool.submit(add, 2, 3).result(WAIT) == 5
+        assert pool.submit(os.getpid).result(WAIT) != first
+
+
+def test_a_sigkill_by_hand_is_not_called_the_oom_killer(engine, memory_cgroup):
+    with Pool(1, start_method="fork", initializer=join_cgroup, initargs=(memory_cgroup,),
+              max_restarts=None) as pool:
+        fut = pool.submit(kill_self_if, 1, {1})
+        with pytest.raises(WorkerCrashed) as info:
+            fut.result(WAIT)
+        assert info.value.signal_name == "SIGKILL"
+        assert info.value.oom_killed is False
+        assert "OOM" not in str(info.value)

@@ -16,6 +16,16 @@ a worker is running: the oldest one without a result. When a worker dies, that t
 Sends never block on a worker that is itself blocked writing: a worker is given more work only
 while everything it has not answered fits in its pipe, unless it has nothing at all (it is then
 reading).
+
+Answers are read by whoever holds a worker's read lock. That is the manager thread, except
+while a caller waits in ``Future.result()`` for a task that worker holds: the caller then takes
+the worker's data channel out of the manager's epoll set and reads it itself (setting the
+futures of any other task answered meanwhile), and hands it back when its own answer came. A
+round trip then costs the worker's hop and nothing else: no wake-up of the manager, no second
+hand-off from the manager to the caller. A caller that finds the lock taken (another caller or
+the manager reads that worker) waits on its future as before. Anything that completes a task
+from outside (its deadline, a cancel, a shutdown) pokes the reading caller's eventfd, so it
+never waits on a channel for an answer that has already been given.
 """
 
 from __future__ import annotations
@@ -45,8 +55,9 @@ from ._process import ChildContext, WorkerProcess
 from .errors import PoolBroken, TaskTimeout, WorkerCancelled, WorkerError, WorkerStartError
 
 # Operations, parent to worker (first item of the pickled tuple). BATCH carries the pickles of
-# several tasks in one frame: one write for many small tasks.
-CALL, STREAM, CLOSE, BATCH, RETURN = 0, 1, 2, 3, 4
+# several tasks in one frame: one write for many small tasks. MAP carries a function once and
+# the pickles of (task id, args) of several calls of it (map's items).
+CALL, STREAM, CLOSE, BATCH, RETURN, MAP = 0, 1, 2, 3, 4, 5
 # Replies, worker to parent.
 RESULT, ERROR, ITEM, END, RECYCLE = 0, 1, 2, 3, 4
 
@@ -60,10 +71,32 @@ QUEUE_SECONDS = 0.002  # a worker is given about this much work ahead
 STACK_WAIT = 1.0  # seconds to wait for a worker's stack dump at a deadline
 _REAP_DELAY = 0.001  # a dead worker is reaped (and replaced) this long after its report
 _PARTIAL_WAIT = 1.0  # the manager waits this long for the rest of a frame that has started
+RSS_PERIOD = 0.05  # a busy worker's peak RSS (and memory cgroup) is read this often
+RSS_LINGER = 1.0  # the manager's samples go on this long after a worker's last work
+_INF = float("inf")
 _WAKE, _DATA, _HEALTH, _STDERR = range(4)
+_EPOLL = getattr(select, "epoll", None)
+# Callers read their worker's answers themselves only where the manager's fd set can be changed
+# while it waits in it (epoll); elsewhere answers always come through the manager.
+LEND = _EPOLL is not None and hasattr(os, "eventfd")
+# A caller reads the channel itself only when at most this many answers are due before and with
+# its own: behind a longer queue the manager is reading anyway, and lending costs two epoll_ctl.
+LEND_DEPTH = 2
+_EPOLL_IN = (select.EPOLLIN | select.EPOLLPRI) if _EPOLL is not None else 0
+_FINISHED = concurrent.futures._base.FINISHED
+_PENDING_STATES = (concurrent.futures._base.PENDING, concurrent.futures._base.RUNNING)
 
 
 _names: dict[Any, str] = {}
+_NO_KWARGS: dict[str, Any] = {}  # never changed: a call's **kwargs is a new dict
+_SCALARS = frozenset({type(None), bool, int, float, complex})
+
+
+class _Reading(threading.local):
+    slot: Slot | None = None  # the worker whose channel this thread reads
+
+
+_reading = _Reading()
 
 
 def _task_name(fn: Any) -> str:
@@ -109,7 +142,9 @@ def task_loop(ctx: ChildContext) -> None:
     conn = ctx.conn
     recv_bytes = conn.recv_bytes
     send = conn.send
+    send_bytes = conn.send_bytes
     loads = pickle.loads
+    dumps = pickle.dumps
     max_rss = ctx.options.get("max_rss")
     fdsock = ctx.options.get("fdsock")
     wire = None if fdsock is None else _shm.Wire(socket.socket(fileno=fdsock.fd),
@@ -127,6 +162,11 @@ def task_loop(ctx: ChildContext) -> None:
             if msg[0] == BATCH:
                 inbox.extend(map(loads, msg[1]))
                 continue
+            if msg[0] == MAP:
+                fn = msg[1]
+                for tid, args in map(loads, msg[2]):
+                    inbox.append((CALL, tid, fn, args, _NO_KWARGS))
+                continue
         op = msg[0]
         if op == CALL:
             tid, fn, args, kwargs = msg[1], msg[2], msg[3], msg[4]
@@ -142,12 +182,17 @@ def task_loop(ctx: ChildContext) -> None:
                 send((ERROR, tid, dumps_exception(exc)))
             else:
                 try:
-                    if wire is not None:
-                        wire.used = []
-                        value = _shm.convert_result(wire, value)
-                        if wire.new:
-                            wire.flush()
-                    send((RESULT, tid, value))
+                    if type(value) in _SCALARS:
+                        # pickled here: the connection's own send looks for out-of-band
+                        # buffers, which a number never has
+                        send_bytes(dumps((RESULT, tid, value), protocol=5))
+                    else:
+                        if wire is not None:
+                            wire.used = []
+                            value = _shm.convert_result(wire, value)
+                            if wire.new:
+                                wire.flush()
+                        send((RESULT, tid, value))
                 except Exception as exc:  # noqa: BLE001 - an unpicklable result
                     if wire is not None:
                         wire.give_back(wire.used)  # the parent never saw these arrays
@@ -227,6 +272,56 @@ def _load(name: str) -> Any:
 # --------------------------------------------------------------------------------------------
 # Parent side
 # --------------------------------------------------------------------------------------------
+
+
+class _Poller:
+    """The manager's wait on many fds: an epoll set (fds can be taken out of it and put back by
+    another thread while the manager waits in it), or poll() where there is no epoll."""
+
+    def __init__(self) -> None:
+        self._ep = _EPOLL() if _EPOLL is not None else None
+        self._poll = select.poll() if self._ep is None else None
+
+    def register(self, fd: int) -> None:
+        if self._ep is not None:
+            self._ep.register(fd, select.EPOLLIN | select.EPOLLPRI)
+        else:
+            self._poll.register(fd, select.POLLIN | select.POLLPRI)  # type: ignore[union-attr]
+
+    def unregister(self, fd: int) -> None:
+        with contextlib.suppress(KeyError, OSError, ValueError):
+            (self._ep or self._poll).unregister(fd)  # type: ignore[union-attr]
+
+    def poll(self, timeout: float | None) -> list[tuple[int, int]]:
+        """Ready (fd, events), waiting up to ``timeout`` seconds (None: no limit)."""
+        if self._ep is not None:
+            return self._ep.poll(-1 if timeout is None else timeout)
+        return self._poll.poll(None if timeout is None else timeout * 1000.0)  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        if self._ep is not None:
+            self._ep.close()
+
+
+class _Future(concurrent.futures.Future):  # type: ignore[type-arg]
+    """A ``concurrent.futures.Future`` whose ``result()`` and ``exception()`` read the answer
+    from the worker's channel in the waiting thread when they can (see the module docstring),
+    instead of waiting for the manager thread to read it and wake them."""
+
+    _core: Core | None = None
+    _slot: Slot | None = None  # the worker the task was last sent to
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self._state in _PENDING_STATES and self._core is not None:
+            timeout = self._core.wait_for(self, timeout)
+        if self._state == _FINISHED and self._exception is None:
+            return self._result  # final once set: no need for the condition
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if self._state in _PENDING_STATES and self._core is not None:
+            timeout = self._core.wait_for(self, timeout)
+        return super().exception(timeout)
 
 
 class _End:
@@ -314,16 +409,21 @@ class MapResults:
         """Item ``i``'s result (raising its exception); TimeoutError after ``timeout``."""
         values = self.values
         if values[i] is _EMPTY:
-            with self.cond:
-                self.waiting = i
-                if not self.cond.wait_for(lambda: values[i] is not _EMPTY, timeout):
-                    raise TimeoutError("map() did not finish within its timeout")
-                self.waiting = -1
+            self.wait(i, timeout)
         value = values[i]
         values[i] = None  # the iterator hands each result out once: let it go
-        if isinstance(value, _Failure):
+        if type(value) is _Failure:
             raise value.exc
         return value
+
+    def wait(self, i: int, timeout: float | None) -> None:
+        """Wait until item ``i`` has its outcome; TimeoutError after ``timeout``."""
+        values = self.values
+        with self.cond:
+            self.waiting = i
+            if not self.cond.wait_for(lambda: values[i] is not _EMPTY, timeout):
+                raise TimeoutError("map() did not finish within its timeout")
+            self.waiting = -1
 
     def store(self, i: int, value: Any) -> None:
         self.values[i] = value
@@ -332,44 +432,16 @@ class MapResults:
                 self.cond.notify_all()
 
 
-class MapItem:
-    """One item of a :class:`MapResults`, with the part of the Future interface the core
-    uses."""
-
-    __slots__ = ("results", "index")
-
-    def __init__(self, results: MapResults, index: int) -> None:
-        self.results = results
-        self.index = index
-
-    def done(self) -> bool:
-        return self.results.values[self.index] is not _EMPTY
-
-    def set_running_or_notify_cancel(self) -> bool:
-        if self.results.cancelled:
-            self.results.store(self.index, _Failure(concurrent.futures.CancelledError()))
-            return False
-        return True
-
-    def set_result(self, value: Any) -> None:
-        self.results.store(self.index, value)
-
-    def set_exception(self, exc: BaseException) -> None:
-        self.results.store(self.index, _Failure(exc))
-
-    def cancel(self) -> bool:
-        if self.done():
-            return False
-        self.set_exception(concurrent.futures.CancelledError())
-        return True
-
-
 class Task:
+    """One call. ``payload`` is its pickled message; for an item of a map it is the pickle of
+    ``(tid, args)`` only, and ``fn`` the function, sent once per frame (see MAP)."""
+
     __slots__ = ("tid", "future", "name", "payload", "size", "timeout", "stream", "delivered",
-                 "slot", "running")
+                 "slot", "running", "fn")
 
     def __init__(self, tid: int, future: concurrent.futures.Future[Any], name: str,
-                 payload: bytes, timeout: float | None, stream: ItemChannel | None) -> None:
+                 payload: bytes, timeout: float | None, stream: ItemChannel | None,
+                 fn: Any = None) -> None:
         self.tid = tid
         self.future = future
         self.name = name
@@ -380,6 +452,7 @@ class Task:
         self.delivered = False
         self.running = False
         self.slot: Slot | None = None
+        self.fn = fn
 
     def fail(self, exc: BaseException) -> None:
         if self.stream is not None:
@@ -387,6 +460,64 @@ class Task:
         if not self.future.done():
             with contextlib.suppress(concurrent.futures.InvalidStateError):
                 self.future.set_exception(exc)
+        slot = self.slot
+        if slot is not None and slot.lent and slot.lent != threading.get_ident():
+            slot.poke()  # a caller may be reading that worker's channel for this answer
+
+
+class MapTask(Task):
+    """An item of a map: a :class:`Task` that is also its own stand-in future (the part of the
+    Future interface the core uses), its outcome kept in slot ``index`` of ``results``."""
+
+    __slots__ = ("results", "index", "_slot")
+
+    @property
+    def future(self) -> MapTask:  # type: ignore[override]
+        return self
+
+    def __init__(self, tid: int, results: MapResults, index: int, name: str, payload: bytes,
+                 timeout: float | None, fn: Any) -> None:
+        self.tid = tid
+        self.results = results
+        self.index = index
+        self.name = name
+        self.payload = payload
+        self.size = len(payload)
+        self.timeout = timeout
+        self.stream = None
+        self.delivered = False
+        self.running = False
+        self.slot = None
+        self._slot = None
+        self.fn = fn
+
+    def done(self) -> bool:
+        return self.results.values[self.index] is not _EMPTY
+
+    def set_running_or_notify_cancel(self) -> bool:
+        if self.results.cancelled:
+            self.set_exception(concurrent.futures.CancelledError())
+            return False
+        return True
+
+    def set_result(self, value: Any) -> None:
+        results = self.results
+        i = self.index
+        if results.values[i] is _EMPTY:
+            results.values[i] = value
+            if results.waiting == i:
+                with results.cond:
+                    results.cond.notify_all()
+
+    def set_exception(self, exc: BaseException) -> None:
+        if self.results.values[self.index] is _EMPTY:
+            self.results.store(self.index, _Failure(exc))
+
+    def cancel(self) -> bool:
+        if self.done():
+            return False
+        self.set_exception(concurrent.futures.CancelledError())
+        return True
 
 
 class Slot:
@@ -411,7 +542,29 @@ class Slot:
         self.partial = False
         self.health_waiters: dict[int, concurrent.futures.Future[Any]] = {}
         self.last_rss_sample = 0.0
+        self.active_at = -RSS_LINGER  # when it last had work (see Core._busy)
         self.crash_reason: str | None = None
+        self.health_eof = False
+        # Reading the data channel: whoever holds ``reader`` (the manager, or a caller that
+        # took the channel out of the manager's fd set: ``lent`` is then that thread's id).
+        # ``stale``: the manager's next event for it may predate the caller's last read.
+        self.reader = threading.Lock()
+        self.lent = 0
+        self.stale = False
+        self.poke_fd = -1  # a caller reading this channel also waits on this eventfd
+        self.out_fds: list[int] = []  # its fds out of the manager's set while it is lent
+        self.help_poller: Any = None
+
+    def poke(self) -> None:
+        with contextlib.suppress(OSError):
+            os.eventfd_write(self.poke_fd, 1)
+
+    def close_poke(self) -> None:
+        fd, self.poke_fd = self.poke_fd, -1
+        self.help_poller = None
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     @property
     def out_bytes(self) -> int:
@@ -466,9 +619,9 @@ class Core:
         self.policy = policy
         self._n = max_workers
         self._mp = mp_context
-        self._proc_kw = dict(initializer=initializer, initargs=tuple(initargs), env=env,
-                             cwd=cwd, log_dir=log_dir, tee=tee,
-                             options={"max_rss": max_rss})
+        self._proc_kw: dict[str, Any] = dict(
+            initializer=initializer, initargs=tuple(initargs), env=env, cwd=cwd,
+            log_dir=log_dir, tee=tee, options={"max_rss": max_rss})
         self._loop = loop
         self.max_restarts = max_restarts
         self.restart_window = restart_window
@@ -495,8 +648,11 @@ class Core:
         self.last_exitcode: int | None = None
         self._version = 1  # bumped whenever the set of fds to wait on changes
         self._version_seen = 0
-        self._poller: Any = None
+        self._poller: _Poller | None = None
         self._owners: dict[int, tuple[Slot | None, int]] = {}
+        self._ep_lock = threading.Lock()  # the poller and _owners, lending a channel
+        self._sleep_until = _INF  # when the manager's current wait ends at the latest
+        self._manager_id = 0
         self._timers = task_timeout is not None
         self._dirty = True  # _maintain() has work: a death, a retirement, a start
         self._dispatch_lock = threading.Lock()
@@ -515,13 +671,20 @@ class Core:
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
+        if self._poller is not None:
+            with contextlib.suppress(OSError):
+                self._poller.close()
+        for slot in list(self._slots):
+            slot.close_poke()
 
     # -- submitting (any thread) ------------------------------------------------------------
 
     def submit(self, op: int, fn: Callable[..., Any], args: tuple[Any, ...],
                kwargs: dict[str, Any], *, timeout: float | None = None,
                window: int = 0) -> Task:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        future: concurrent.futures.Future[Any] = _Future()
+        if LEND:
+            future._core = self  # type: ignore[attr-defined]
         tid = next(self._ids)
         stream = ItemChannel() if op == STREAM else None
         msg = (CALL, tid, fn, args, kwargs) if op == CALL else (
@@ -537,17 +700,69 @@ class Core:
                 raise self.broken
             if self.closing:
                 raise RuntimeError(f"cannot submit to {self.name}: it has been shut down")
-            self._pending.append(task)
-            if self.policy == "actor" and not any(
-                    s.stopping is None and not s.dead for s in self._slots):
-                self._dirty = True  # the manager starts a new process for it
-                self.wake()
-            # A worker with work in hand gets more from the manager, in batches, as its
-            # answers arrive; only a hungry one is fed from here.
-            hungry = any(s.usable and len(s.outstanding) < LOW_WATER for s in self._slots)
-        if hungry:
+            # Nothing queued ahead of it and nobody dispatching: straight to a hungry worker.
+            direct = not self._pending and self._dispatch_lock.acquire(blocking=False)
+            if not direct:
+                self._queue(task)
+        if direct:
+            try:
+                sent = self._send_direct(task)
+            finally:
+                self._dispatch_lock.release()
+            if not sent:
+                with self._submit_lock:
+                    self._pending.appendleft(task)  # ahead of any queued meanwhile
+                    self._queue(None)
+                    if self.broken is not None:
+                        self._pending.remove(task)
+                        task.fail(self.broken)
+        if self._dispatch_wanted:
             self.kick()
         return task
+
+    def _queue(self, task: Task | None) -> None:
+        """Queue ``task`` (submit lock held) and kick the dispatch if a worker is hungry."""
+        if task is not None:
+            self._pending.append(task)
+        if self.policy == "actor" and not any(
+                s.stopping is None and not s.dead for s in self._slots):
+            self._dirty = True  # the manager starts a new process for it
+            self.wake()
+        # A worker with work in hand gets more from the manager, in batches, as its answers
+        # arrive; only a hungry one is fed from here.
+        if any(s.usable and len(s.outstanding) < LOW_WATER for s in self._slots):
+            self._dispatch_wanted = True
+
+    def _send_direct(self, task: Task) -> bool:
+        """Send ``task`` alone to the least busy worker if one is hungry (dispatch lock held);
+        False when none is."""
+        with self._lock:
+            slot = self._pick(task)
+            if slot is None or len(slot.outstanding) >= LOW_WATER:
+                return False
+            if not task.future.set_running_or_notify_cancel():
+                return True  # cancelled already: nothing to send
+            task.running = True
+            idle = not slot.outstanding
+            slot.outstanding.append(task)
+            if idle:
+                self._busy(slot, task)
+            elif task.timeout is not None:
+                self._timers = True
+            slot.sent_bytes += task.size
+            slot.sent += 1
+            task.slot = slot
+            task.future._slot = slot  # type: ignore[attr-defined]
+            task.delivered = True  # before the write: the worker may die of it at once
+            if self.max_tasks is not None and slot.sent >= self.max_tasks:
+                slot.retiring = True
+                self._dirty = True
+                self.wake()
+        try:
+            slot.proc.conn.send_bytes(task.payload)
+        except (OSError, ValueError):
+            task.delivered = False  # the worker is gone: its death reschedules it
+        return True
 
     def submit_many(self, fn: Callable[..., Any], items: Iterable[tuple[Any, ...]],
                     timeout: float | None = None) -> MapResults:
@@ -557,18 +772,24 @@ class Core:
         name = _task_name(fn)
         dumps = pickle.dumps
         ids = self._ids
+        try:
+            dumps(fn, protocol=5)  # sent once per frame of items, not with each
+        except Exception as exc:  # noqa: BLE001 - every item fails with it
+            err = _unpicklable(fn, exc)
+            for i in range(len(items)):
+                results.store(i, _Failure(err))
+            return results
         # Queued a few hundred at a time, so the workers start while the rest is pickled.
         for start in range(0, len(items), _MAP_STEP):
             tasks = []
             for i in range(start, min(start + _MAP_STEP, len(items))):
                 tid = next(ids)
-                item = MapItem(results, i)
                 try:
-                    payload = dumps((CALL, tid, fn, items[i], {}), protocol=5)
+                    payload = dumps((tid, items[i]), protocol=5)
                 except Exception as exc:  # noqa: BLE001 - this item fails, the others run
-                    item.set_exception(_unpicklable(fn, exc))
+                    results.store(i, _Failure(_unpicklable(fn, exc)))
                     continue
-                tasks.append(Task(tid, item, name, payload, timeout, None))  # type: ignore[arg-type]
+                tasks.append(MapTask(tid, results, i, name, payload, timeout, fn))
             with self._submit_lock:
                 if self.broken is not None:
                     raise self.broken
@@ -615,7 +836,10 @@ class Core:
                 batch = self._take_for(slot)
             if not batch:
                 continue
-            if len(batch) == 1:
+            fn = batch[0].fn
+            if fn is not None:
+                payload = pickle.dumps((MAP, fn, [t.payload for t in batch]), protocol=5)
+            elif len(batch) == 1:
                 payload = batch[0].payload
             else:
                 payload = pickle.dumps((BATCH, [t.payload for t in batch]), protocol=5)
@@ -626,40 +850,61 @@ class Core:
                     t.delivered = False  # the worker is gone: its death reschedules these
 
     def _take_for(self, slot: Slot) -> list[Task]:
-        """Move the pending tasks that ``slot`` has room for into its queue (lock held)."""
+        """Move the pending tasks that ``slot`` has room for into its queue (lock held): one
+        frame's worth, of tasks that share a frame format (map items of one function, or
+        whole tasks)."""
         batch: list[Task] = []
         nbytes = 0
-        room = max(1, slot.cap() - len(slot.outstanding))
+        outstanding = slot.outstanding
+        room = max(1, slot.cap() - len(outstanding))
+        owed = slot.sent_bytes - slot.done_bytes
         pending = self._pending
+        max_tasks = self.max_tasks
         while pending and len(batch) < room:
             task = pending[0]
-            if batch and (task.size >= BATCH_BYTES or nbytes + task.size > BATCH_BYTES or
-                          slot.out_bytes + task.size > PIPE_ROOM):
+            size = task.size
+            if batch and (size >= BATCH_BYTES or nbytes + size > BATCH_BYTES or
+                          owed + size > PIPE_ROOM or task.fn is not batch[0].fn):
                 break
             pending.popleft()
             if not task.running:  # a task rescheduled after a crash is running already
                 if not task.future.set_running_or_notify_cancel():
                     continue
                 task.running = True
-            if not slot.outstanding:
-                slot.head_since = time.monotonic()
-                if task.timeout is not None:
-                    self.wake()
-            if task.timeout is not None:
+            idle = not outstanding
+            outstanding.append(task)
+            if idle:
+                self._busy(slot, task)
+            elif task.timeout is not None:
                 self._timers = True
-            slot.outstanding.append(task)
-            slot.sent_bytes += task.size
+            slot.sent_bytes += size
+            owed += size
             slot.sent += 1
             task.slot = slot
+            task.future._slot = slot  # type: ignore[attr-defined]
             task.delivered = True  # before the write: the worker may die of it at once
             batch.append(task)
-            nbytes += task.size
-            if self.max_tasks is not None and slot.sent >= self.max_tasks:
+            nbytes += size
+            if max_tasks is not None and slot.sent >= max_tasks:
                 slot.retiring = True
                 self._dirty = True
                 self.wake()
                 break
         return batch
+
+    def _busy(self, slot: Slot, task: Task) -> None:
+        """``slot`` was idle and has ``task`` now: its deadline and RSS samples start. The
+        manager is woken when it would not know of them: it sleeps without a deadline only
+        once every worker has been idle for ``RSS_LINGER`` seconds (so calls that come now and
+        then do not each wake it)."""
+        now = time.monotonic()
+        slot.head_since = now
+        if now - slot.active_at >= RSS_LINGER:
+            slot.last_rss_sample = now  # a new series of samples, the first one period away
+        slot.active_at = now
+        self._timers = True
+        if task.timeout is not None or self._sleep_until == _INF:
+            self.wake()
 
     def wake(self) -> None:
         with contextlib.suppress(OSError):
@@ -684,6 +929,138 @@ class Core:
         with contextlib.suppress(OSError, ValueError):
             slot.proc.notify((op, 0, *args))
 
+    # -- a caller reading its own answer ----------------------------------------------------
+
+    def wait_for(self, fut: _Future, timeout: float | None) -> float | None:
+        """Read the answers of the worker ``fut``'s task was sent to in this thread until
+        ``fut`` is done, ``timeout`` seconds passed, or the channel cannot be lent now (another
+        thread reads it, the task has not been sent yet, the worker died). Returns the time
+        left of ``timeout``, for the wait on the future itself."""
+        me = threading.get_ident()
+        if me == self._manager_id or _reading.slot is not None:
+            return timeout  # the manager, or a callback run by a reading caller: never nest
+        deadline = None if timeout is None else time.monotonic() + timeout
+        slot = fut._slot
+        while slot is not None and fut._state in _PENDING_STATES:
+            try:
+                if not self._lend(slot, me):
+                    break
+                _reading.slot = slot
+                self._serve(slot, fut, deadline)
+            finally:
+                _reading.slot = None
+                if slot.lent == me:
+                    self._take_back(slot)
+            if fut._slot is slot or (deadline is not None and time.monotonic() >= deadline):
+                break
+            slot = fut._slot  # it died and the task went to another worker: read that one
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def _lend(self, slot: Slot, me: int) -> bool:
+        """Take ``slot``'s channel from the manager (its data fd out of the epoll set) for
+        thread ``me``."""
+        if slot.dead or slot.lent or len(slot.outstanding) > LEND_DEPTH or \
+                not slot.reader.acquire(False):
+            return False
+        try:
+            with self._ep_lock:
+                conn = slot.proc.conn
+                if slot.dead or slot.partial or self._closed_poller() or slot.poke_fd < 0 or \
+                        conn._pending_bulk_fd is not None or conn._liveness_fd is None:
+                    return False
+                slot.lent = me  # from here on, the caller's take_back releases the lock
+                # Its data fd only: the pidfd stays with the manager, which takes it out too if
+                # the worker dies meanwhile (see _step).
+                fd = conn.fileno()
+                try:
+                    self._poller._ep.unregister(fd)  # type: ignore[union-attr]
+                except (KeyError, OSError, ValueError):
+                    pass
+                slot.out_fds = [fd]
+                return True
+        finally:
+            if not slot.lent:
+                slot.reader.release()
+
+    def _take_back(self, slot: Slot) -> None:
+        """Give ``slot``'s channel back to the manager."""
+        with self._ep_lock:
+            slot.lent = 0
+            slot.stale = True
+            out, slot.out_fds = slot.out_fds, []
+            if not slot.dead and not self._closed_poller():
+                ep: Any = self._poller._ep  # type: ignore[union-attr]
+                conn = slot.proc.conn
+                bulk = conn._pending_bulk_fd
+                if bulk is not None:  # a payload is pending: wait on the bulk socket instead
+                    data = conn.fileno()
+                    out = [bulk if fd == data else fd for fd in out]
+                    self._owners.setdefault(bulk, (slot, _DATA))
+                for fd in out:
+                    try:
+                        ep.register(fd, _EPOLL_IN)
+                    except (OSError, ValueError):
+                        pass  # (FileExistsError: a rebuild put it back already)
+            slot.reader.release()
+
+    def _closed_poller(self) -> bool:
+        return self._poller is None or self._wake_r < 0
+
+    def _serve(self, slot: Slot, fut: _Future, deadline: float | None) -> None:
+        """Read ``slot``'s answers until ``fut`` is done (or the deadline, a poke, the
+        worker's death, a frame whose payload lags)."""
+        conn = slot.proc.conn
+        poller = slot.help_poller
+        if poller is None:
+            poller = slot.help_poller = select.poll()
+            for fd in (conn.fileno(), conn._liveness_fd, slot.poke_fd):
+                poller.register(fd, select.POLLIN | select.POLLPRI)
+        poke = slot.poke_fd
+        while fut._state in _PENDING_STATES and not slot.dead:
+            if not conn._has_buffered():
+                if deadline is None:
+                    events = poller.poll()
+                else:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return
+                    events = poller.poll(left * 1000.0)
+                if not events:
+                    return
+                if len(events) == 1 and events[0][0] == poke:
+                    with contextlib.suppress(OSError):
+                        os.eventfd_read(poke)
+                    continue
+            try:
+                self._drain(slot)
+            except BaseException as exc:
+                # A signal handler raised (Ctrl-C) while an answer was being handled: it may
+                # be lost, and the channel's place in its stream of answers with it.
+                self._interrupted(slot, exc)
+                raise
+            if self._pending:
+                self.kick()  # answers make room
+            if slot.partial or conn._pending_bulk_fd is not None:
+                return  # the manager waits for the rest of the frame on the bulk socket
+
+    def _interrupted(self, slot: Slot, exc: BaseException) -> None:
+        """A caller's read of ``slot`` was cut short by an exception: no answer of that worker
+        can be trusted to match its task any more. Its tasks fail, it is stopped (SIGKILL)
+        and replaced."""
+        reason = (f"the thread reading its answers was interrupted by {type(exc).__name__}, "
+                  "so it was stopped")
+        with self._lock:
+            slot.stopping = slot.stopping or "interrupted"
+            tasks = list(slot.outstanding)
+            slot.outstanding.clear()
+            slot.done_bytes = slot.sent_bytes
+        err = WorkerError(f"worker {slot.proc.name!r} (pid {slot.proc.pid}): {reason}; "
+                          "its tasks may or may not have run")
+        for task in tasks:
+            task.fail(err)
+        slot.proc.kill()
+        self._on_death(slot, None, reason=reason)
+
     # -- the manager thread -----------------------------------------------------------------
 
     def _spawn(self) -> Slot:
@@ -697,6 +1074,8 @@ class Core:
                              "shm_slots": SHM_SLOTS}
         proc = WorkerProcess(self._mp, f"{self.name}-{index}", self._loop, **kw)
         slot = Slot(proc, index, _shm.Receiver(mine))
+        if LEND:
+            slot.poke_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         if mine is not None:
             _process.register_parent_side(slot.shm)
         try:
@@ -715,6 +1094,7 @@ class Core:
         return slot
 
     def _run(self) -> None:
+        self._manager_id = threading.get_ident()
         try:
             try:
                 for _ in range(self._n):
@@ -748,67 +1128,100 @@ class Core:
         """Register every fd the manager waits on: per worker its data channel (or the bulk
         socket a frame's payload is pending on), its death (pidfd), health channel and stderr
         pipe; and the wake pipe. Rebuilt only when that set changes."""
-        poller = select.poll()
+        poller = _Poller()
         owners: dict[int, tuple[Slot | None, int]] = {}
 
-        def add(fd: int | None, slot: Slot | None, kind: int) -> None:
+        def add(fd: int | None, slot: Slot | None, kind: int, polled: bool = True) -> None:
             if fd is not None and fd >= 0 and fd not in owners:
                 owners[fd] = (slot, kind)
-                poller.register(fd, select.POLLIN | select.POLLPRI)
+                if polled:
+                    poller.register(fd)
 
-        self._version_seen = self._version
-        add(self._wake_r, None, _WAKE)
-        with self._lock:
-            slots = list(self._slots)
-        for slot in slots:
-            if not slot.dead:
-                conn = slot.proc.conn
-                bulk = conn._pending_bulk_fd
-                add(conn.fileno() if bulk is None else bulk, slot, _DATA)
-                add(conn._liveness_fd, slot, _DATA)
-                add(slot.proc.health.fileno(), slot, _HEALTH)
-            fd = slot.proc.stderr_fd()
-            if not slot.stderr_eof:
-                add(fd, slot, _STDERR)
-        self._poller, self._owners = poller, owners
+        with self._ep_lock:
+            self._version_seen = self._version
+            add(self._wake_r, None, _WAKE)
+            with self._lock:
+                slots = list(self._slots)
+            for slot in slots:
+                if not slot.dead:
+                    data, pidfd = self._data_fds(slot)
+                    add(pidfd, slot, _DATA)
+                    # a caller reads it: it comes back with the channel
+                    add(data, slot, _DATA, polled=not slot.lent)
+                    if slot.lent:
+                        slot.out_fds = [] if data is None else [data]
+                    if not slot.health_eof:
+                        add(slot.proc.health.fileno(), slot, _HEALTH)
+                fd = slot.proc.stderr_fd()
+                if not slot.stderr_eof:
+                    add(fd, slot, _STDERR)
+            old, self._poller, self._owners = self._poller, poller, owners
+        if old is not None:
+            old.close()
+
+    @staticmethod
+    def _data_fds(slot: Slot) -> tuple[int | None, int | None]:
+        """The fds that say an answer (or the worker's death) is there: its data channel (or
+        the bulk socket a frame's payload is pending on) and its pidfd."""
+        conn = slot.proc.conn
+        bulk = conn._pending_bulk_fd
+        return (conn.fileno() if bulk is None else bulk), conn._liveness_fd
 
     def _step(self) -> None:
         if self._version != self._version_seen:
             self._rebuild_poller()
         timeout = None
+        self._sleep_until = _INF
         if self._timers:
+            # Cleared before the look, not after: a thread that gives a worker a deadline
+            # sets it again once the deadline can be seen.
+            self._timers = False
             deadline = None
             with self._lock:
                 slots = list(self._slots)
             for slot in slots:
                 for t in self._deadlines(slot):
                     deadline = t if deadline is None else min(deadline, t)
-            if deadline is None:
-                self._timers = False
-            else:
-                timeout = max(0.0, deadline - time.monotonic()) * 1000.0
+            if deadline is not None:
+                self._timers = True
+                self._sleep_until = deadline
+                timeout = max(0.0, deadline - time.monotonic())
         try:
-            events = self._poller.poll(timeout)
+            events = self._poller.poll(timeout)  # type: ignore[union-attr]
         except InterruptedError:
             events = []
         owners = self._owners
         for fd, _ in events:
-            slot, kind = owners.get(fd, (None, -1))
+            owner, kind = owners.get(fd, (None, -1))
+            if owner is None:
+                if kind == _WAKE:
+                    with contextlib.suppress(OSError):
+                        os.read(self._wake_r, 4096)
+                continue
             if kind == _DATA:
-                if not slot.dead:  # type: ignore[union-attr]
-                    self._drain(slot)  # type: ignore[arg-type]
-            elif kind == _WAKE:
-                with contextlib.suppress(OSError):
-                    os.read(self._wake_r, 4096)
+                # Not while a caller reads it (it took the data fd out of the set, but this
+                # event may have been taken just before; or it is the pidfd of a worker that
+                # died while a caller read: that caller sees the death itself)
+                if owner.dead:
+                    continue
+                if owner.reader.acquire(False):
+                    try:
+                        if not owner.stale or self._still_readable(owner):
+                            self._drain(owner)
+                    finally:
+                        owner.reader.release()
+                elif owner.lent:
+                    self._park(owner, fd)
             elif kind == _HEALTH:
-                if not slot.dead:  # type: ignore[union-attr]
-                    self._drain_health(slot)  # type: ignore[arg-type]
+                if not owner.dead:
+                    self._drain_health(owner)
             elif kind == _STDERR:
-                if slot.proc.pump_stderr():  # type: ignore[union-attr]
-                    slot.stderr_eof = True  # type: ignore[union-attr]
+                if owner.proc.pump_stderr():
+                    owner.stderr_eof = True
                     self._version += 1
         if self._to_reap and time.monotonic() >= self._reap_at:
-            dead, self._to_reap = self._to_reap, []
+            with self._lock:
+                dead, self._to_reap = self._to_reap, []
             for slot in dead:
                 self._reap(slot)
             self._dirty = True
@@ -820,6 +1233,22 @@ class Core:
         if self._pending:
             self.kick()
 
+    def _park(self, slot: Slot, fd: int) -> None:
+        """Take ``fd`` out of the set while a caller reads ``slot`` (a readable fd nobody
+        reads would wake this thread again and again); its take_back puts it back."""
+        with self._ep_lock:
+            if slot.lent and fd not in slot.out_fds and not self._closed_poller():
+                self._poller.unregister(fd)  # type: ignore[union-attr]
+                slot.out_fds.append(fd)
+
+    @staticmethod
+    def _still_readable(slot: Slot) -> bool:
+        """After a caller read the channel, whether the event the manager holds is still true
+        (the caller may have read what it announced; a read would then wait)."""
+        slot.stale = False
+        conn = slot.proc.conn
+        return bool(conn._has_buffered() or conn.poll(0))
+
     def _deadlines(self, slot: Slot) -> Iterator[float]:
         if self._to_reap:
             yield self._reap_at
@@ -827,13 +1256,19 @@ class Core:
             yield self._close_deadline
         if slot.kill_at is not None:
             yield slot.kill_at
-        if slot.outstanding and not slot.dead and slot.stopping is None:
-            head = slot.outstanding[0]
-            if head.timeout is not None and head.stream is None:
-                yield slot.head_since + head.timeout
+        if slot.dead:
+            return
+        if slot.outstanding or slot.last_rss_sample < slot.active_at + RSS_LINGER:
+            yield slot.last_rss_sample + RSS_PERIOD
+        if slot.outstanding:
+            if slot.stopping is None:
+                head = slot.outstanding[0]
+                if head.timeout is not None and head.stream is None:
+                    yield slot.head_since + head.timeout
 
     def _drain(self, slot: Slot) -> None:
-        """Handle every message the worker has sent (its death last, after them)."""
+        """Handle every message the worker has sent (its death last, after them). The caller
+        holds ``slot.reader``."""
         conn = slot.proc.conn
         answered = 0
         handle = self._handle
@@ -845,7 +1280,15 @@ class Core:
                 except ReadTimeout:
                     self._version += 1  # mid-frame: wait on wherever the rest will come from
                     return
-                answered += handle(slot, msg)
+                except (EOFError, OSError):
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - see _unreadable
+                    if not isinstance(exc, Exception) and \
+                            threading.get_ident() != self._manager_id:
+                        raise  # a caller's Ctrl-C, perhaps: see _serve
+                    answered += self._unreadable(slot, exc)
+                else:
+                    answered += handle(slot, msg)
                 if not conn._has_buffered():
                     if conn._pending_bulk_fd is not None or slot.partial:
                         slot.partial = conn._pending_bulk_fd is not None
@@ -866,10 +1309,39 @@ class Core:
                 now = time.monotonic()
                 per_task = (now - slot.head_since) / answered
                 slot.avg = slot.avg * 0.7 + per_task * 0.3
-                slot.head_since = now
-                if now - slot.last_rss_sample > 0.05:
-                    slot.last_rss_sample = now
-                    slot.proc.sample_rss()
+                slot.head_since = slot.active_at = now
+                if slot.outstanding and threading.get_ident() != self._manager_id:
+                    # Read by a caller: the manager sleeps until the deadline it knew of; a
+                    # new head task with a shorter one must wake it.
+                    head = slot.outstanding[0]
+                    if head.timeout is not None and now + head.timeout < self._sleep_until:
+                        self.wake()
+
+    def _unreadable(self, slot: Slot, exc: BaseException) -> int:
+        """A frame of ``slot``'s worker could not be unpickled here (a class this process
+        cannot import, a ``__reduce__`` that raises in the parent): whole, but unreadable.
+        Answers come in order, so it belonged to the task at the head: that task fails, the
+        others go on. Returns 1 when that was the task's answer."""
+        task = slot.outstanding[0] if slot.outstanding else None
+        if task is None:
+            raise WorkerError(f"worker {slot.proc.name} sent a message that could not be "
+                              f"read, with no task due: {type(exc).__name__}: {exc}") from exc
+        what = "an item" if task.stream is not None else "the result"
+        err = WorkerError(
+            f"{what} of {task.name} (task {task.tid}) from worker {slot.proc.name!r} could not "
+            f"be unpickled in this process: {type(exc).__name__}: {exc}"
+        )
+        err.__cause__ = exc
+        task.fail(err)
+        if task.stream is not None:
+            # An item (the end and errors always read): the stream stays due until its end,
+            # which its generator, stopped now, sends.
+            self.health_notify(slot, "stop", task.tid)
+            return 0
+        slot.outstanding.popleft()
+        slot.done_bytes += task.size
+        self._cancelled.discard(task.tid)
+        return 1
 
     def _drain_health(self, slot: Slot) -> None:
         conn = slot.proc.health
@@ -881,17 +1353,25 @@ class Core:
                 if fut is not None and not fut.done():
                     fut.set_result(reply[2])
         except (EOFError, OSError):
-            if not slot.dead:
-                self._drain(slot)  # the data channel tells how it died
+            with self._ep_lock:  # at its end: wait on it no more
+                slot.health_eof = True
+                if self._owners.pop(conn.fileno(), None) is not None:
+                    self._poller.unregister(conn.fileno())  # type: ignore[union-attr]
+            if not slot.dead and slot.reader.acquire(False):  # else its reader sees the death
+                try:
+                    self._drain(slot)  # the data channel tells how it died
+                finally:
+                    slot.reader.release()
 
     def _handle(self, slot: Slot, msg: Any) -> int:
         """Act on one message of ``slot``'s worker; returns 1 for an answer to a task."""
         kind = msg[0]
         if kind == RESULT or kind == ERROR or kind == END:
             # No lock: only the dispatcher appends to ``outstanding`` (deque operations are
-            # atomic) and only this thread pops it and counts answered bytes.
-            task = slot.outstanding.popleft()
-            slot.done_bytes += task.size
+            # atomic) and only the holder of ``slot.reader`` pops it and counts answered
+            # bytes. Popped once its future is set: cut short in between (a caller's Ctrl-C),
+            # the task is still there for the report.
+            task = slot.outstanding[0]
             if task.tid != msg[1]:
                 raise WorkerError(f"worker {slot.proc.name} answered task {msg[1]} "
                                   f"while task {task.tid} was due")
@@ -899,9 +1379,11 @@ class Core:
                 if self._cancelled and task.tid in self._cancelled:
                     self._cancelled.discard(task.tid)
                     task.fail(WorkerCancelled(f"task {task.tid} was cancelled"))
-                elif not task.future.done():
-                    with contextlib.suppress(concurrent.futures.InvalidStateError):
+                else:
+                    try:
                         task.future.set_result(msg[2])
+                    except concurrent.futures.InvalidStateError:
+                        pass  # it failed already (its deadline passed, it was cancelled)
             elif kind == ERROR:
                 self._cancelled.discard(task.tid)
                 task.fail(_revive(msg[2]))
@@ -912,6 +1394,8 @@ class Core:
                 if not task.future.done():
                     with contextlib.suppress(concurrent.futures.InvalidStateError):
                         task.future.set_result(None)
+            slot.outstanding.popleft()
+            slot.done_bytes += task.size
             return 1
         elif kind == ITEM:
             task = slot.outstanding[0]
@@ -921,8 +1405,11 @@ class Core:
         elif kind == RECYCLE:
             slot.retiring = True
             self._dirty = True
+            self.wake()  # when a caller read it
         elif kind == "ready":
             slot.ready = True
+            slot.proc.sample_rss()  # its initializer may have moved it to another cgroup
+            slot.last_rss_sample = time.monotonic()
         elif kind == "init-failed":
             exc = _revive(msg[2])
             err = WorkerStartError(
@@ -993,13 +1480,18 @@ class Core:
         # Reaping and respawning wait for the next turn of the loop, after a short poll that
         # lets the callers just failed take the GIL (this thread would keep it for a switch
         # interval, 5 ms, while it reaps and starts a process).
-        self._to_reap.append(slot)
-        self._reap_at = time.monotonic() + _REAP_DELAY
-        self._timers = True
+        with self._lock:
+            self._to_reap.append(slot)
+            self._reap_at = time.monotonic() + _REAP_DELAY
+            self._timers = True
+        if threading.get_ident() != self._manager_id:
+            self.wake()  # a caller reading the channel saw the death
 
     def _reap(self, slot: Slot) -> None:
         slot.proc.stop(timeout=1.0, grace=0.5)
-        slot.proc.close()
+        with slot.reader:  # a caller that read its channel has let go of it
+            slot.proc.close()
+        slot.close_poke()
         slot.shm.close_fds()
         self.last_exitcode = slot.proc.exitcode
         with self._lock:
@@ -1015,7 +1507,14 @@ class Core:
             if slot.kill_at is not None and now >= slot.kill_at:
                 slot.kill_at = None
                 slot.proc.kill()
-            if slot.dead or slot.stopping is not None or not slot.outstanding:
+            if slot.dead:
+                continue
+            if now >= slot.last_rss_sample + RSS_PERIOD:
+                # while it works: a worker the OOM killer takes has no /proc left to read
+                slot.last_rss_sample = now
+                if slot.outstanding:
+                    slot.proc.sample_rss()
+            if slot.stopping is not None or not slot.outstanding:
                 continue
             head = slot.outstanding[0]
             if head.timeout is not None and head.stream is None and \
@@ -1161,7 +1660,9 @@ class Core:
             slot.proc.stop(timeout=timeout, grace=self.kill_grace)
             for task in list(slot.outstanding):
                 task.fail(WorkerError(f"{self.name} shut down before task {task.tid} finished"))
-            slot.proc.close()
+            with slot.reader:  # a caller that read its channel has let go of it
+                slot.proc.close()
+            slot.close_poke()
             slot.shm.close_fds()
             self.last_exitcode = slot.proc.exitcode
         with self._submit_lock, self._lock:
@@ -1173,6 +1674,9 @@ class Core:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._wake_r = self._wake_w = -1
+        with self._ep_lock:
+            if self._poller is not None:
+                self._poller.close()
         _live_cores.discard(self)
 
     # -- facts --

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import connection as _connection
+from .._proc import cgroup_oom_file as _cgroup_oom_file
+from .._proc import read_oom_kills as _read_oom_kills
 from ..errors import WriterDied
 from ._launch import die_with_group as _die_with_group
 from ._launch import parent_gone
@@ -250,6 +252,43 @@ def _alive(pid: int) -> bool:
     return not parent_gone(pid)
 
 
+_PF_EXITING = 0x4  # the kernel's task flag, set as a process begins to exit
+
+
+def _exiting(pid: int) -> bool:
+    """Whether ``pid`` has begun to exit (or is gone). The kernel moves an exiting process to
+    the root cgroup before it becomes a zombie: a cgroup read after this is not the one it
+    lived in."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & _PF_EXITING)
+    except (OSError, IndexError, ValueError):
+        return True
+
+
+def cgroup_memory_limit(oom_file: str | None) -> int | None:
+    """The memory limit in bytes of the cgroup whose OOM counter is ``oom_file`` (v1
+    ``memory.limit_in_bytes``, v2 ``memory.max``), None when unlimited or unknown."""
+    if oom_file is None:
+        return None
+    d = os.path.dirname(oom_file)
+    for name in ("memory.limit_in_bytes", "memory.max"):
+        try:
+            with open(os.path.join(d, name), encoding="ascii") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text == "max":
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            return None
+        return value if value < (1 << 62) else None  # v1 writes "unlimited" as ~2**63
+    return None
+
+
 def _rebind_stream(name: str, fd: int) -> None:
     """Make ``sys.<name>`` write to ``fd`` (a forked child may have inherited a stream on
     another descriptor, e.g. a test runner's capture file), so its output is captured too."""
@@ -325,7 +364,7 @@ _FIRST_LINE = re.compile(rb"^(?:Current thread|Thread) (0x[0-9a-f]+)", re.M)
 
 def _read_available(fd: int) -> tuple[bytes, bool]:
     """Every byte readable now from a non-blocking fd: (data, at_eof)."""
-    chunks = []
+    chunks: list[bytes] = []
     while True:
         try:
             chunk = os.read(fd, 65536)
@@ -477,6 +516,9 @@ class WorkerProcess:
         self._stack_r: int | None = None
         self.pid: int | None = None
         self.peak_rss: int | None = None
+        # the memory cgroup the worker was last seen in and its OOM-kill count then
+        self._oom_file: str | None = None
+        self._oom_before: int | None = None
         self.started_at = 0.0
         self._health_lock = threading.Lock()
         self._closed = False
@@ -560,10 +602,37 @@ class WorkerProcess:
         return self.process.exitcode
 
     def sample_rss(self) -> None:
+        """Note the worker's peak resident size so far, and the memory cgroup it is in."""
         if self.pid is not None:
             peak = peak_rss(self.pid)
             if peak is not None and (self.peak_rss is None or peak > self.peak_rss):
                 self.peak_rss = peak
+            self.track_memory_cgroup()
+
+    def track_memory_cgroup(self) -> None:
+        """Note the memory cgroup the worker is in now, and its OOM-kill count, when that
+        changed since the last look. A worker may be moved into a cgroup of its own (by an
+        initializer, or a task); cgroup v1 counts an OOM kill in that cgroup only, not in its
+        parents, and a dead process's cgroup can no longer be read: it has to be known
+        before."""
+        pid = self.pid
+        if pid is None:
+            return
+        file = _cgroup_oom_file(pid)
+        if file is None or file == self._oom_file or _exiting(pid):
+            return  # (an exiting process reads as in the root cgroup: not believed)
+        self._oom_file, self._oom_before = file, _read_oom_kills(file)
+
+    def _oom_killed(self, died: WriterDied | None, exitcode: int | None) -> bool | None:
+        """Whether the OOM killer killed the worker: its cgroup's OOM-kill count rose since
+        it was last seen (or the watcher saw its first cgroup's count rise)."""
+        seen = died.oom_killed if died is not None else None
+        if exitcode != -signal.SIGKILL or self._oom_before is None:
+            return seen
+        now = _read_oom_kills(self._oom_file)
+        if now is None:
+            return seen
+        return now > self._oom_before or bool(seen)
 
     def pump_stderr(self) -> bool:
         return self.stderr.pump() if self.stderr is not None else True
@@ -670,6 +739,7 @@ class WorkerProcess:
             with contextlib.suppress(OSError):
                 self.pump_stderr()
         exitcode = died.exitcode if died is not None else self.exitcode
+        oom_killed = self._oom_killed(died, exitcode)
         native = (died.native_traceback if died is not None else None) or (
             self.stderr.native_traceback() if self.stderr is not None else None)
         tail = self.stderr.tail_text() if self.stderr is not None else ""
@@ -684,7 +754,8 @@ class WorkerProcess:
             task_name=task_name,
             task_id=task_id,
             peak_rss=self.peak_rss,
-            oom_killed=died.oom_killed if died is not None else None,
+            oom_killed=oom_killed,
+            memory_limit=cgroup_memory_limit(self._oom_file) if oom_killed else None,
             native_traceback=native,
             stderr_tail=tail,
             log_path=self.stderr.log_path if self.stderr is not None else None,

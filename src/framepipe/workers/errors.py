@@ -58,9 +58,11 @@ class WorkerCrashed(WorkerError):
     ``subprocess.Popen`` reports it; None when unknown), ``signal_name``, ``core_dumped``,
     ``task_name`` and ``task_id`` (the task it was running, None when idle), ``peak_rss``
     (bytes, the highest resident size seen; None when unknown), ``oom_killed`` (True when the
-    cgroup's OOM-kill counter rose, None when unknown), ``native_traceback`` (faulthandler's dump
-    of a crash in C code), ``stderr_tail`` (the last lines the worker wrote to its stderr, at
-    the fd level) and ``log_path`` (where its whole stderr was kept, when it was).
+    OOM-kill counter of the worker's memory cgroup rose, None when unknown), ``memory_limit``
+    (the limit in bytes of that cgroup, when the OOM killer struck and it has one),
+    ``native_traceback`` (faulthandler's dump of a crash in C code), ``stderr_tail`` (the
+    last lines the worker wrote to its stderr, at the fd level) and ``log_path`` (where its
+    whole stderr was kept, when it was).
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class WorkerCrashed(WorkerError):
         task_id: int | None = None,
         peak_rss: int | None = None,
         oom_killed: bool | None = None,
+        memory_limit: int | None = None,
         native_traceback: str | None = None,
         stderr_tail: str = "",
         log_path: str | None = None,
@@ -87,6 +90,7 @@ class WorkerCrashed(WorkerError):
         self.task_id = task_id
         self.peak_rss = peak_rss
         self.oom_killed = oom_killed
+        self.memory_limit = memory_limit
         self.native_traceback = native_traceback
         self.stderr_tail = stderr_tail
         self.log_path = log_path
@@ -111,6 +115,8 @@ class WorkerCrashed(WorkerError):
             msg += f" ({self.reason})"
         if self.oom_killed:
             msg += f"; likely the OOM killer: peak RSS {format_bytes(self.peak_rss)}"
+            if self.memory_limit is not None:
+                msg += f" (its memory cgroup's limit is {format_bytes(self.memory_limit)})"
         elif self.peak_rss is not None:
             msg += f"; peak RSS {format_bytes(self.peak_rss)}"
         if self.native_traceback:

@@ -159,12 +159,11 @@ class Pool(concurrent.futures.Executor):
         killed (SIGKILL to each process group), then reaped."""
         self._core.terminate()
 
-    def __exit__(self, exc_type: Any, *exc: object) -> bool | None:
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
         if exc_type is not None and not issubclass(exc_type, Exception):
             self.terminate()  # Ctrl-C or SystemExit: stop now, do not wait for the tasks
         else:
             self.shutdown(wait=True)
-        return False
 
     def __del__(self) -> None:
         core = getattr(self, "_core", None)
@@ -215,12 +214,24 @@ def _run_chunk(fn: Callable[..., Any], chunk: list[tuple[Any, ...]]) -> list[Any
 def _ordered(results: D.MapResults, n: int, deadline: float | None) -> Iterator[Any]:
     """The results of a map in order; closing the iterator early cancels what has not
     started."""
+    values = results.values
+    empty = D._EMPTY
+    failure = D._Failure
     try:
         for i in range(n):
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise TimeoutError("map() did not finish within its timeout")
-            yield results.get(i, remaining)
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError("map() did not finish within its timeout")
+                if values[i] is empty:
+                    results.wait(i, remaining)
+            elif values[i] is empty:
+                results.wait(i, None)
+            value = values[i]
+            values[i] = None  # handed out once: let it go
+            if type(value) is failure:
+                raise value.exc
+            yield value
     finally:
         results.cancelled = True
 

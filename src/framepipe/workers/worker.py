@@ -324,7 +324,7 @@ class Worker:
         """The worker's process now: the live one, else the last one started."""
         slots = self._core.slots()
         live = [s for s in slots if not s.dead and s.stopping is None]
-        return (live or slots or [None])[-1]
+        return (live or slots)[-1] if slots else None
 
     @property
     def pid(self) -> int | None:
