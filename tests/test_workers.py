@@ -631,7 +631,7 @@ def test_many_callers_reading_their_own_answers_while_one_waits_long(engine):
         assert not any(t.is_alive() for t in threads)
         assert got.pop("long") == 1.5
         assert got == {k * 1000: [k * 1000 + i for i in range(200)] for k in range(6)}
-        assert len({me for me, _ in lends}) >= 3  # callers of the other worker read it too
+        assert len({me for me, _ in lends}) >= 2  # a caller of the other worker read it too
         assert not any(s.lent for s in pool._core.slots())  # every channel given back
         done, _ = cf.wait([pool.submit(add, i, 1) for i in range(100)], WAIT)  # manager alone
         assert sorted(f.result() for f in done) == list(range(1, 101))
