@@ -772,3 +772,23 @@ def test_a_caller_interrupted_while_reading_stops_that_worker_only(engine):
         assert [pool.submit(square, i).result(WAIT) for i in range(20)] == \
             [i * i for i in range(20)]
         assert pool.broken is None
+
+
+def test_without_epoll_answers_all_come_through_the_manager(engine, monkeypatch):
+    # where there is no epoll (or no eventfd) the manager polls with poll() and reads every
+    # answer itself: the same results, crashes and deadlines
+    from framepipe.workers import _dispatch as D
+
+    monkeypatch.setattr(D, "_EPOLL", None)
+    monkeypatch.setattr(D, "LEND", False)
+    with Pool(2, start_method="fork", task_timeout=5) as pool:
+        assert pool._core._poller is None or pool._core._poller._ep is None
+        lends = _spy_lends(pool)
+        assert [pool.submit(add, i, 1).result(WAIT) for i in range(200)] == \
+            list(range(1, 201))
+        assert list(pool.map(square, range(300))) == [i * i for i in range(300)]
+        with pytest.raises(WorkerCrashed):
+            pool.submit(kill_self_if, 1, {1}).result(WAIT)
+        assert pool.submit(add, 2, 2).result(WAIT) == 4
+        assert lends == []
+        assert pool._core._poller._ep is None
