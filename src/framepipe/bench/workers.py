@@ -44,6 +44,21 @@ def noop(x: Any) -> Any:
     return x
 
 
+def pid_after(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def warm(a: Adapter, timeout: float = 60.0) -> None:
+    """Returns once every one of the pool's workers has answered a task: the rows that follow
+    (a crash, a timeout) then measure the pool, not a worker still starting."""
+    seen: set[int] = set()
+    end = time.monotonic() + timeout
+    while len(seen) < WORKERS and time.monotonic() < end:
+        handles = [a.submit(pid_after, 0.05) for _ in range(WORKERS)]
+        seen.update(a.result(h, 60) for h in handles)
+
+
 def array_result(nbytes: int) -> Any:
     arr = _ARRAYS.get(nbytes)
     if arr is None:
@@ -367,7 +382,7 @@ def _fresh(cls: type[Adapter], fn: Callable[[Adapter], Any], **kw: Any) -> Any:
     """``fn`` on a pool of its own (a fault must not spoil the next row), closed after."""
     a = cls(**kw)
     try:
-        a.result(a.submit(noop, 0), 60)  # every pool measured once its workers run
+        warm(a)  # every pool measured once all its workers run
         return fn(a)
     except BaseException as exc:  # noqa: BLE001 - a failing peer is a finding, not a crash
         return f"failed: {type(exc).__name__}: {exc}"[:120]
