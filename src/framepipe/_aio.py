@@ -20,7 +20,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from . import _frames as F
+from ._args import check_send_args
+from ._objects import dumps, dumps_bulk
+from ._stream_errors import closed, timeout_error
+from ._wire import BULK_MIN, KIND_BULK, KIND_DATA, header
 from .errors import ReadTimeout
 
 _CONTENDED = 0.0005  # how often an async send looks again at a write lock a thread holds
@@ -59,7 +62,7 @@ async def recv_async(conn: Any, read: Callable[[float], Any], timeout: float | N
                 raise
         remaining = None if deadline is None else deadline - loop.time()
         if remaining is not None and remaining <= 0:
-            raise F.timeout_error(timeout)
+            raise timeout_error(timeout)
         bulk = conn._pending_bulk_fd  # a partly read bulk payload arrives on its own fd
         fds = [conn.fileno() if bulk is None else bulk]
         if conn._liveness_fd is not None:
@@ -107,7 +110,7 @@ class _Message:
         _, wfd, _, bwfd = conn._handles()
         fd = bwfd if self.steps and self.steps[0][0] else wfd
         if fd < 0:
-            raise OSError("handle is closed")
+            raise closed()
         return fd
 
     async def finish(self, conn: Any) -> None:
@@ -187,16 +190,16 @@ async def send_bytes_async(conn: Any, buf: Any, offset: int, size: int | None) -
     m = memoryview(buf)
     if m.itemsize > 1:
         m = m.cast("B")
-    size = F.check_send_args(m.nbytes, offset, size)
+    size = check_send_args(m.nbytes, offset, size)
     payload = m[offset : offset + size]
-    if size >= F.BULK_MIN and conn._handles()[3] >= 0:
-        await _send(conn, [[F.header(F.KIND_BULK, size)], payload, []])
+    if size >= BULK_MIN and conn._handles()[3] >= 0:
+        await _send(conn, [[header(KIND_BULK, size)], payload, []])
     else:
-        await _send(conn, [[F.header(F.KIND_DATA, size), payload]])
+        await _send(conn, [[header(KIND_DATA, size), payload]])
 
 
 async def send_object_async(conn: Any, obj: Any) -> None:
     if conn._handles()[3] >= 0:
-        await _send(conn, F.dumps_bulk(obj, F.BULK_MIN))
+        await _send(conn, dumps_bulk(obj, BULK_MIN))
     else:
-        await _send(conn, [F.dumps(obj)])
+        await _send(conn, [dumps(obj)])

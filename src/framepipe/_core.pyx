@@ -1,7 +1,8 @@
-# cython: language_level=3, embedsignature=True
-"""The compiled core: the hot path of framepipe over csrc/fp.c.
+# cython: language_level=3, embedsignature=True, binding=True
+"""The compiled engine: the hot loops of a connection over csrc/fp.c.
 
-Same classes, names, parameters, errors and bytes on the wire as framepipe._pycore (the spec).
+Same interface, errors and bytes on the wire as framepipe._pycore (the spec); the interface is
+written down in _core.pyi. Connection (framepipe._connection) subclasses Engine.
 """
 
 cimport cython
@@ -21,14 +22,20 @@ from libc.string cimport memcpy, memmove, strerror
 import os
 import select
 import stat
-import threading
 import time
+from pickle import loads as _loads
 
-from . import _frames as F
-from ._api import build_api
+from ._args import check_timeout
+from ._stream_errors import (
+    bad_check, blocking_send_under_async_send, broken, closed, mismatched_checks,
+    no_bulk_channel, sentinel_timeout, timeout_error, too_large, truncated, unallocatable,
+)
+from ._wire import BULK_MIN as _BULK_MIN, KIND_BULK, frame_cap
 from .errors import BufferTooShort, MessageTooLong
 
-__all__ = ["Connection", "Pipe", "pipe"]
+__all__ = ["ENGINE", "Engine"]
+
+ENGINE = "c"
 
 
 cdef extern from "Python.h":
@@ -69,15 +76,13 @@ DEF DIRECT_MIN = 16384
 DEF EOPNOTSUPP_ = 95
 DEF ENOSYS_ = 38
 
-cdef int K_DATA = F.KIND_DATA
-cdef int K_TIMEOUT = F.KIND_TIMEOUT
-cdef int K_DEAD = F.KIND_DEAD
-cdef int K_ERROR = F.KIND_ERROR
-cdef int K_OBJECT = F.KIND_OBJECT
-cdef int K_BUFFER = F.KIND_BUFFER
-cdef int K_BULK = F.KIND_BULK
-cdef int K_MAX = F.KIND_BULK
-cdef Py_ssize_t BULK_MIN = F.BULK_MIN
+DEF K_DATA = 0
+DEF K_TIMEOUT = 1
+DEF K_DEAD = 2
+DEF K_BUFFER = 5
+DEF K_BULK = 6
+assert KIND_BULK == K_BULK  # the kinds of _wire
+cdef Py_ssize_t BULK_MIN = _BULK_MIN
 cdef double DEATH_GRACE = 0.1
 cdef double LIVENESS_SLICE = 0.01
 cdef double POLL_WAITED = 20e-6  # a poll() that took longer had to wait for data
@@ -107,7 +112,7 @@ cdef inline double _deadline(timeout) except? -2.0:
         return -1.0
     t = timeout
     if t != t:
-        F.check_timeout(t)  # raises: the message is shared with the twin
+        check_timeout(t)  # raises: the message is shared with the twin
     return fp_now() + (t if t > 0.0 else 0.0)
 
 
@@ -150,47 +155,24 @@ cdef class _Iov:
         self.iov = NULL
 
 
-@cython.embedsignature(False)  # the docstring's first line is the exact signature
-cdef class Connection:
-    """Connection(handle, readable=True, writable=True, *, write_handle=None, bulk_handle=None, bulk_write_handle=None, max_size=None, closefd=True, read_ahead=False)
---
+cdef class Engine:
+    """The hot loops of one connection over a pipe or socket fd (see _pycore.Engine)."""
 
-A framed, bidirectional or one-way connection over a pipe or socket fd.
+    ENGINE = "c"
 
-    A drop-in for ``multiprocessing.connection.Connection`` (same methods, same errors), plus
-    per-read timeouts, writer liveness (:meth:`watch`), error frames and asyncio reads.
-
-    By default a read never takes a byte past the frame it returns, so ``select()`` and
-    ``multiprocessing.connection.wait()`` on :meth:`fileno` see every frame still to be read,
-    as with the stdlib. ``read_ahead=True`` lets one read() take up to 64 KiB of following
-    frames: small messages then cost a fraction of a syscall each, but frames held in the
-    connection's buffer are invisible to a foreign ``select()``; wait on such connections
-    with :func:`framepipe.connection.wait` (or :meth:`poll`), which sees them. ``max_size``
-    bounds the payload a frame may announce (None: no bound); ``write_handle`` makes a duplex
-    connection that reads ``handle`` and writes ``write_handle``; ``closefd=False`` leaves
-    the fds open on :meth:`close`. On Linux, the first read of a pipe with a timeout or a
-    watched writer opens a second, private non-blocking description of the pipe (through
-    ``/proc/self/fd``), so the fd that children share stays blocking; :meth:`close` closes it
-    whatever ``closefd`` says.
-
-    ``bulk_handle`` adds a bulk channel (a stream socket, made by :func:`pipe`): payloads of
-    16 KiB or more are written to it while their frame header still goes through ``handle``
-    in order, and a reader takes them from its own ``bulk_handle``. As with ``write_handle``,
-    ``bulk_write_handle`` gives a duplex connection a separate bulk fd to write.
-    """
-
-    cdef int _fd
+    cdef readonly int _fd
     cdef int _wfd
     cdef int _bfd, _bwfd, _bmode  # the bulk channel: read and write fds (-1: none)
     cdef bint _pbulk, _bpoll_first
-    cdef bint _readable, _writable, _closefd
+    cdef readonly bint _readable, _writable
+    cdef bint _closefd
     cdef int _mode
     cdef unsigned long _async_owner  # the thread whose asyncio send holds the write lock, or 0
     cdef int _nfd  # a private O_NONBLOCK description of the pipe (-1: not yet, -2: none)
-    cdef bint _read_ahead
+    cdef readonly bint _read_ahead
     cdef bint _poll_first
     cdef long long _max
-    cdef object _max_size
+    cdef readonly object _max_size
     cdef PyThread_type_lock _rlock
     cdef PyThread_type_lock _wlock
     cdef char *_buf
@@ -203,10 +185,9 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
     cdef bint _pexternal, _pdiscard
     cdef object _result
     cdef Py_ssize_t _rsize
-    cdef object _object
+    cdef public object _object  # an object message in progress (the Connection's _message)
     cdef object _broken
-    cdef object _liveness
-    cdef object _watch_handle
+    cdef readonly object _liveness
     cdef int _lfd
     cdef bint _dead
     cdef unsigned long long _gen
@@ -214,7 +195,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
     cdef uint64_t _ino[4]
     cdef bint _known[4]  # whether _dev/_ino of (fd, wfd, bfd, bwfd) were read
     cdef public object _peer
-    cdef public long long _sentinel_sent
+    cdef readonly long long _sentinel_sent
     # DEAD sentinel writes of the watcher thread under way, and whether a close() left the
     # fds in _dfd for them to close (see _write_sentinel). The GIL orders every use: no Python
     # code runs between a check and an update.
@@ -236,26 +217,23 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         if self._rlock == NULL or self._wlock == NULL:
             raise MemoryError()
 
-    def __init__(self, handle, readable=True, writable=True, *, write_handle=None,
-                 bulk_handle=None, bulk_write_handle=None, max_size=None, closefd=True,
-                 read_ahead=False):
-        handle, wfd = F.check_handles(handle, readable, writable, write_handle)
-        bfd, bwfd = F.check_bulk_handles(bulk_handle, bulk_write_handle, readable, writable)
-        if max_size is not None and max_size < 0:
-            raise ValueError("max_size must be None or a non-negative number of bytes")
+    def _open(self, int fd, int wfd, int bfd, int bwfd, bint readable, bint writable,
+              max_size, bint closefd, bint read_ahead):
+        """Take the (checked) fds: ``fd`` to read, ``wfd`` to write, ``bfd``/``bwfd`` the bulk
+        channel (-1: none)."""
+        cdef int i
+        cdef int fds[4]
         try:
-            mode = os.fstat(handle).st_mode
+            mode = os.fstat(fd).st_mode
         except OSError:
             mode = 0  # like the stdlib: a bad handle fails on first use
         self._gen = _fork_gen
-        self._fd = handle
+        self._fd = fd
         self._wfd = wfd
         self._bfd = bfd
         self._bwfd = bwfd
         self._bmode = FP_MODE_BLOCK
-        cdef int i
-        cdef int fds[4]
-        fds[0] = handle
+        fds[0] = fd
         fds[1] = wfd
         fds[2] = bfd
         fds[3] = bwfd
@@ -270,12 +248,12 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                 self._bmode = FP_MODE_SOCKET
             elif stat.S_ISFIFO(bmode):
                 self._bmode = FP_MODE_PIPE
-        self._readable = bool(readable)
-        self._writable = bool(writable)
+        self._readable = readable
+        self._writable = writable
         self._max_size = max_size
-        self._max = F.frame_cap(max_size)
-        self._closefd = bool(closefd)
-        self._read_ahead = bool(read_ahead)
+        self._max = frame_cap(max_size)
+        self._closefd = closefd
+        self._read_ahead = read_ahead
         if stat.S_ISSOCK(mode):
             self._mode = FP_MODE_SOCKET
         elif stat.S_ISFIFO(mode):
@@ -299,35 +277,8 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         if self._wlock != NULL:
             PyThread_free_lock(self._wlock)
 
-    # -- state -------------------------------------------------------------------------------
-
-    @property
-    def closed(self):
-        """True if the connection is closed."""
-        return self._fd < 0
-
-    @property
-    def readable(self):
-        """True if the connection is readable."""
-        return self._readable
-
-    @property
-    def writable(self):
-        """True if the connection is writable."""
-        return self._writable
-
-    @property
-    def max_size(self):
-        """Largest frame payload this connection accepts, or None for no limit."""
-        return self._max_size
-
-    def fileno(self):
-        """File descriptor or handle of the connection."""
-        self._check_closed()
-        return self._fd
-
-    def close(self):
-        """Close the connection (its fd once, if it owns it) and stop watching the writer."""
+    def _close(self):
+        """Close the fds (those this connection owns) and forget the watched writer."""
         cdef int fd, wfd, bfd, bwfd
         cdef bint defer
         if self._fd >= 0:
@@ -348,8 +299,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             if self._nfd >= 0:
                 os.close(self._nfd)  # ours whatever closefd says
                 self._nfd = -1
-            F.stop_watch(self._liveness, self._watch_handle)
-            self._liveness = self._watch_handle = None
+            self._liveness = None
             self._lfd = -1
             if self._closefd and not defer:
                 err = self._close_owned(fd, wfd, bfd, bwfd)
@@ -380,20 +330,9 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                     err = errno
         return err
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __repr__(self):
-        state = "closed" if self._fd < 0 else f"fd={self._fd}"
-        mode = ("r" if self._readable else "") + ("w" if self._writable else "")
-        return f"<framepipe.Connection {state} {mode} c>"
-
     cdef inline int _check_closed(self) except -1:
         if self._fd < 0:
-            raise OSError("handle is closed")
+            raise closed()
         return 0
 
     cdef inline int _check_readable(self) except -1:
@@ -410,25 +349,13 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
 
     # -- liveness ----------------------------------------------------------------------------
 
-    def watch(self, target):
-        """Watch the process that writes to this connection.
-
-        ``target`` is a pid, a started ``multiprocessing.Process`` or a ``subprocess.Popen``.
-        While reading, the writer's death (any exit code, or a signal) raises
-        :class:`framepipe.WriterDied` once the frames it wrote before dying are delivered.
-        Returns the connection. ``watch(None)`` stops watching.
-        """
-        self._check_closed()
-        F.check_watch(target, self._readable)
-        F.stop_watch(self._liveness, self._watch_handle)
-        self._liveness = self._watch_handle = None
-        self._lfd = -1
+    def _set_liveness(self, liveness):
+        """Watch the writer through ``liveness`` (None: stop watching). It has ``fd`` (a pidfd
+        or None), ``poll_dead()`` and ``error(lost_bytes=, expected_bytes=)``."""
+        self._liveness = liveness
         self._dead = False
-        if target is not None:
-            self._liveness, self._watch_handle = F.start_watch(target, self._peer)
-            fd = self._liveness.fd
-            self._lfd = -1 if fd is None else fd
-        return self
+        fd = None if liveness is None else liveness.fd
+        self._lfd = -1 if fd is None else fd
 
     def _write_sentinel(self, data):
         """Write a DEAD sentinel from the watcher thread. A close() from another thread while
@@ -478,7 +405,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             self._renew_locks_after_fork()
         if not PyThread_acquire_lock(self._wlock, NOWAIT_LOCK):
             if self._async_owner == PyThread_get_thread_ident():
-                raise F.blocking_send_under_async_send()
+                raise blocking_send_under_async_send()
             with nogil:
                 ok = PyThread_acquire_lock_timed(self._wlock, -1, 0)
         return 0
@@ -498,7 +425,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         while True:
             fd = self._bwfd if bulk else self._wfd
             if fd < 0:
-                raise OSError("handle is closed")
+                raise closed()
             with nogil:
                 rc = fp_writev_all(fd, &iov, &cnt)
                 err = errno
@@ -528,7 +455,6 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         return 0
 
     def send_bytes(self, buf, Py_ssize_t offset=0, size=None):
-        """Send the bytes of ``buf[offset:offset+size]`` (a bytes-like object) as one frame."""
         cdef Py_buffer view
         cdef Py_ssize_t n
         cdef unsigned char hdr[12]
@@ -570,7 +496,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         return 0
 
     cdef int _write_segments(self, list segments) except -1:
-        """Write ``[pipe_parts, bulk_payload, pipe_parts, ...]`` (see ``F.dumps_bulk``) under
+        """Write ``[pipe_parts, bulk_payload, pipe_parts, ...]`` (see ``_objects.dumps_bulk``) under
         one hold of the write lock: each BULK header reaches the pipe before its payload
         reaches the bulk fd."""
         cdef Py_ssize_t i
@@ -592,27 +518,6 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         finally:
             v.release()
         return 0
-
-    def send(self, obj):
-        """Send a picklable object (pickle protocol 5; buffers of 64 KiB or more out of band)."""
-        self._check_writable()
-        if self._bwfd >= 0:
-            segments = F.dumps_bulk(obj, BULK_MIN)
-            if len(segments) > 1:
-                self._write_segments(segments)
-            else:
-                self._write_parts(segments[0])
-            return
-        self._write_parts(F.dumps(obj))
-
-    def send_exception(self, exc):
-        """Send ``exc`` as an error frame: the reader's ``recv`` or ``recv_bytes`` raises it."""
-        from .remote import dumps_exception
-
-        self._check_writable()
-        F.check_exception(exc)
-        payload = dumps_exception(exc)
-        self._write_parts([F.header(K_ERROR, len(payload)), payload])
 
     # -- reading: the state machine ----------------------------------------------------------
 
@@ -695,7 +600,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                 if rc != FP_OK:
                     if self._dead:
                         lost, expected = self._lost()
-                        raise F.writer_died(self._liveness, lost, expected)
+                        raise self._liveness.error(lost_bytes=lost, expected_bytes=expected)
                     if deadline >= 0 and fp_now() >= deadline:
                         raise _Expired()
                     continue
@@ -779,13 +684,14 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         cdef bint in_frame = self._pkind >= 0 or self._bend > self._bstart
         if self._writer_is_dead():
             lost, expected = self._lost()
-            raise F.writer_died(self._liveness, lost, expected)
+            raise self._liveness.error(lost_bytes=lost, expected_bytes=expected)
         if in_frame:
             lost, expected = self._lost()
-            raise F.truncated(lost, expected if expected is not None else FP_HEADER_SIZE)
+            raise truncated(lost, expected if expected is not None else FP_HEADER_SIZE)
         raise EOFError
 
-    cdef object _break(self, exc):
+    def _break(self, exc):
+        """Mark the stream broken by ``exc`` (every later read raises it); returns ``exc``."""
         self._broken = exc
         return exc
 
@@ -799,27 +705,27 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             if avail >= 2:
                 p = <unsigned char *>self._buf + self._bstart
                 kind = p[0]
-                if p[1] != p[0] or kind > K_MAX:
-                    raise self._break(F.bad_check(bytes(p[:2]), self._consumed, "at a frame boundary"))
+                if p[1] != p[0] or kind > K_BULK:
+                    raise self._break(bad_check(bytes(p[:2]), self._consumed, "at a frame boundary"))
                 if kind == K_TIMEOUT:
                     self._bstart += 2
                     self._consumed += 2
-                    raise F.sentinel_timeout()
+                    raise sentinel_timeout()
                 if kind == K_DEAD:
                     if avail >= FP_DEAD_SIZE:
                         memcpy(&length, p + 2, 8)
                         self._bstart += FP_DEAD_SIZE
                         self._consumed += FP_DEAD_SIZE
                         self._dead = self._liveness is not None
-                        raise F.dead_error(length, self._liveness)
+                        raise self._dead_sentinel(length)
                 elif avail >= FP_HEADER_SIZE:
                     if p[10] != p[0] or p[11] != p[1]:
-                        raise self._break(F.mismatched_checks(bytes(p[:2]), bytes(p[10:12]), self._consumed))
+                        raise self._break(mismatched_checks(bytes(p[:2]), bytes(p[10:12]), self._consumed))
                     memcpy(&length, p + 2, 8)
                     if length > <uint64_t>self._max:
-                        raise self._break(F.too_large(length, self._max_size, self._consumed))
+                        raise self._break(too_large(length, self._max_size, self._consumed))
                     if kind == K_BULK and self._bfd < 0:
-                        raise self._break(F.no_bulk_channel(length, self._consumed))
+                        raise self._break(no_bulk_channel(length, self._consumed))
                     self._pbulk = kind == K_BULK
                     if self._pbulk:
                         # a data frame at a message boundary, a buffer inside an object
@@ -881,14 +787,14 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             PyMem_Free(scratch)
         return 0
 
-    cdef int _read_frame(self, double deadline, Py_ssize_t maxlength, char *into,
-                         Py_ssize_t intolen, bint mutable) except -1:
+    cdef int _frame(self, double deadline, Py_ssize_t maxlength, char *into,
+                    Py_ssize_t intolen, bint mutable) except -1:
         """Read one whole frame and return its kind. The payload is left in self._result
         (bytes, or a bytearray when ``mutable``), or, when it was read into ``into``, its
         size in self._rsize with self._result None."""
         cdef Py_ssize_t n
         if self._broken is not None:
-            raise F.broken(self._broken)
+            raise broken(self._broken)
         if self._pkind < 0:
             self._read_header(deadline)
             n = self._plen
@@ -913,7 +819,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                     # a pending frame without a destination would be read into NULL
                     self._pkind = -1
                     self._pbulk = False
-                    raise self._break(F.unallocatable(n, self._consumed - FP_HEADER_SIZE)) from None
+                    raise self._break(unallocatable(n, self._consumed - FP_HEADER_SIZE)) from None
         try:
             self._pump(deadline)
         except BaseException:
@@ -969,54 +875,18 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             raise _Expired()
         return 0
 
-    cdef object _read_message(self, double deadline, bint raw, Py_ssize_t maxlength):
-        """The next message: bytes (``raw``) or an object. Error frames raise."""
-        cdef int kind
-        if self._object is None:
-            kind = self._read_frame(deadline, maxlength, NULL, 0, False)
-            payload = self._take_result()
-            if kind == K_DATA:
-                return payload if raw else F.loads(payload)
-            self._start_object(kind, payload)
-        pickled, table, buffers = self._object
-        while len(buffers) < len(table):
-            length, flags = table[len(buffers)]
-            kind = self._read_frame(deadline, -1, NULL, 0, not (flags & F.FLAG_BYTES))
-            payload = self._take_result()
-            if kind != K_BUFFER or len(payload) != length:
-                raise self._break(F.missing_buffer(kind, len(payload), length))
-            buffers.append(payload)
-        self._object = None
-        obj = F.loads(pickled, buffers)
-        if not raw:
-            return obj
-        data = F.dumps_inband(obj)
-        if maxlength >= 0 and len(data) > maxlength:
-            raise MessageTooLong(len(data), maxlength)
-        return data
+    def _read_frame(self, double deadline, bint mutable):
+        """The next frame, ``(kind, payload)``, for a message hook that holds the read lock
+        (the out-of-band buffers of an object: a bytearray when ``mutable``)."""
+        cdef int kind = self._frame(deadline, -1, NULL, 0, mutable)
+        return kind, self._take_result()
 
-    cdef int _start_object(self, int kind, payload) except -1:
-        if kind == K_ERROR:
-            F.raise_remote(payload)
-        if kind != K_OBJECT:
-            raise self._break(F.missing_buffer(kind, len(payload), None))
-        pickled, table = F.parse_object(payload)
-        self._object = (pickled, table, [])
-        return 0
-
-    # -- reading: the public API -------------------------------------------------------------
+    # -- reading: the public calls (documented on Connection) --------------------------------
 
     def recv_bytes(self, maxlength=None, *, timeout=None):
-        """Receive one message as bytes.
-
-        Raises EOFError at end of file (:class:`WriterDied` if the watched writer died),
-        :class:`ReadTimeout` when ``timeout`` seconds pass (nothing is lost), and
-        :class:`MessageTooLong` (an OSError) when the message exceeds ``maxlength``; unlike
-        the stdlib the message is then discarded and the connection stays usable. An error
-        frame raises the exception it carries.
-        """
         cdef Py_ssize_t maxl = -1
         cdef double deadline
+        cdef int kind
         self._check_readable()
         if maxlength is not None:
             maxl = maxlength
@@ -1026,18 +896,20 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         try:
             self._lock_read(deadline)
             try:
-                return self._read_message(deadline, True, maxl)
+                kind = -1
+                payload = None
+                if self._object is None:
+                    kind = self._frame(deadline, maxl, NULL, 0, False)
+                    payload = self._take_result()
+                    if kind == K_DATA:
+                        return payload
+                return self._message(kind, payload, deadline, True, maxl)
             finally:
                 PyThread_release_lock(self._rlock)
         except _Expired:
-            raise F.timeout_error(timeout, *self._lost()) from None
+            raise timeout_error(timeout, *self._lost()) from None
 
     def recv_bytes_into(self, buf, offset=0, *, timeout=None):
-        """Receive one message into ``buf`` at byte ``offset``; returns its size in bytes.
-
-        Raises ``BufferTooShort`` (carrying the whole message as ``args[0]``) if it does not
-        fit; the connection stays usable.
-        """
         cdef Py_buffer view
         cdef double deadline
         cdef int kind
@@ -1059,21 +931,20 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                 try:
                     self._lock_read(deadline)
                     try:
+                        kind = -1
+                        result = None
                         if self._object is None:
-                            kind = self._read_frame(deadline, -1, <char *>view.buf + off,
-                                                    view.len - off, False)
+                            kind = self._frame(deadline, -1, <char *>view.buf + off,
+                                               view.len - off, False)
                             result = self._take_result()
                             if result is None:
                                 return self._rsize
-                            if kind != K_DATA:
-                                self._start_object(kind, result)
-                                result = self._read_message(deadline, True, -1)
-                        else:
-                            result = self._read_message(deadline, True, -1)
+                        if kind != K_DATA:
+                            result = self._message(kind, result, deadline, True, -1)
                     finally:
                         PyThread_release_lock(self._rlock)
                 except _Expired:
-                    raise F.timeout_error(timeout, *self._lost()) from None
+                    raise timeout_error(timeout, *self._lost()) from None
                 if len(result) > view.len - off:
                     raise BufferTooShort(result)
                 memcpy(<char *>view.buf + off, PyBytes_AS_STRING(result), len(result))
@@ -1082,23 +953,27 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                 PyBuffer_Release(&view)
 
     def recv(self, *, timeout=None):
-        """Receive an object sent by :meth:`send` (or an in-band pickle from a reference
-        writer). An error frame raises the exception it carries."""
         cdef double deadline
+        cdef int kind
         self._check_readable()
         deadline = _deadline(timeout)
         try:
             self._lock_read(deadline)
             try:
-                return self._read_message(deadline, False, -1)
+                kind = -1
+                payload = None
+                if self._object is None:
+                    kind = self._frame(deadline, -1, NULL, 0, False)
+                    payload = self._take_result()
+                    if kind == K_DATA:
+                        return _loads(payload)
+                return self._message(kind, payload, deadline, False, -1)
             finally:
                 PyThread_release_lock(self._rlock)
         except _Expired:
-            raise F.timeout_error(timeout, *self._lost()) from None
+            raise timeout_error(timeout, *self._lost()) from None
 
     def poll(self, timeout=0.0):
-        """Whether there is data to read (or end of file), waiting up to ``timeout`` seconds
-        (None: forever)."""
         cdef double deadline, until
         cdef int rc, err, lfd, fd
         self._check_readable()
@@ -1136,11 +1011,6 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         """(read fd, write fd, bulk read fd, bulk write fd); -1 for no bulk fd."""
         return self._fd, self._wfd, self._bfd, self._bwfd
 
-    @property
-    def read_ahead(self):
-        """Whether reads may take more than the current frame from the fd (see the class)."""
-        return self._read_ahead
-
     def _send_segments(self, list segments):
         """Write one message given as ``[pipe_parts, bulk_payload, pipe_parts, ...]``."""
         self._check_writable()
@@ -1173,7 +1043,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         self._check_writable()
         fd = self._bwfd if bulk else self._wfd
         if fd < 0:
-            raise OSError("handle is closed")
+            raise closed()
         v = _Iov(parts, min(len(parts), 1024))
         try:
             with nogil:
@@ -1191,43 +1061,8 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         raise _oserror(err)
 
     def _has_buffered(self):
+        """Whether bytes read ahead wait in the buffer (a foreign select() cannot see them)."""
         return self._fd >= 0 and self._bend > self._bstart
-
-    # -- pickling to a child process ---------------------------------------------------------
-
-    def __reduce__(self):
-        from .connection import _reduce_connection
-
-        return _reduce_connection(self)
-
-    # -- asyncio -----------------------------------------------------------------------------
-
-    async def recv_bytes_async(self, maxlength=None, *, timeout=None):
-        """``recv_bytes`` on the running event loop's reader callbacks (no thread)."""
-        from ._aio import recv_async
-
-        return await recv_async(self, lambda t: self.recv_bytes(maxlength, timeout=t), timeout)
-
-    async def recv_async(self, *, timeout=None):
-        """``recv`` on the running event loop's reader callbacks (no thread)."""
-        from ._aio import recv_async
-
-        return await recv_async(self, lambda t: self.recv(timeout=t), timeout)
-
-    async def send_bytes_async(self, buf, offset=0, size=None):
-        """``send_bytes`` on the running event loop's writer callbacks: a full pipe suspends
-        the coroutine, never the loop, and no thread is used. A cancelled send finishes its
-        frame in the background, so the stream never holds half a frame."""
-        from ._aio import send_bytes_async
-
-        await send_bytes_async(self, buf, offset, size)
-
-    async def send_async(self, obj):
-        """``send`` on the running event loop's writer callbacks (see
-        :meth:`send_bytes_async`)."""
-        from ._aio import send_object_async
-
-        await send_object_async(self, obj)
 
     @property
     def _pending_bulk_fd(self):
@@ -1236,11 +1071,5 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
 
     @property
     def _liveness_fd(self):
+        """The watched writer's pidfd, readable once it died, or None."""
         return None if self._lfd < 0 else self._lfd
-
-    @property
-    def _watched(self):
-        return self._liveness
-
-
-pipe, Pipe = build_api(Connection)

@@ -54,7 +54,7 @@ def Pipe(duplex: bool = True, *, read_ahead: bool = False, pipes: bool = False) 
     ``multiprocessing.reduction.send_handle`` works over it); ``pipes=True`` makes it two
     one-way pipes instead, each with a bulk channel: twice the small-message rate, 8 fds.
     """
-    return _impl.core.pipe(duplex, read_ahead=read_ahead, pipes=pipes)  # type: ignore[no-any-return]
+    return _impl.core.pipe(duplex, read_ahead=read_ahead, pipes=pipes)
 
 
 def _fileno(obj: Any) -> int:
@@ -252,51 +252,3 @@ def Client(address: Any, family: str | None = None, authkey: bytes | None = None
             conn.close()
             raise
     return conn
-
-
-# -- passing a Connection to another process ------------------------------------------------
-
-
-def _reduce_connection(conn: Any) -> Any:
-    """Pickle support (multiprocessing's ForkingPickler): the fds travel as ``DupFd``."""
-    from multiprocessing import reduction
-
-    if conn.closed:
-        raise OSError("cannot pass a closed Connection to another process")
-    if conn._has_buffered():
-        raise ValueError(
-            "cannot pass this Connection to another process: it holds bytes it has read ahead "
-            "but not yet returned, which the other process would never see; receive the "
-            "pending messages first"
-        )
-    rfd, wfd, bfd, bwfd = conn._handles()
-    impl = "c" if type(conn).__module__ == "framepipe._core" else "python"
-    dup_r = reduction.DupFd(rfd)
-    dup_w = None if wfd == rfd else reduction.DupFd(wfd)
-    # The bulk channel: one fd (read, written, or both on one socket) or a read and a write fd.
-    bulk = bfd if bfd >= 0 else bwfd
-    dup_b = None if bulk < 0 else reduction.DupFd(bulk)
-    dup_bw = None if bfd < 0 or bwfd < 0 or bwfd == bfd else reduction.DupFd(bwfd)
-    options = {"max_size": conn.max_size, "read_ahead": conn.read_ahead}
-    return _rebuild_connection, (
-        impl, dup_r, dup_w, conn.readable, conn.writable, options, dup_b, dup_bw
-    )
-
-
-def _rebuild_connection(
-    impl: str,
-    dup_r: Any,
-    dup_w: Any,
-    readable: bool,
-    writable: bool,
-    options: dict[str, Any],
-    dup_b: Any = None,
-    dup_bw: Any = None,
-) -> Any:
-    core = _impl.load(impl)
-    rfd = dup_r.detach()
-    wfd = None if dup_w is None else dup_w.detach()
-    bfd = None if dup_b is None else dup_b.detach()
-    bwfd = None if dup_bw is None else dup_bw.detach()
-    return core.Connection(rfd, readable, writable, write_handle=wfd, bulk_handle=bfd,
-                           bulk_write_handle=bwfd, **options)
