@@ -15,7 +15,7 @@ from cpython.pythread cimport (
     NOWAIT_LOCK, PyThread_acquire_lock, PyThread_allocate_lock, PyThread_free_lock,
     PyThread_get_thread_ident, PyThread_release_lock, PyThread_type_lock,
 )
-from libc.errno cimport EAGAIN, EINTR, EINVAL, errno
+from libc.errno cimport EAGAIN, EINTR, EINVAL, ENOSYS, EOPNOTSUPP, errno
 from libc.stdint cimport uint64_t
 from libc.string cimport memcpy, memmove, strerror
 
@@ -25,10 +25,10 @@ import stat
 import time
 from pickle import loads as _loads
 
-from ._args import check_timeout
+from ._args import check_send_args, check_timeout
 from ._stream_errors import (
-    bad_check, blocking_send_under_async_send, broken, closed, mismatched_checks,
-    no_bulk_channel, sentinel_timeout, timeout_error, too_large, truncated, unallocatable,
+    bad_header, blocking_send_under_async_send, broken, closed, no_bulk_channel,
+    sentinel_timeout, timeout_error, truncated, unallocatable,
 )
 from ._wire import BULK_MIN as _BULK_MIN, KIND_BULK, frame_cap
 from .errors import BufferTooShort, MessageTooLong
@@ -52,17 +52,22 @@ cdef extern from "sys/uio.h" nogil:
 
 
 cdef extern from "fp.h" nogil:
-    int FP_OK, FP_EOF, FP_TIMEOUT, FP_LIVENESS
-    int FP_HEADER_SIZE, FP_DEAD_SIZE
+    int FP_OK, FP_TIMEOUT, FP_LIVENESS, FP_MORE
+    int FP_KIND_DATA, FP_KIND_TIMEOUT, FP_KIND_DEAD, FP_KIND_BUFFER, FP_KIND_BULK
+    int FP_HEADER_SIZE
+    int FP_READ, FP_WRITE
     int FP_MODE_BLOCK, FP_MODE_SOCKET, FP_MODE_PIPE, FP_MODE_NONBLOCK
+    ctypedef struct fp_header:
+        int kind
+        uint64_t value
+        size_t size
     double fp_now()
-    void fp_header_encode(unsigned char *out, unsigned char check, uint64_t length)
-    int fp_wait_readable(int fd, int liveness_fd, double deadline)
-    int fp_wait_writable(int fd, double deadline)
+    void fp_header_encode(unsigned char *out, int kind, uint64_t length)
+    int fp_header_decode(const unsigned char *p, size_t avail, uint64_t cap, fp_header *h)
+    int fp_wait(int fd, int direction, int liveness_fd, double deadline)
     ssize_t fp_read(int fd, void *buf, size_t n, int mode)
-    int fp_writev_all(int fd, iovec **iov, int *iovcnt)
     int fp_reopen_nonblocking(int fd)
-    ssize_t fp_writev_nowait(int fd, const iovec *iov, int iovcnt)
+    int fp_writev(int fd, iovec **iov, int *iovcnt, int nowait, size_t *written)
     int fp_identity(int fd, uint64_t *dev, uint64_t *ino)
     int fp_close_if_same(int fd, uint64_t dev, uint64_t ino)
 
@@ -71,18 +76,15 @@ cdef extern from "unistd.h" nogil:
     int c_close "close"(int fd)
 
 
-DEF READ_CHUNK = 65536
-DEF DIRECT_MIN = 16384
-DEF EOPNOTSUPP_ = 95
-DEF ENOSYS_ = 38
+cdef enum:
+    READ_CHUNK = 65536  # the read buffer: with read-ahead, many small frames per read()
+    DIRECT_MIN = 16384  # a remainder at least this large is read straight into its frame
 
-DEF K_DATA = 0
-DEF K_TIMEOUT = 1
-DEF K_DEAD = 2
-DEF K_BUFFER = 5
-DEF K_BULK = 6
-assert KIND_BULK == K_BULK  # the kinds of _wire
+assert KIND_BULK == FP_KIND_BULK  # _wire's kinds are fp.h's
 cdef Py_ssize_t BULK_MIN = _BULK_MIN
+
+cdef enum:  # what _wait_readable saw
+    W_READY, W_TIMEOUT, W_DEAD
 cdef double DEATH_GRACE = 0.1
 cdef double LIVENESS_SLICE = 0.01
 cdef double POLL_WAITED = 20e-6  # a poll() that took longer had to wait for data
@@ -118,6 +120,16 @@ cdef inline double _deadline(timeout) except? -2.0:
 
 cdef object _oserror(int err):
     return OSError(err, strerror(err).decode("utf-8", "replace"))
+
+
+cdef int _retry(int err) except -1:
+    """After a system call failed with ``err``: EINTR runs the signal handlers (which may
+    raise, e.g. KeyboardInterrupt) and returns so that the caller retries against the same
+    deadline (PEP 475); any other errno raises."""
+    if err == EINTR:
+        PyErr_CheckSignals()
+        return 0
+    raise _oserror(err)
 
 
 cdef class _Iov:
@@ -427,18 +439,18 @@ cdef class Engine:
             if fd < 0:
                 raise closed()
             with nogil:
-                rc = fp_writev_all(fd, &iov, &cnt)
+                rc = fp_writev(fd, &iov, &cnt, 0, NULL)
                 err = errno
             if rc == FP_OK:
                 return 0
-            if err == EINTR:
-                PyErr_CheckSignals()  # the frame goes on after the handlers
-                continue
-            if err == EAGAIN:
+            if err == EAGAIN:  # someone made the description non-blocking: wait for room
                 with nogil:
-                    fp_wait_writable(fd, -1.0)
+                    rc = fp_wait(fd, FP_WRITE, -1, -1.0)
+                    err = errno
+                if rc < 0:
+                    _retry(err)
                 continue
-            raise _oserror(err)
+            _retry(err)  # the frame goes on after the signal handlers
 
     cdef int _write_bulk(self, unsigned char *hdr, iovec *payload) except -1:
         """A BULK frame: its header to the pipe, then its payload to the bulk fd, under one
@@ -462,25 +474,17 @@ cdef class Engine:
         self._check_writable()
         PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
         try:
-            if offset < 0:
-                raise ValueError("offset is negative")
-            if view.len < offset:
-                raise ValueError("buffer length < offset")
-            if size is None:
-                n = view.len - offset
+            if offset == 0 and size is None:
+                n = view.len
             else:
-                n = size
-                if n < 0:
-                    raise ValueError("size is negative")
-                if offset + n > view.len:
-                    raise ValueError("buffer length < offset + size")
+                n = check_send_args(view.len, offset, size)
             iov[1].iov_base = <char *>view.buf + offset
             iov[1].iov_len = <size_t>n
             if n >= BULK_MIN and self._bwfd >= 0:
-                fp_header_encode(hdr, <unsigned char>K_BULK, <uint64_t>n)
+                fp_header_encode(hdr, FP_KIND_BULK, <uint64_t>n)
                 self._write_bulk(hdr, &iov[1])
                 return
-            fp_header_encode(hdr, 0, <uint64_t>n)
+            fp_header_encode(hdr, FP_KIND_DATA, <uint64_t>n)
             iov[0].iov_base = hdr
             iov[0].iov_len = FP_HEADER_SIZE
             self._writev(iov, 2)
@@ -527,22 +531,53 @@ cdef class Engine:
             self._dead = True
         return 0
 
+    cdef int _wait_readable(self, int fd, double deadline) except -1:
+        """Wait until ``fd`` is readable (W_READY), the deadline passes (W_TIMEOUT), or the
+        watched writer is dead and ``fd`` has nothing more to read (W_DEAD). Signals run their
+        handlers and the wait goes on against the same deadline."""
+        cdef int rc, err, lfd
+        cdef double until
+        while True:
+            lfd = -1 if self._dead else self._lfd
+            until = deadline
+            if self._dead:
+                until = 0.0  # only look: is anything left to read?
+            elif self._liveness is not None and self._lfd < 0:
+                until = fp_now() + LIVENESS_SLICE  # no pidfd: look at the writer now and then
+                if 0.0 <= deadline < until:
+                    until = deadline
+            with nogil:
+                rc = fp_wait(fd, FP_READ, lfd, until)
+                err = errno
+            if rc == FP_OK:
+                return W_READY
+            if rc < 0:
+                _retry(err)
+                continue
+            if self._dead:
+                return W_DEAD
+            if self._liveness is not None:
+                self._note_dead()
+                if self._dead:
+                    continue  # what the writer wrote before dying is read first
+            if deadline >= 0 and fp_now() >= deadline:
+                return W_TIMEOUT
+
     cdef Py_ssize_t _read_some(self, char *dst, Py_ssize_t n, double deadline,
                                bint bulk=False) except -1:
         """One read() into dst: the byte count, 0 at end of file. Raises _Expired at the
         deadline and WriterDied when the watched writer died with nothing left to read.
         ``bulk`` reads the bulk fd instead of the pipe."""
         cdef ssize_t r
-        cdef int rc, err, lfd, rfd, fd = self._bfd if bulk else self._fd
+        cdef int rc, err, rfd, fd = self._bfd if bulk else self._fd
         cdef int mode = self._bmode if bulk else self._mode
         # With read-ahead, poll first: by the time poll() returns, more frames have arrived and
         # one read takes them all (measured: more messages/s than even a plain blocking read).
         # Without it, try a read first when the last poll found data already there.
         cdef bint adaptive = bulk or not self._read_ahead
         cdef bint poll_first = (self._bpoll_first if bulk else self._poll_first) if adaptive else True
-        cdef double until, started
-        cdef bint watched = self._liveness is not None
-        cdef bint must_poll = deadline >= 0 or watched
+        cdef double started
+        cdef bint must_poll = deadline >= 0 or self._liveness is not None
         while True:
             if must_poll:
                 if mode == FP_MODE_PIPE and not bulk and self._nfd == -1:
@@ -555,35 +590,23 @@ cdef class Engine:
                         err = errno
                     if r >= 0:
                         return r
-                    if err == EINTR:
-                        PyErr_CheckSignals()
-                        continue
-                    if err == EOPNOTSUPP_ or err == EINVAL:
+                    if err == EOPNOTSUPP or err == EINVAL:
                         mode = FP_MODE_BLOCK  # this kernel cannot; poll first from now on
                         if bulk:
                             self._bmode = mode
                         else:
                             self._mode = mode
                     elif err != EAGAIN:
-                        raise _oserror(err)
-                lfd = -1 if self._dead else self._lfd
-                until = deadline
-                if self._dead:
-                    until = 0.0
-                elif watched and self._lfd < 0:
-                    until = fp_now() + LIVENESS_SLICE
-                    if deadline >= 0 and deadline < until:
-                        until = deadline
-                started = fp_now()
-                with nogil:
-                    rc = fp_wait_readable(fd, lfd, until)
-                    err = errno
-                if rc < 0:
-                    if err == EINTR:
-                        PyErr_CheckSignals()
+                        _retry(err)
                         continue
-                    raise _oserror(err)
-                if rc == FP_OK and adaptive:
+                started = fp_now()
+                rc = self._wait_readable(fd, deadline)
+                if rc == W_DEAD:
+                    lost, expected = self._lost()
+                    raise self._liveness.error(lost_bytes=lost, expected_bytes=expected)
+                if rc == W_TIMEOUT:
+                    raise _Expired()
+                if adaptive:
                     # Try a read before polling next time only if this poll found data
                     # already there: a reader that keeps up with its writer then makes one
                     # syscall per wait instead of a failed read, a poll and a read.
@@ -592,29 +615,15 @@ cdef class Engine:
                         self._bpoll_first = poll_first
                     else:
                         self._poll_first = poll_first
-                if rc == FP_LIVENESS or (rc == FP_TIMEOUT and watched and not self._dead):
-                    if not self._dead:
-                        self._note_dead()
-                        if self._dead:
-                            continue  # drain what the writer wrote before dying
-                if rc != FP_OK:
-                    if self._dead:
-                        lost, expected = self._lost()
-                        raise self._liveness.error(lost_bytes=lost, expected_bytes=expected)
-                    if deadline >= 0 and fp_now() >= deadline:
-                        raise _Expired()
-                    continue
             with nogil:
                 r = fp_read(fd, dst, <size_t>n, FP_MODE_BLOCK)
                 err = errno
             if r >= 0:
                 return r
-            if err == EINTR:
-                PyErr_CheckSignals()
+            if err == EAGAIN:
+                must_poll = True  # someone set O_NONBLOCK on the description: poll first
                 continue
-            if err != EAGAIN:
-                raise _oserror(err)
-            must_poll = True  # someone set O_NONBLOCK on the description: poll first
+            _retry(err)
 
     cdef int _open_private(self) except -1:
         """Switch timed and watched reads of the pipe to a private O_NONBLOCK description
@@ -698,45 +707,41 @@ cdef class Engine:
     cdef int _read_header(self, double deadline) except -1:
         cdef unsigned char *p
         cdef Py_ssize_t avail
-        cdef uint64_t length
-        cdef int kind
+        cdef fp_header h
+        cdef int rc, kind
         while True:
+            p = <unsigned char *>self._buf + self._bstart
             avail = self._bend - self._bstart
-            if avail >= 2:
-                p = <unsigned char *>self._buf + self._bstart
-                kind = p[0]
-                if p[1] != p[0] or kind > K_BULK:
-                    raise self._break(bad_check(bytes(p[:2]), self._consumed, "at a frame boundary"))
-                if kind == K_TIMEOUT:
-                    self._bstart += 2
-                    self._consumed += 2
-                    raise sentinel_timeout()
-                if kind == K_DEAD:
-                    if avail >= FP_DEAD_SIZE:
-                        memcpy(&length, p + 2, 8)
-                        self._bstart += FP_DEAD_SIZE
-                        self._consumed += FP_DEAD_SIZE
-                        self._dead = self._liveness is not None
-                        raise self._dead_sentinel(length)
-                elif avail >= FP_HEADER_SIZE:
-                    if p[10] != p[0] or p[11] != p[1]:
-                        raise self._break(mismatched_checks(bytes(p[:2]), bytes(p[10:12]), self._consumed))
-                    memcpy(&length, p + 2, 8)
-                    if length > <uint64_t>self._max:
-                        raise self._break(too_large(length, self._max_size, self._consumed))
-                    if kind == K_BULK and self._bfd < 0:
-                        raise self._break(no_bulk_channel(length, self._consumed))
-                    self._pbulk = kind == K_BULK
-                    if self._pbulk:
-                        # a data frame at a message boundary, a buffer inside an object
-                        kind = K_DATA if self._object is None else K_BUFFER
-                    self._bstart += FP_HEADER_SIZE
-                    self._consumed += FP_HEADER_SIZE
-                    self._pkind = kind
-                    self._plen = <Py_ssize_t>length
-                    self._pgot = 0
-                    return 0
-            self._fill(deadline, FP_HEADER_SIZE - avail)
+            rc = fp_header_decode(p, <size_t>avail, <uint64_t>self._max, &h)
+            if rc == FP_OK:
+                break
+            if rc != FP_MORE:
+                head = p[:avail if avail < FP_HEADER_SIZE else FP_HEADER_SIZE]
+                raise self._break(bad_header(rc, head, h.value, self._max_size, self._consumed))
+            # The kind unknown yet, ask for a whole header: one read takes most frames' header.
+            self._fill(deadline, (FP_HEADER_SIZE if avail < 2 else <Py_ssize_t>h.size) - avail)
+        kind = h.kind
+        if kind == FP_KIND_TIMEOUT or kind == FP_KIND_DEAD:
+            self._bstart += h.size
+            self._consumed += h.size
+            if kind == FP_KIND_TIMEOUT:
+                raise sentinel_timeout()
+            # Only a watched writer's death is remembered: without a watch there is nothing to
+            # report it again with, and a later read is an ordinary read.
+            self._dead = self._liveness is not None
+            raise self._dead_sentinel(h.value)
+        if kind == FP_KIND_BULK and self._bfd < 0:
+            raise self._break(no_bulk_channel(h.value, self._consumed))
+        self._pbulk = kind == FP_KIND_BULK
+        if self._pbulk:
+            # a data frame at a message boundary, a buffer inside an object
+            kind = FP_KIND_DATA if self._object is None else FP_KIND_BUFFER
+        self._bstart += h.size
+        self._consumed += h.size
+        self._pkind = kind
+        self._plen = <Py_ssize_t>h.value
+        self._pgot = 0
+        return 0
 
     cdef int _pump(self, double deadline) except -1:
         """Fill the pending frame's destination until it is complete."""
@@ -800,11 +805,11 @@ cdef class Engine:
             n = self._plen
             self._pexternal = self._pdiscard = False
             self._pobj = None
-            if maxlength >= 0 and n > maxlength and self._pkind == K_DATA:
+            if maxlength >= 0 and n > maxlength and self._pkind == FP_KIND_DATA:
                 self._pdiscard = True
                 self._pmaxlen = maxlength
                 self._pptr = NULL
-            elif into != NULL and self._pkind == K_DATA and n <= intolen:
+            elif into != NULL and self._pkind == FP_KIND_DATA and n <= intolen:
                 self._pptr = into
                 self._pexternal = True
             else:
@@ -841,7 +846,7 @@ cdef class Engine:
             self._result = None
             self._rsize = n
             return kind
-        if into != NULL and kind == K_DATA and n <= intolen:
+        if into != NULL and kind == FP_KIND_DATA and n <= intolen:
             memcpy(into, PyBytes_AS_STRING(self._pobj), n)
             self._pobj = None
             self._result = None
@@ -901,7 +906,7 @@ cdef class Engine:
                 if self._object is None:
                     kind = self._frame(deadline, maxl, NULL, 0, False)
                     payload = self._take_result()
-                    if kind == K_DATA:
+                    if kind == FP_KIND_DATA:
                         return payload
                 return self._message(kind, payload, deadline, True, maxl)
             finally:
@@ -939,7 +944,7 @@ cdef class Engine:
                             result = self._take_result()
                             if result is None:
                                 return self._rsize
-                        if kind != K_DATA:
+                        if kind != FP_KIND_DATA:
                             result = self._message(kind, result, deadline, True, -1)
                     finally:
                         PyThread_release_lock(self._rlock)
@@ -965,7 +970,7 @@ cdef class Engine:
                 if self._object is None:
                     kind = self._frame(deadline, -1, NULL, 0, False)
                     payload = self._take_result()
-                    if kind == K_DATA:
+                    if kind == FP_KIND_DATA:
                         return _loads(payload)
                 return self._message(kind, payload, deadline, False, -1)
             finally:
@@ -974,38 +979,12 @@ cdef class Engine:
             raise timeout_error(timeout, *self._lost()) from None
 
     def poll(self, timeout=0.0):
-        cdef double deadline, until
-        cdef int rc, err, lfd, fd
+        cdef int fd
         self._check_readable()
         if self._bend > self._bstart and not self._pbulk:
             return True
-        deadline = _deadline(timeout)
         fd = self._bfd if self._pbulk else self._fd
-        while True:
-            lfd = -1 if self._dead else self._lfd
-            until = deadline
-            if self._liveness is not None and self._lfd < 0 and not self._dead:
-                until = fp_now() + LIVENESS_SLICE
-                if deadline >= 0 and deadline < until:
-                    until = deadline
-            with nogil:
-                rc = fp_wait_readable(fd, lfd, until)
-                err = errno
-            if rc == FP_OK:
-                return True
-            if rc < 0:
-                if err == EINTR:
-                    PyErr_CheckSignals()
-                    continue
-                raise _oserror(err)
-            if self._dead:
-                return True
-            if self._liveness is not None:
-                self._note_dead()
-                if self._dead:
-                    return True
-            if deadline >= 0 and fp_now() >= deadline:
-                return False
+        return self._wait_readable(fd, _deadline(timeout)) != W_TIMEOUT
 
     def _handles(self):
         """(read fd, write fd, bulk read fd, bulk write fd); -1 for no bulk fd."""
@@ -1034,31 +1013,34 @@ cdef class Engine:
         PyThread_release_lock(self._wlock)
 
     def _write_nowait(self, list parts, bint bulk):
-        """One writev() of ``parts`` to the pipe (the bulk fd when ``bulk``) that never blocks:
-        the bytes written, 0 when the fd is full, -1 when this system has no non-blocking
-        write. The caller holds the write lock."""
+        """Write ``parts`` to the pipe (the bulk fd when ``bulk``) without ever blocking: the
+        bytes written, 0 when the fd is full, -1 when this system has no non-blocking write.
+        The caller holds the write lock."""
         cdef _Iov v
-        cdef ssize_t r
-        cdef int err, fd
+        cdef iovec *iov
+        cdef int rc, err, fd, cnt
+        cdef size_t written = 0
         self._check_writable()
         fd = self._bwfd if bulk else self._wfd
         if fd < 0:
             raise closed()
         v = _Iov(parts, min(len(parts), 1024))
+        iov = v.iov
+        cnt = <int>v.count
         try:
             with nogil:
-                r = fp_writev_nowait(fd, v.iov, <int>v.count)
+                rc = fp_writev(fd, &iov, &cnt, 1, &written)
                 err = errno
         finally:
             v.release()
-        if r >= 0:
-            return r
-        if err == EAGAIN or err == EINTR:
-            PyErr_CheckSignals()
+        if rc == FP_OK or written > 0:
+            return written
+        if err == EAGAIN:
             return 0
-        if err == EOPNOTSUPP_ or err == ENOSYS_:
+        if err == EOPNOTSUPP or err == ENOSYS:
             return -1
-        raise _oserror(err)
+        _retry(err)
+        return 0
 
     def _has_buffered(self):
         """Whether bytes read ahead wait in the buffer (a foreign select() cannot see them)."""

@@ -25,29 +25,27 @@ from typing import TYPE_CHECKING, Any
 
 from ._args import check_send_args, check_timeout
 from ._stream_errors import (
-    bad_check,
+    bad_header,
     blocking_send_under_async_send,
     broken,
     closed,
-    mismatched_checks,
     no_bulk_channel,
     sentinel_timeout,
     timeout_error,
-    too_large,
     truncated,
     unallocatable,
 )
 from ._wire import (
     BULK_MIN,
-    DEAD_SIZE,
     HEADER_SIZE,
     KIND_BUFFER,
     KIND_BULK,
-    KIND_BY_CHECK,
     KIND_DATA,
     KIND_DEAD,
     KIND_TIMEOUT,
-    LENGTH,
+    MORE,
+    OK,
+    decode_header,
     frame_cap,
     header,
 )
@@ -131,20 +129,32 @@ def _wait_writable(fd: int) -> None:
     poller.poll()
 
 
-def _writev_all(fd: int, views: list[memoryview]) -> None:
-    """Write every byte of ``views`` to ``fd``: short writes continue where they stopped, and
-    a description someone made non-blocking waits for room instead of failing."""
+def _writev(fd: int, views: list[memoryview], nowait: bool = False) -> int:
+    """Write the bytes of ``views`` to ``fd`` as ``fp_writev`` (csrc/fp.c) does, looping over
+    short writes; ``views`` is left holding what is not written. Returns the bytes written.
+    With ``nowait`` no write blocks (RWF_NOWAIT, a per-call flag): it returns when the fd is
+    full. Without, a description someone made non-blocking waits for room."""
+    written = 0
+    while views and not views[0].nbytes:  # empty parts first: a frame may have no payload
+        views.pop(0)
     while views:
         try:
-            n = os.writev(fd, views[:_IOV_MAX])
+            if nowait:
+                n = os.pwritev(fd, views[:_IOV_MAX], -1, _RWF_NOWAIT)  # type: ignore[arg-type]
+            else:
+                n = os.writev(fd, views[:_IOV_MAX])
         except BlockingIOError:
+            if nowait:
+                return written
             _wait_writable(fd)
             continue
+        written += n
         while views and n >= views[0].nbytes:
             n -= views[0].nbytes
             views.pop(0)
         if n:
             views[0] = views[0][n:]
+    return written
 
 
 # Locks held by threads of the parent stay held in a forked child, where those threads do not
@@ -367,7 +377,7 @@ class Engine:
             fd = self._wfd
             if fd < 0:
                 raise closed()
-            _writev_all(fd, views)
+            _writev(fd, views)
         finally:
             self._wlock.release()
 
@@ -382,7 +392,7 @@ class Engine:
                 if fd < 0:
                     raise closed()
                 views = [memoryview(p).cast("B") for p in (seg if not i & 1 else [seg])]
-                _writev_all(fd, views)
+                _writev(fd, views)
         finally:
             self._wlock.release()
 
@@ -421,9 +431,9 @@ class Engine:
         self._wlock.release()
 
     def _write_nowait(self, parts: list[Any], bulk: bool) -> int:
-        """One writev() of ``parts`` to the pipe (the bulk fd when ``bulk``) that never blocks:
-        the bytes written, 0 when the fd is full, -1 when this system has no non-blocking
-        write. The caller holds the write lock."""
+        """Write ``parts`` to the pipe (the bulk fd when ``bulk``) without ever blocking: the
+        bytes written, 0 when the fd is full, -1 when this system has no non-blocking write.
+        The caller holds the write lock."""
         self._check_writable()
         fd = self._bwfd if bulk else self._wfd
         if fd < 0:
@@ -431,9 +441,7 @@ class Engine:
         if _RWF_NOWAIT is None:
             return -1
         try:
-            return os.pwritev(fd, parts[:_IOV_MAX], -1, _RWF_NOWAIT)
-        except (BlockingIOError, InterruptedError):
-            return 0
+            return _writev(fd, list(parts[:_IOV_MAX]), nowait=True)
         except OSError as exc:
             if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
                 return -1
@@ -591,39 +599,32 @@ class Engine:
 
     def _read_header(self, deadline: float) -> None:
         while True:
-            avail = len(self._buf) - self._bstart
-            if avail >= 2:
-                s = self._bstart
-                check = bytes(self._buf[s : s + 2])
-                kind = KIND_BY_CHECK.get(check)
-                if kind is None:
-                    raise self._break(bad_check(check, self._consumed, "at a frame boundary"))
-                if kind == KIND_TIMEOUT:
-                    self._consume(2)
-                    raise sentinel_timeout()
-                if kind == KIND_DEAD and avail >= DEAD_SIZE:
-                    data = self._consume(DEAD_SIZE)
-                    # Only a watched writer's death is remembered: without a watch there is
-                    # nothing to report it again with, and a later read is an ordinary read.
-                    self._dead = self._liveness is not None
-                    raise self._dead_sentinel(LENGTH.unpack_from(data, 2)[0])
-                if kind != KIND_DEAD and avail >= HEADER_SIZE:
-                    second = bytes(self._buf[s + 10 : s + 12])
-                    if second != check:
-                        raise self._break(mismatched_checks(check, second, self._consumed))
-                    (length,) = LENGTH.unpack_from(self._buf, s + 2)
-                    if length > self._cap:
-                        raise self._break(too_large(length, self._max_size, self._consumed))
-                    if kind == KIND_BULK and self._bfd < 0:
-                        raise self._break(no_bulk_channel(length, self._consumed))
-                    self._pbulk = kind == KIND_BULK
-                    if self._pbulk:
-                        # a data frame at a message boundary, a buffer inside an object
-                        kind = KIND_DATA if self._object is None else KIND_BUFFER
-                    self._consume(HEADER_SIZE)
-                    self._pkind, self._plen, self._pgot = kind, length, 0
-                    return
-            self._fill(deadline, HEADER_SIZE - avail)
+            s = self._bstart
+            status, kind, value, size = decode_header(self._buf, s, self._cap)
+            if status == OK:
+                break
+            if status != MORE:
+                head = bytes(self._buf[s : s + HEADER_SIZE])
+                raise self._break(bad_header(status, head, value, self._max_size, self._consumed))
+            # The kind unknown yet, ask for a whole header: one read takes most frames' header.
+            self._fill(deadline, (HEADER_SIZE if kind < 0 else size) - (len(self._buf) - s))
+        if kind == KIND_TIMEOUT:
+            self._consume(size)
+            raise sentinel_timeout()
+        if kind == KIND_DEAD:
+            self._consume(size)
+            # Only a watched writer's death is remembered: without a watch there is nothing to
+            # report it again with, and a later read is an ordinary read.
+            self._dead = self._liveness is not None
+            raise self._dead_sentinel(value)
+        if kind == KIND_BULK and self._bfd < 0:
+            raise self._break(no_bulk_channel(value, self._consumed))
+        self._pbulk = kind == KIND_BULK
+        if self._pbulk:
+            # a data frame at a message boundary, a buffer inside an object
+            kind = KIND_DATA if self._object is None else KIND_BUFFER
+        self._consume(size)
+        self._pkind, self._plen, self._pgot = kind, value, 0
 
     def _pump(self, deadline: float) -> None:
         """Fill the pending frame's destination until it is complete."""

@@ -3,7 +3,7 @@ engine and its pure-Python twin say the same thing in the same situation."""
 
 from __future__ import annotations
 
-from ._wire import CHECK_BY_KIND, FRAME_CAP
+from ._wire import BAD_CHECK, CHECK_BY_KIND, FRAME_CAP, MISMATCH
 from .errors import FrameError, ReadTimeout
 
 
@@ -34,6 +34,18 @@ def too_large(length: int, max_size: int | None, offset: int) -> FrameError:
         "was allocated and the connection is now broken (raise max_size if such frames are "
         "expected)"
     )
+
+
+def bad_header(
+    status: int, head: bytes, length: int, max_size: int | None, offset: int
+) -> FrameError:
+    """The error for what ``decode_header``/``fp_header_decode`` refused with ``status``:
+    ``head`` holds the bytes at the frame boundary, ``length`` the length over the cap."""
+    if status == BAD_CHECK:
+        return bad_check(head[:2], offset, "at a frame boundary")
+    if status == MISMATCH:
+        return mismatched_checks(head[:2], head[10:12], offset)
+    return too_large(length, max_size, offset)
 
 
 def unallocatable(length: int, offset: int) -> FrameError:

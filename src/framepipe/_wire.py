@@ -20,8 +20,7 @@ BULK = b"\x06\x06"  # a data or buffer frame whose payload travels on the bulk c
 
 KIND_DATA, KIND_TIMEOUT, KIND_DEAD, KIND_ERROR, KIND_OBJECT, KIND_BUFFER = 0, 1, 2, 3, 4, 5
 KIND_BULK = 6
-KIND_BY_CHECK = {CHECK: 0, TIMEOUT: 1, DEAD: 2, ERROR: 3, OBJECT: 4, BUFFER: 5, BULK: 6}
-CHECK_BY_KIND = {v: k for k, v in KIND_BY_CHECK.items()}
+CHECK_BY_KIND = dict(enumerate((CHECK, TIMEOUT, DEAD, ERROR, OBJECT, BUFFER, BULK)))
 
 LENGTH = struct.Struct("Q")
 HEADER_SIZE = 2 + LENGTH.size + 2
@@ -50,6 +49,37 @@ def header(kind: int, length: int) -> bytes:
     """The 12-byte header of a frame of ``kind`` whose payload is ``length`` bytes."""
     check = CHECK_BY_KIND[kind]
     return check + LENGTH.pack(length) + check
+
+
+# What decode_header finds (the status codes of csrc/fp.h).
+OK, MORE, BAD_CHECK, MISMATCH, TOO_LARGE = 0, 4, 5, 6, 7
+
+
+def decode_header(buf: bytes | bytearray, start: int, cap: int) -> tuple[int, int, int, int]:
+    """Decode the header or sentinel at ``buf[start:]`` (a frame boundary): ``(status, kind,
+    value, size)`` as ``fp_header_decode`` in csrc/fp.c, whose rules it restates. ``status``
+    is OK (``value``: the payload length, or a DEAD sentinel's status word; ``size``: bytes to
+    skip), MORE (``size``: bytes needed), BAD_CHECK, MISMATCH, or TOO_LARGE (``value``: the
+    length over ``cap``)."""
+    avail = len(buf) - start
+    if avail < 2:
+        return MORE, -1, 0, 2
+    kind = buf[start]
+    if buf[start + 1] != kind or kind > KIND_BULK:
+        return BAD_CHECK, -1, 0, 0
+    if kind == KIND_TIMEOUT:
+        return OK, kind, 0, 2
+    size = DEAD_SIZE if kind == KIND_DEAD else HEADER_SIZE
+    if avail < size:
+        return MORE, kind, 0, size
+    (value,) = LENGTH.unpack_from(buf, start + 2)
+    if kind == KIND_DEAD:
+        return OK, kind, value, size
+    if buf[start + 10] != kind or buf[start + 11] != kind:
+        return MISMATCH, kind, 0, size
+    if value > cap:
+        return TOO_LARGE, kind, value, size
+    return OK, kind, value, size
 
 
 def dead_sentinel(status_word: int) -> bytes:
