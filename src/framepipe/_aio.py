@@ -63,12 +63,21 @@ async def recv_async(conn: Any, read: Callable[[float], Any], timeout: float | N
         remaining = None if deadline is None else deadline - loop.time()
         if remaining is not None and remaining <= 0:
             raise timeout_error(timeout)
-        bulk = conn._pending_bulk_fd  # a partly read bulk payload arrives on its own fd
-        fds = [conn.fileno() if bulk is None else bulk]
-        if conn._liveness_fd is not None:
-            fds.append(conn._liveness_fd)
+        live = conn._liveness_fd
+        eof_wait = conn._eof_wait
+        if eof_wait is not None:
+            # End of file from a watched writer whose death has not shown yet: wait for it
+            # (the fd at end of file is always readable), or for the grace to end.
+            fds = [] if live is None else [live]
+            wait = eof_wait if remaining is None else min(remaining, eof_wait)
+        else:
+            bulk = conn._pending_bulk_fd  # a partly read bulk payload arrives on its own fd
+            fds = [conn.fileno() if bulk is None else bulk]
+            if live is not None:
+                fds.append(live)
+            wait = remaining
         try:
-            await _readable(fds, remaining)
+            await _readable(fds, wait)
         except asyncio.TimeoutError:
             pass  # the loop above reads once more, then reports the timeout
 

@@ -20,7 +20,6 @@ from libc.stdint cimport uint64_t
 from libc.string cimport memcpy, memmove, strerror
 
 import os
-import select
 import stat
 import time
 from pickle import loads as _loads
@@ -85,7 +84,9 @@ cdef Py_ssize_t BULK_MIN = _BULK_MIN
 
 cdef enum:  # what _wait_readable saw
     W_READY, W_TIMEOUT, W_DEAD
-cdef double DEATH_GRACE = 0.1
+# After end of file, how long a watched writer's death may take to show: its fds close first,
+# then the interpreter or the kernel finishes the exit.
+cdef double DEATH_GRACE = 1.0
 cdef double LIVENESS_SLICE = 0.01
 cdef double POLL_WAITED = 20e-6  # a poll() that took longer had to wait for data
 
@@ -202,6 +203,7 @@ cdef class Engine:
     cdef readonly object _liveness
     cdef int _lfd
     cdef bint _dead
+    cdef double _eof_until  # end of the grace for a watched writer's death after end of file
     cdef unsigned long long _gen
     cdef uint64_t _dev[4]
     cdef uint64_t _ino[4]
@@ -224,6 +226,7 @@ cdef class Engine:
         self._lfd = -1
         self._nfd = -1
         self._pkind = -1
+        self._eof_until = -1.0
         self._rlock = PyThread_allocate_lock()
         self._wlock = PyThread_allocate_lock()
         if self._rlock == NULL or self._wlock == NULL:
@@ -366,6 +369,7 @@ cdef class Engine:
         or None), ``poll_dead()`` and ``error(lost_bytes=, expected_bytes=)``."""
         self._liveness = liveness
         self._dead = False
+        self._eof_until = -1.0
         fd = None if liveness is None else liveness.fd
         self._lfd = -1 if fd is None else fd
 
@@ -654,7 +658,7 @@ cdef class Engine:
             want = READ_CHUNK - self._bend
         k = self._read_some(self._buf + self._bend, want, deadline)
         if k == 0:
-            self._at_eof()
+            self._at_eof(deadline)
         self._bend += k
         return 0
 
@@ -671,27 +675,47 @@ cdef class Engine:
             lost -= peer._sentinel_sent
         return max(lost, 0), expected
 
-    cdef bint _writer_is_dead(self) except -1:
+    cdef bint _writer_is_dead(self, double deadline) except -1:
+        """At end of file: whether the watched writer died. A writer's end of the pipe closes
+        before its death shows (an interpreter closes its fds on the way out), so this waits
+        for the death until a grace window, opened by the first end of file seen, closes. A
+        read whose deadline comes first raises _Expired: a later read decides, so the same
+        exit always gives the same error."""
+        cdef int rc, err, lfd
+        cdef double end
+        cdef bint expire
         live = self._liveness
         if live is None:
             return False
         if self._dead:
             return True
-        end = time.monotonic() + DEATH_GRACE
+        if self._eof_until < 0:
+            self._eof_until = fp_now() + DEATH_GRACE
+        end = self._eof_until
+        expire = 0.0 <= deadline < end
+        if expire:
+            end = deadline
         while True:
             if live.poll_dead():
                 self._dead = True
                 return True
-            if time.monotonic() >= end:
+            if fp_now() >= end:
+                if expire:
+                    raise _Expired()
                 return False
-            if live.fd is not None:
-                select.select([live.fd], [], [], max(end - time.monotonic(), 0.0))
-            else:
-                time.sleep(0.002)
+            lfd = self._lfd
+            if lfd < 0:  # no pidfd: look again soon
+                time.sleep(min(LIVENESS_SLICE, max(end - fp_now(), 0.0)))
+                continue
+            with nogil:
+                rc = fp_wait(lfd, FP_READ, -1, end)
+                err = errno
+            if rc < 0:
+                _retry(err)
 
-    cdef int _at_eof(self) except -1:
+    cdef int _at_eof(self, double deadline) except -1:
         cdef bint in_frame = self._pkind >= 0 or self._bend > self._bstart
-        if self._writer_is_dead():
+        if self._writer_is_dead(deadline):
             lost, expected = self._lost()
             raise self._liveness.error(lost_bytes=lost, expected_bytes=expected)
         if in_frame:
@@ -763,7 +787,7 @@ cdef class Engine:
             elif not self._pdiscard and (n - got >= DIRECT_MIN or not self._read_ahead):
                 k = self._read_some(self._pptr + got, n - got, deadline)
                 if k == 0:
-                    self._at_eof()
+                    self._at_eof(deadline)
                 self._pgot = got + k
                 self._consumed += k
             else:
@@ -786,7 +810,7 @@ cdef class Engine:
                 else:
                     k = self._read_some(self._pptr + got, n - got, deadline, True)
                 if k == 0:
-                    self._at_eof()
+                    self._at_eof(deadline)
                 self._pgot = got + k
         finally:
             PyMem_Free(scratch)
@@ -1050,6 +1074,14 @@ cdef class Engine:
     def _pending_bulk_fd(self):
         """The bulk fd while a frame's bulk payload is partly read, else None."""
         return self._bfd if self._pbulk and self._fd >= 0 else None
+
+    @property
+    def _eof_wait(self):
+        """Seconds left for a watched writer's death to show after end of file (a waiter then
+        watches the liveness fd, not the fd at end of file), or None."""
+        if self._eof_until < 0 or self._dead or self._liveness is None or self._fd < 0:
+            return None
+        return max(self._eof_until - fp_now(), 0.0)
 
     @property
     def _liveness_fd(self):

@@ -57,7 +57,9 @@ ENGINE = "python"
 
 _READ_CHUNK = 64 * 1024  # read-ahead buffer: many small frames per read()
 _DIRECT_MIN = 16 * 1024  # a remainder at least this large is read straight into its frame
-_DEATH_GRACE = 0.1  # after EOF, how long to wait for a watched writer's death to show
+# After end of file, how long a watched writer's death may take to show: its fds close first,
+# then the interpreter or the kernel finishes the exit.
+_DEATH_GRACE = 1.0
 _IOV_MAX = 1024
 _LIVENESS_SLICE = 0.01  # without a pidfd, a dead writer is noticed within this many seconds
 _POLLIN = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
@@ -196,6 +198,7 @@ class Engine:
     _peer: Any = None
     _object: Any = None
     _sentinel_sent = 0
+    _eof_until = -1.0  # end of the grace for a watched writer's death after end of file
 
     if TYPE_CHECKING:  # the hooks the Connection above provides (see _core.pyi)
 
@@ -312,6 +315,14 @@ class Engine:
         return self._bfd if self._pbulk and self._fd >= 0 else None
 
     @property
+    def _eof_wait(self) -> float | None:
+        """Seconds left for a watched writer's death to show after end of file (a waiter then
+        watches the liveness fd, not the fd at end of file), or None."""
+        if self._eof_until < 0 or self._dead or self._liveness is None or self._fd < 0:
+            return None
+        return max(self._eof_until - time.monotonic(), 0.0)
+
+    @property
     def _liveness_fd(self) -> int | None:
         """The watched writer's pidfd, readable once it died, or None."""
         return None if self._liveness is None else self._liveness.fd
@@ -321,6 +332,7 @@ class Engine:
         or None), ``poll_dead()`` and ``error(lost_bytes=, expected_bytes=)``."""
         self._liveness = liveness
         self._dead = False
+        self._eof_until = -1.0
         self._poller = self._bpoller = None
 
     # -- writing -----------------------------------------------------------------------------
@@ -539,7 +551,7 @@ class Engine:
             want = _READ_CHUNK
         data = self._read_into(None, deadline, want)
         if not data:
-            self._at_eof()
+            self._at_eof(deadline)
         self._buf += data
 
     def _lost(self) -> tuple[int, int | None]:
@@ -556,28 +568,41 @@ class Engine:
         seen = peer._sentinel_sent if peer is not None else 0
         return max(lost - seen, 0), expected
 
-    def _writer_is_dead(self) -> bool:
+    def _writer_is_dead(self, deadline: float) -> bool:
+        """At end of file: whether the watched writer died. A writer's end of the pipe closes
+        before its death shows (an interpreter closes its fds on the way out), so this waits
+        for the death until a grace window, opened by the first end of file seen, closes. A
+        read whose deadline comes first raises _Expired: a later read decides, so the same
+        exit always gives the same error."""
         live = self._liveness
         if live is None:
             return False
         if self._dead:
             return True
-        end = time.monotonic() + _DEATH_GRACE
+        if self._eof_until < 0:
+            self._eof_until = time.monotonic() + _DEATH_GRACE
+        end = self._eof_until
+        expire = 0.0 <= deadline < end
+        if expire:
+            end = deadline
         while True:
             if live.poll_dead():
                 self._dead = True
                 return True
-            if time.monotonic() >= end:
+            left = end - time.monotonic()
+            if left <= 0:
+                if expire:
+                    raise _Expired
                 return False
             if live.fd is not None:
-                select.select([live.fd], [], [], max(end - time.monotonic(), 0.0))
-            else:
-                time.sleep(0.002)
+                select.select([live.fd], [], [], left)
+            else:  # no pidfd: look again soon
+                time.sleep(min(_LIVENESS_SLICE, left))
 
-    def _at_eof(self) -> None:
+    def _at_eof(self, deadline: float) -> None:
         avail = len(self._buf) - self._bstart
         in_frame = self._pkind >= 0 or avail > 0
-        if self._writer_is_dead():
+        if self._writer_is_dead(deadline):
             lost, expected = self._lost()
             raise self._liveness.error(lost_bytes=lost, expected_bytes=expected)
         if in_frame:
@@ -646,7 +671,7 @@ class Engine:
             elif not self._pdiscard and (n - got >= _DIRECT_MIN or not self._read_ahead):
                 k = self._read_into(memoryview(self._pdest)[got:n], deadline)
                 if k == 0:
-                    self._at_eof()
+                    self._at_eof(deadline)
                 self._pgot = got + k
                 self._consumed += k
             else:
@@ -662,7 +687,7 @@ class Engine:
             else:
                 k = self._read_into(memoryview(self._pdest)[got:n], deadline, bulk=True)
             if k == 0:
-                self._at_eof()
+                self._at_eof(deadline)
             self._pgot = got + k
 
     def _frame(

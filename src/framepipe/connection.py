@@ -67,29 +67,38 @@ def wait(object_list: Iterable[Any], timeout: float | None = None) -> list[Any]:
     Like ``multiprocessing.connection.wait``: the objects are Connections, sockets, fds or
     anything with ``fileno()`` (a Process ``sentinel`` is an fd). A framepipe Connection is
     ready when it has buffered data, when its fd is readable, or when the writer it watches
-    has died (the next read raises :class:`framepipe.WriterDied`).
+    has died (the next read raises :class:`framepipe.WriterDied`). After end of file from a
+    watched writer, it is ready once the writer's death shows, or when the grace for it ends.
     """
     objects = list(object_list)
-    ready = [o for o in objects if getattr(o, "_has_buffered", None) and o._has_buffered()]
-    if ready:
-        return ready
-    poller = select.poll()
-    owners: dict[int, list[Any]] = {}
-    for obj in objects:
-        bulk = getattr(obj, "_pending_bulk_fd", None)  # mid-payload: the bulk fd
-        fds = [_fileno(obj) if bulk is None else bulk]
-        liveness_fd = getattr(obj, "_liveness_fd", None)
-        if liveness_fd is not None:
-            fds.append(liveness_fd)
-        for fd in fds:
-            if fd not in owners:
-                poller.register(fd, select.POLLIN | select.POLLPRI)
-                owners[fd] = []
-            owners[fd].append(obj)
     deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
     while True:
-        wait_ms = None if deadline is None else max(deadline - time.monotonic(), 0.0) * 1000.0
-        events = poller.poll(wait_ms)
+        ready = [o for o in objects if _ready_now(o)]
+        if ready:
+            return ready
+        poller = select.poll()
+        owners: dict[int, list[Any]] = {}
+        soonest = None  # the first end of a grace after end of file
+        for obj in objects:
+            eof_wait = getattr(obj, "_eof_wait", None)
+            live = getattr(obj, "_liveness_fd", None)
+            if eof_wait is not None:  # the fd is at end of file: the death is what comes
+                soonest = eof_wait if soonest is None else min(soonest, eof_wait)
+                fds = [_fileno(obj)] if live is None else [live]
+            else:
+                bulk = getattr(obj, "_pending_bulk_fd", None)  # mid-payload: the bulk fd
+                fds = [_fileno(obj) if bulk is None else bulk]
+                if live is not None:
+                    fds.append(live)
+            for fd in fds:
+                if fd not in owners:
+                    poller.register(fd, select.POLLIN | select.POLLPRI)
+                    owners[fd] = []
+                owners[fd].append(obj)
+        wait_s = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        if soonest is not None:
+            wait_s = soonest if wait_s is None else min(wait_s, soonest)
+        events = poller.poll(None if wait_s is None else wait_s * 1000.0)
         if events:
             found: list[Any] = []
             for fd, _ in events:
@@ -99,6 +108,15 @@ def wait(object_list: Iterable[Any], timeout: float | None = None) -> list[Any]:
             return [o for o in objects if any(o is f for f in found)]
         if deadline is not None and time.monotonic() >= deadline:
             return []
+
+
+def _ready_now(obj: Any) -> bool:
+    """A framepipe Connection whose next read returns at once without its fd: bytes it read
+    ahead, or an end of file whose grace for the writer's death is over."""
+    has_buffered = getattr(obj, "_has_buffered", None)
+    if has_buffered is not None and has_buffered():
+        return True
+    return getattr(obj, "_eof_wait", None) == 0.0
 
 
 # -- Listener and Client ---------------------------------------------------------------------
