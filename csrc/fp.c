@@ -7,7 +7,13 @@
  * - A frame is written with one writev() per call, header and payload together, so a frame is
  *   never split by a concatenation copy; short writes (a full pipe) continue where they stopped
  *   (fp_writev, the one write loop, blocking or not).
- * - Every wait is one poll() against an absolute deadline (poll_until, under fp_wait).
+ * - Every wait is one poll() against an absolute deadline (poll_until, under fp_wait), with a
+ *   wake fd in the set: close() from another thread makes it readable, so no thread stays
+ *   blocked on a connection that is closed, and the fds are closed only once no thread is
+ *   inside a call (no read or write can reach a number reused meanwhile). Reads and writes
+ *   themselves never block: the waiting is in fp_wait, except for a read of a pipe without a
+ *   deadline, which waits in read() (one system call instead of two) and is woken by
+ *   fp_wake_pipe_reader.
  * - Reads that must not block use per-call flags (MSG_DONTWAIT, RWF_NOWAIT) instead of
  *   O_NONBLOCK, because O_NONBLOCK lives on the open file description, which is shared with
  *   every process that inherited the fd: setting it here would break a child's blocking reads.
@@ -24,6 +30,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #ifdef __linux__
+#include <sys/eventfd.h>
 #include <sys/prctl.h>
 #endif
 #include <time.h>
@@ -133,35 +140,105 @@ static int poll_until(struct pollfd *fds, nfds_t n, double deadline)
 #endif
 }
 
-int fp_wait(int fd, int direction, int liveness_fd, double deadline)
+int fp_wait(int fd, int direction, int liveness_fd, int wake_fd, double deadline)
 {
-    struct pollfd fds[2];
+    struct pollfd fds[3];
     nfds_t n = 1;
-    int rc;
+    int rc, live = -1, wake = -1;
 
     fds[0].fd = fd;
     fds[0].events = direction == FP_WRITE ? POLLOUT : POLLIN | POLLPRI;
     fds[0].revents = 0;
     if (liveness_fd >= 0) {
-        fds[1].fd = liveness_fd;
-        fds[1].events = POLLIN;
-        fds[1].revents = 0;
-        n = 2;
+        live = (int)n++;
+        fds[live].fd = liveness_fd;
+        fds[live].events = POLLIN;
+        fds[live].revents = 0;
+    }
+    if (wake_fd >= 0) {
+        wake = (int)n++;
+        fds[wake].fd = wake_fd;
+        fds[wake].events = POLLIN;
+        fds[wake].revents = 0;
     }
     for (;;) {
         rc = poll_until(fds, n, deadline);
         if (rc < 0)
             return -1; /* EINTR included: the caller handles signals */
-        /* The data fd wins over the liveness fd: frames written before the writer died are
-         * delivered first. POLLHUP/POLLERR count as ready: the read or write reports them. */
+        /* A close by another thread ends the wait whatever else is ready. Then the data fd
+         * wins over the liveness fd: frames written before the writer died are delivered
+         * first. POLLHUP/POLLERR count as ready: the read or write reports them. */
+        if (wake >= 0 && fds[wake].revents)
+            return FP_WOKEN;
         if (fds[0].revents)
             return FP_OK;
-        if (n == 2 && fds[1].revents)
+        if (live >= 0 && fds[live].revents)
             return FP_LIVENESS;
         if (deadline >= 0 && fp_now() >= deadline)
             return FP_TIMEOUT;
         /* poll() returned early (rounding or a spurious wake-up): wait for the rest. */
     }
+}
+
+int fp_wake_open(int *rfd, int *wfd)
+{
+#ifdef __linux__
+    int fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (fd >= 0) {
+        *rfd = *wfd = fd;
+        return FP_OK;
+    }
+    if (errno != ENOSYS && errno != EINVAL)
+        return -1;
+#endif
+    {
+        int p[2];
+        if (pipe(p) < 0)
+            return -1;
+        fcntl(p[0], F_SETFD, FD_CLOEXEC);
+        fcntl(p[1], F_SETFD, FD_CLOEXEC);
+        fcntl(p[0], F_SETFL, fcntl(p[0], F_GETFL) | O_NONBLOCK);
+        fcntl(p[1], F_SETFL, fcntl(p[1], F_GETFL) | O_NONBLOCK);
+        *rfd = p[0];
+        *wfd = p[1];
+        return FP_OK;
+    }
+}
+
+int fp_wake(int wfd)
+{
+    uint64_t one = 1; /* an eventfd takes exactly 8 bytes; a pipe takes any */
+    ssize_t w = write(wfd, &one, sizeof one);
+    if (w < 0 && errno != EAGAIN) /* EAGAIN: a full pipe or counter is readable already */
+        return -1;
+    return FP_OK;
+}
+
+int fp_wake_pipe_reader(int fd)
+{
+#ifdef __linux__
+    char path[40];
+    static const unsigned char sentinel[2] = {FP_KIND_TIMEOUT, FP_KIND_TIMEOUT};
+    int wfd, err;
+    ssize_t w;
+
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    wfd = open(path, O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+    if (wfd < 0)
+        return -1;
+    w = write(wfd, sentinel, sizeof sentinel);
+    err = errno;
+    close(wfd);
+    if (w < 0 && err != EAGAIN) { /* EAGAIN: the pipe is not empty, so nobody is blocked */
+        errno = err;
+        return -1;
+    }
+    return FP_OK;
+#else
+    (void)fd;
+    errno = ENOSYS;
+    return -1;
+#endif
 }
 
 ssize_t fp_read(int fd, void *buf, size_t n, int mode)

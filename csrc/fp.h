@@ -22,6 +22,7 @@
 #define FP_MISMATCH 6     /* fp_header_decode: the closing check bytes differ from the opening */
 #define FP_TOO_LARGE 7    /* fp_header_decode: the length is over the cap (in h->value) */
 #define FP_SKIPPED 8      /* fp_close_if_same: the number names another file; left alone */
+#define FP_WOKEN 9        /* fp_wait: the wake fd became readable (another thread closed) */
 
 /* The kinds of frame: a frame's two check bytes are its kind, twice. */
 #define FP_KIND_DATA 0    /* a message (bytes, or a pickle) */
@@ -69,9 +70,34 @@ void fp_header_encode(unsigned char *out, int kind, uint64_t length);
 int fp_header_decode(const unsigned char *p, size_t avail, uint64_t cap, fp_header *h);
 
 /* Wait until fd is ready in direction (FP_READ, FP_WRITE), or until liveness_fd (when >= 0)
- * is readable, or until the absolute monotonic deadline (deadline < 0: no deadline). Readiness
- * of fd wins over liveness_fd. FP_OK, FP_LIVENESS, FP_TIMEOUT, or -1 with errno. */
-int fp_wait(int fd, int direction, int liveness_fd, double deadline);
+ * is readable, or until wake_fd (when >= 0) is readable, or until the absolute monotonic
+ * deadline (deadline < 0: no deadline). The wake fd wins, then fd, then liveness_fd. FP_WOKEN,
+ * FP_OK, FP_LIVENESS, FP_TIMEOUT, or -1 with errno. */
+int fp_wait(int fd, int direction, int liveness_fd, int wake_fd, double deadline);
+
+/* A wake fd for fp_wait, for a connection whose calls must end when another thread closes
+ * it: an eventfd where there is one (*rfd == *wfd), else a pipe; close-on-exec and
+ * non-blocking. FP_OK, or -1 with errno. */
+int fp_wake_open(int *rfd, int *wfd);
+
+/* Make the wake fd readable, for good: every wait on it returns FP_WOKEN from then on. FP_OK,
+ * or -1 with errno. */
+int fp_wake(int wfd);
+
+/* Whether fp_wake_pipe_reader works on this system (Linux: through /proc/self/fd). */
+#ifdef __linux__
+#define FP_HAVE_PIPE_WAKE 1
+#else
+#define FP_HAVE_PIPE_WAKE 0
+#endif
+
+/* Wake a thread blocked in read() on the pipe read end fd, which no wake fd can reach: write a
+ * TIMEOUT sentinel (2 bytes, one atomic write) into the pipe through a write description of
+ * its own, opened for the purpose and closed at once. The woken reader, which knows its
+ * connection was closed, drops what it read. Waiting in a plain read() costs a pipe reader one
+ * system call per wait where poll() and read() cost two, which is why blocking reads of pipes
+ * are worth this. FP_OK, or -1 with errno (no /proc, not a pipe, no fd left). */
+int fp_wake_pipe_reader(int fd);
 
 /* One read of at most n bytes: > 0 bytes read, 0 at end of file, -1 with errno. With
  * FP_MODE_SOCKET or FP_MODE_PIPE it does not block: errno EAGAIN when there is nothing, and

@@ -56,7 +56,8 @@ class ConnectionBase(_EngineBase):
     the fds open on :meth:`close`. On Linux, the first read of a pipe with a timeout or a
     watched writer opens a second, private non-blocking description of the pipe (through
     ``/proc/self/fd``), so the fd that children share stays blocking; :meth:`close` closes it
-    whatever ``closefd`` says.
+    whatever ``closefd`` says. :meth:`close` from another thread ends a read, poll or write
+    under way on the connection with ``OSError``; the fds are closed once it has left.
 
     ``bulk_handle`` adds a bulk channel (a stream socket, made by :func:`pipe`): payloads of
     16 KiB or more are written to it while their frame header still goes through ``handle``
@@ -64,7 +65,11 @@ class ConnectionBase(_EngineBase):
     ``bulk_write_handle`` gives a duplex connection a separate bulk fd to write.
     """
 
-    _watch_handle: Any = None  # the watcher's registration of the watched writer, or None
+    # No __dict__ (each engine's class adds the one slot, _watch_handle: the watcher's
+    # registration of the watched writer): every attribute lookup on a connection, each
+    # send_bytes or recv, then goes straight to the class.
+    __slots__ = ()
+    _watch_handle: Any
 
     def __init__(
         self,
@@ -79,6 +84,7 @@ class ConnectionBase(_EngineBase):
         closefd: bool = True,
         read_ahead: bool = False,
     ) -> None:
+        self._watch_handle = None
         fd, wfd = check_handles(handle, readable, writable, write_handle)
         bfd, bwfd = check_bulk_handles(bulk_handle, bulk_write_handle, readable, writable)
         check_max_size(max_size)
@@ -120,13 +126,13 @@ class ConnectionBase(_EngineBase):
         return fd
 
     def close(self) -> None:
-        """Close the connection (its fd once, if it owns it) and stop watching the writer."""
-        liveness, handle = self._liveness, self._watch_handle
-        self._watch_handle = None
+        """Close the connection (its fd once, if it owns it) and stop watching the writer. A
+        call under way in another thread (a read, a poll, a write) raises OSError at once."""
+        handle, self._watch_handle = self._watch_handle, None
         try:
-            self._close()
+            self._close()  # the engine closes the liveness with the fds
         finally:
-            stop_watch(liveness, handle)
+            stop_watch(None, handle)
 
     def __enter__(self) -> ConnectionBase:
         return self
@@ -138,12 +144,6 @@ class ConnectionBase(_EngineBase):
         state = "closed" if self._fd < 0 else f"fd={self._fd}"
         mode = ("r" if self._readable else "") + ("w" if self._writable else "")
         return f"<framepipe.Connection {state} {mode} {self.ENGINE}>"
-
-    def _check_open_writable(self) -> None:
-        if self._fd < 0:
-            raise closed()
-        if not self._writable:
-            raise OSError("connection is read-only")
 
     # -- liveness ----------------------------------------------------------------------------
 
@@ -175,7 +175,10 @@ class ConnectionBase(_EngineBase):
 
     def send(self, obj: Any) -> None:
         """Send a picklable object (pickle protocol 5; buffers of 64 KiB or more out of band)."""
-        self._check_open_writable()
+        if self._fd < 0:
+            raise closed()
+        if not self._writable:
+            raise OSError("connection is read-only")
         if self._handles()[3] >= 0:
             self._send_segments(dumps_bulk(obj, BULK_MIN))
         else:
@@ -183,7 +186,10 @@ class ConnectionBase(_EngineBase):
 
     def send_exception(self, exc: BaseException) -> None:
         """Send ``exc`` as an error frame: the reader's ``recv`` or ``recv_bytes`` raises it."""
-        self._check_open_writable()
+        if self._fd < 0:
+            raise closed()
+        if not self._writable:
+            raise OSError("connection is read-only")
         check_exception(exc)
         self._send_segments([error_frame(exc)])
 
@@ -334,7 +340,8 @@ class Core:
         self.Connection: type[ConnectionBase] = type(
             "Connection",
             (ConnectionBase, engine),
-            {"__module__": "framepipe.connection", "__doc__": ConnectionBase.__doc__},
+            {"__module__": "framepipe.connection", "__doc__": ConnectionBase.__doc__,
+             "__slots__": ("_watch_handle",)},
         )
         self.pipe = _pipes.make_pipe(self.Connection)
         self.Pipe: type[_pipes.Pipe] = type(

@@ -26,8 +26,8 @@ from pickle import loads as _loads
 
 from ._args import check_send_args, check_timeout
 from ._stream_errors import (
-    bad_header, blocking_send_under_async_send, broken, closed, no_bulk_channel,
-    sentinel_timeout, timeout_error, truncated, unallocatable,
+    bad_header, blocking_send_under_async_send, broken, closed, closed_while_waiting,
+    no_bulk_channel, sentinel_timeout, timeout_error, truncated, unallocatable,
 )
 from ._wire import BULK_MIN as _BULK_MIN, KIND_BULK, frame_cap
 from .errors import BufferTooShort, MessageTooLong
@@ -51,7 +51,7 @@ cdef extern from "sys/uio.h" nogil:
 
 
 cdef extern from "fp.h" nogil:
-    int FP_OK, FP_TIMEOUT, FP_LIVENESS, FP_MORE
+    int FP_OK, FP_TIMEOUT, FP_LIVENESS, FP_MORE, FP_WOKEN
     int FP_KIND_DATA, FP_KIND_TIMEOUT, FP_KIND_DEAD, FP_KIND_BUFFER, FP_KIND_BULK
     int FP_HEADER_SIZE
     int FP_READ, FP_WRITE
@@ -63,7 +63,11 @@ cdef extern from "fp.h" nogil:
     double fp_now()
     void fp_header_encode(unsigned char *out, int kind, uint64_t length)
     int fp_header_decode(const unsigned char *p, size_t avail, uint64_t cap, fp_header *h)
-    int fp_wait(int fd, int direction, int liveness_fd, double deadline)
+    int fp_wait(int fd, int direction, int liveness_fd, int wake_fd, double deadline)
+    int fp_wake_open(int *rfd, int *wfd)
+    int fp_wake(int wfd)
+    bint FP_HAVE_PIPE_WAKE
+    int fp_wake_pipe_reader(int fd)
     ssize_t fp_read(int fd, void *buf, size_t n, int mode)
     int fp_reopen_nonblocking(int fd)
     int fp_writev(int fd, iovec **iov, int *iovcnt, int nowait, size_t *written)
@@ -210,12 +214,18 @@ cdef class Engine:
     cdef bint _known[4]  # whether _dev/_ino of (fd, wfd, bfd, bwfd) were read
     cdef public object _peer
     cdef readonly long long _sentinel_sent
-    # DEAD sentinel writes of the watcher thread under way, and whether a close() left the
-    # fds in _dfd for them to close (see _write_sentinel). The GIL orders every use: no Python
-    # code runs between a check and an update.
-    cdef int _sentinels
+    cdef bint _nowait_writes  # writes never block (pwritev2 RWF_NOWAIT works here)
+    # Calls under way in other threads that use the fds (reads, polls, writes, the watcher's
+    # DEAD sentinel), and whether close() left the fds in _dfd (fd, wfd, bfd, bwfd, nfd) and
+    # the liveness in _dliveness for the last of them to close (see _close). The GIL orders
+    # every use: no Python code runs between a check and an update.
+    cdef int _users
     cdef bint _deferred
-    cdef int _dfd[4]
+    cdef int _dfd[5]
+    cdef object _dliveness
+    cdef int _wake_r, _wake_w  # the wake fd of waits, made when a call first has to wait
+    cdef bint _is_pipe  # reads without a deadline wait in read() (see fp_wake_pipe_reader)
+    cdef bint _blocked_reader  # a thread is in such a read
     cdef object __weakref__
 
     def __cinit__(self):
@@ -227,6 +237,7 @@ cdef class Engine:
         self._nfd = -1
         self._pkind = -1
         self._eof_until = -1.0
+        self._wake_r = self._wake_w = -1
         self._rlock = PyThread_allocate_lock()
         self._wlock = PyThread_allocate_lock()
         if self._rlock == NULL or self._wlock == NULL:
@@ -269,6 +280,8 @@ cdef class Engine:
         self._max = frame_cap(max_size)
         self._closefd = closefd
         self._read_ahead = read_ahead
+        self._nowait_writes = True  # until the kernel says otherwise (EOPNOTSUPP)
+        self._is_pipe = FP_HAVE_PIPE_WAKE and stat.S_ISFIFO(mode)
         if stat.S_ISSOCK(mode):
             self._mode = FP_MODE_SOCKET
         elif stat.S_ISFIFO(mode):
@@ -280,6 +293,7 @@ cdef class Engine:
         if self._nfd >= 0:
             c_close(self._nfd)
             self._nfd = -1
+        self._close_wake()
         # No Python here: at interpreter shutdown the modules may already be torn down.
         if self._fd >= 0 and self._closefd:
             self._close_owned(self._fd, self._wfd, self._bfd, self._bwfd)
@@ -293,33 +307,108 @@ cdef class Engine:
             PyThread_free_lock(self._wlock)
 
     def _close(self):
-        """Close the fds (those this connection owns) and forget the watched writer."""
-        cdef int fd, wfd, bfd, bwfd
-        cdef bint defer
-        if self._fd >= 0:
-            if self._gen != _fork_gen:
-                self._renew_locks_after_fork()
-            fd, wfd, bfd, bwfd = self._fd, self._wfd, self._bfd, self._bwfd
-            self._fd = self._wfd = self._bfd = self._bwfd = -1
-            # The watcher thread is writing a DEAD sentinel to wfd: the fds stay open (and
-            # their numbers taken) until that write is done, or it could land in whatever took
-            # the number next. The sentinel writer closes them (_write_sentinel).
-            defer = self._sentinels > 0 and self._closefd
-            if defer:
-                self._dfd[0] = fd
-                self._dfd[1] = wfd
-                self._dfd[2] = bfd
-                self._dfd[3] = bwfd
-                self._deferred = True
-            if self._nfd >= 0:
-                os.close(self._nfd)  # ours whatever closefd says
-                self._nfd = -1
-            self._liveness = None
-            self._lfd = -1
-            if self._closefd and not defer:
-                err = self._close_owned(fd, wfd, bfd, bwfd)
-                if err:
-                    raise _oserror(err)
+        """Close the fds (those this connection owns, and its own private ones) and the
+        watched writer's liveness. A call under way in another thread is woken (it raises
+        OSError) and the last such call to leave closes them: until then no number is freed,
+        so no call can reach a file that took one of them."""
+        cdef int fd, wfd, bfd, bwfd, nfd, err
+        if self._fd < 0:
+            return
+        if self._gen != _fork_gen:
+            self._renew_locks_after_fork()
+        fd, wfd, bfd, bwfd, nfd = self._fd, self._wfd, self._bfd, self._bwfd, self._nfd
+        liveness = self._liveness
+        self._fd = self._wfd = self._bfd = self._bwfd = -1
+        self._nfd = -1
+        self._liveness = None
+        self._lfd = -1
+        if self._users > 0:
+            self._dfd[0] = fd
+            self._dfd[1] = wfd
+            self._dfd[2] = bfd
+            self._dfd[3] = bwfd
+            self._dfd[4] = nfd
+            self._dliveness = liveness
+            self._deferred = True
+            if self._wake_w >= 0:
+                fp_wake(self._wake_w)
+            if self._blocked_reader:
+                fp_wake_pipe_reader(fd)
+            return
+        err = self._close_now(fd, wfd, bfd, bwfd, nfd, liveness)
+        if err:
+            raise _oserror(err)
+
+    cdef int _close_now(self, int fd, int wfd, int bfd, int bwfd, int nfd, liveness) except -1:
+        """Close what _close took off the connection; returns 0 or the errno of the first
+        close() of an owned fd that failed."""
+        cdef int err = 0
+        if nfd >= 0:
+            c_close(nfd)  # ours whatever closefd says
+        self._close_wake()
+        if self._closefd:
+            err = self._close_owned(fd, wfd, bfd, bwfd)
+        if liveness is not None:
+            try:
+                liveness.close()
+            except OSError:
+                pass
+        return err
+
+    cdef void _close_wake(self) noexcept:
+        if self._wake_r >= 0:
+            c_close(self._wake_r)
+            if self._wake_w != self._wake_r:
+                c_close(self._wake_w)
+        self._wake_r = self._wake_w = -1
+
+    cdef inline int _enter(self) except -1:
+        """A call that uses the fds begins (see _close)."""
+        if self._gen != _fork_gen:
+            self._renew_locks_after_fork()
+        if self._fd < 0:
+            raise closed()
+        self._users += 1
+        return 0
+
+    cdef inline int _leave(self) except -1:
+        """The call ends; the last one out after a close() closes the fds. Nobody to report
+        a failed close() to: the connection was closed by another thread."""
+        self._users -= 1
+        if self._users == 0 and self._deferred:
+            self._deferred = False
+            liveness, self._dliveness = self._dliveness, None
+            self._close_now(self._dfd[0], self._dfd[1], self._dfd[2], self._dfd[3],
+                            self._dfd[4], liveness)
+        return 0
+
+    cdef int _wake_fd(self, double until) except -2:
+        """The wake fd for a wait until ``until``, made now if the wait can block; -1 when it
+        cannot block, or when no fd is left to make one (then a close() is seen when the
+        wait ends by itself)."""
+        cdef int r, w
+        if self._wake_r >= 0:
+            return self._wake_r
+        if 0.0 <= until <= fp_now():
+            return -1
+        if fp_wake_open(&r, &w) < 0:
+            return -1
+        self._wake_r = r
+        self._wake_w = w
+        return r
+
+    cdef int _drain_wake(self) except -1:
+        try:
+            os.read(self._wake_r, 8)
+        except OSError:
+            pass
+        return 0
+
+    cdef int _woken(self) except -1:
+        """After a wait: raise if another thread closed the connection meanwhile."""
+        if self._fd < 0:
+            raise closed_while_waiting()
+        return 0
 
     cdef int _close_owned(self, int fd, int wfd, int bfd, int bwfd) noexcept:
         """Close the distinct fds that are still the files this connection took (see
@@ -374,22 +463,12 @@ cdef class Engine:
         self._lfd = -1 if fd is None else fd
 
     def _write_sentinel(self, data):
-        """Write a DEAD sentinel from the watcher thread. A close() from another thread while
-        it is on its way leaves the fds to be closed here, once the write is done."""
-        if self._gen != _fork_gen:
-            self._renew_locks_after_fork()
+        """Write a DEAD sentinel from the watcher thread (nothing once the connection is
+        closed)."""
         if self._fd < 0:
             return
-        self._sentinels += 1
-        try:
-            self._write_parts([data])
-            self._sentinel_sent += len(data)
-        finally:
-            self._sentinels -= 1
-            if self._sentinels == 0 and self._deferred:
-                self._deferred = False
-                # Nobody to report a failed close() to: the application closed long ago.
-                self._close_owned(self._dfd[0], self._dfd[1], self._dfd[2], self._dfd[3])
+        self._write_parts([data])
+        self._sentinel_sent += len(data)
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -408,10 +487,13 @@ cdef class Engine:
         self._rlock = r
         self._wlock = w
         self._async_owner = 0
-        # Sentinel writes of the parent's watcher thread do not go on here; fds whose close
-        # waited for one are left open, as after any close() that follows a fork.
-        self._sentinels = 0
+        # Calls of the parent's threads do not go on here; fds whose close waited for one are
+        # left open, as after any close() that follows a fork. The wake fd is the parent's
+        # (one eventfd shared by both): a close here must not wake the parent's calls.
+        self._users = 0
         self._deferred = False
+        self._dliveness = None
+        self._close_wake()
         self._gen = _fork_gen
         return 0
 
@@ -427,34 +509,45 @@ cdef class Engine:
         return 0
 
     cdef int _writev(self, iovec *iov, int cnt) except -1:
-        self._lock_write()
+        self._enter()
         try:
-            self._writev_locked(iov, cnt, False)
+            self._lock_write()
+            try:
+                self._writev_locked(iov, cnt, False)
+            finally:
+                PyThread_release_lock(self._wlock)
         finally:
-            PyThread_release_lock(self._wlock)
+            self._leave()
         return 0
 
     cdef int _writev_locked(self, iovec *iov, int cnt, bint bulk) except -1:
         """Write all of iov to the pipe (the bulk fd when ``bulk``); the caller holds the
-        write lock."""
-        cdef int rc, err, fd
+        write lock. A full fd is waited for in fp_wait, so a close() wakes the writer."""
+        cdef int rc, err, fd, wake
         while True:
+            self._woken()
             fd = self._bwfd if bulk else self._wfd
-            if fd < 0:
-                raise closed()
             with nogil:
-                rc = fp_writev(fd, &iov, &cnt, 0, NULL)
+                rc = fp_writev(fd, &iov, &cnt, self._nowait_writes, NULL)
                 err = errno
             if rc == FP_OK:
                 return 0
-            if err == EAGAIN:  # someone made the description non-blocking: wait for room
-                with nogil:
-                    rc = fp_wait(fd, FP_WRITE, -1, -1.0)
-                    err = errno
-                if rc < 0:
-                    _retry(err)
+            if err == EOPNOTSUPP:  # no non-blocking writes here: blocking ones from now on
+                self._nowait_writes = False
                 continue
-            _retry(err)  # the frame goes on after the signal handlers
+            if err != EAGAIN:
+                _retry(err)  # EINTR: the frame goes on after the signal handlers
+                continue
+            self._woken()
+            wake = self._wake_fd(-1.0)
+            with nogil:
+                rc = fp_wait(fd, FP_WRITE, -1, wake, -1.0)
+                err = errno
+            if rc < 0:
+                _retry(err)
+            elif rc == FP_WOKEN:
+                self._woken()
+                self._drain_wake()
 
     cdef int _write_bulk(self, unsigned char *hdr, iovec *payload) except -1:
         """A BULK frame: its header to the pipe, then its payload to the bulk fd, under one
@@ -462,12 +555,16 @@ cdef class Engine:
         cdef iovec head
         head.iov_base = hdr
         head.iov_len = FP_HEADER_SIZE
-        self._lock_write()
+        self._enter()
         try:
-            self._writev_locked(&head, 1, False)
-            self._writev_locked(payload, 1, True)
+            self._lock_write()
+            try:
+                self._writev_locked(&head, 1, False)
+                self._writev_locked(payload, 1, True)
+            finally:
+                PyThread_release_lock(self._wlock)
         finally:
-            PyThread_release_lock(self._wlock)
+            self._leave()
         return 0
 
     def send_bytes(self, buf, Py_ssize_t offset=0, size=None):
@@ -496,11 +593,15 @@ cdef class Engine:
             PyBuffer_Release(&view)
 
     cdef int _write_parts(self, list parts) except -1:
-        self._lock_write()
+        self._enter()
         try:
-            self._write_parts_locked(parts, False)
+            self._lock_write()
+            try:
+                self._write_parts_locked(parts, False)
+            finally:
+                PyThread_release_lock(self._wlock)
         finally:
-            PyThread_release_lock(self._wlock)
+            self._leave()
         return 0
 
     cdef int _write_segments(self, list segments) except -1:
@@ -508,15 +609,19 @@ cdef class Engine:
         one hold of the write lock: each BULK header reaches the pipe before its payload
         reaches the bulk fd."""
         cdef Py_ssize_t i
-        self._lock_write()
+        self._enter()
         try:
-            for i in range(len(segments)):
-                if i & 1:
-                    self._write_parts_locked([segments[i]], True)
-                else:
-                    self._write_parts_locked(segments[i], False)
+            self._lock_write()
+            try:
+                for i in range(len(segments)):
+                    if i & 1:
+                        self._write_parts_locked([segments[i]], True)
+                    else:
+                        self._write_parts_locked(segments[i], False)
+            finally:
+                PyThread_release_lock(self._wlock)
         finally:
-            PyThread_release_lock(self._wlock)
+            self._leave()
         return 0
 
     cdef int _write_parts_locked(self, list parts, bint bulk) except -1:
@@ -538,10 +643,12 @@ cdef class Engine:
     cdef int _wait_readable(self, int fd, double deadline) except -1:
         """Wait until ``fd`` is readable (W_READY), the deadline passes (W_TIMEOUT), or the
         watched writer is dead and ``fd`` has nothing more to read (W_DEAD). Signals run their
-        handlers and the wait goes on against the same deadline."""
-        cdef int rc, err, lfd
+        handlers and the wait goes on against the same deadline; a close() from another
+        thread ends it (OSError)."""
+        cdef int rc, err, lfd, wake
         cdef double until
         while True:
+            self._woken()
             lfd = -1 if self._dead else self._lfd
             until = deadline
             if self._dead:
@@ -550,13 +657,18 @@ cdef class Engine:
                 until = fp_now() + LIVENESS_SLICE  # no pidfd: look at the writer now and then
                 if 0.0 <= deadline < until:
                     until = deadline
+            wake = self._wake_fd(until)
             with nogil:
-                rc = fp_wait(fd, FP_READ, lfd, until)
+                rc = fp_wait(fd, FP_READ, lfd, wake, until)
                 err = errno
             if rc == FP_OK:
                 return W_READY
             if rc < 0:
                 _retry(err)
+                continue
+            if rc == FP_WOKEN:
+                self._woken()  # only close() wakes; anything else is drained and ignored
+                self._drain_wake()
                 continue
             if self._dead:
                 return W_DEAD
@@ -570,8 +682,10 @@ cdef class Engine:
     cdef Py_ssize_t _read_some(self, char *dst, Py_ssize_t n, double deadline,
                                bint bulk=False) except -1:
         """One read() into dst: the byte count, 0 at end of file. Raises _Expired at the
-        deadline and WriterDied when the watched writer died with nothing left to read.
-        ``bulk`` reads the bulk fd instead of the pipe."""
+        deadline, WriterDied when the watched writer died with nothing left to read, and
+        OSError when another thread closes the connection. ``bulk`` reads the bulk fd
+        instead of the pipe. No read ever blocks: the waiting is in _wait_readable, where a
+        close() wakes it."""
         cdef ssize_t r
         cdef int rc, err, rfd, fd = self._bfd if bulk else self._fd
         cdef int mode = self._bmode if bulk else self._mode
@@ -580,54 +694,65 @@ cdef class Engine:
         # Without it, try a read first when the last poll found data already there.
         cdef bint adaptive = bulk or not self._read_ahead
         cdef bint poll_first = (self._bpoll_first if bulk else self._poll_first) if adaptive else True
+        cdef bint ready = False  # a wait just found fd readable
         cdef double started
-        cdef bint must_poll = deadline >= 0 or self._liveness is not None
+        if deadline < 0 and not bulk and self._is_pipe and self._liveness is None:
+            # No deadline, nobody to watch: wait in read() itself (see fp_wake_pipe_reader).
+            while True:
+                self._woken()
+                self._blocked_reader = True
+                with nogil:
+                    r = fp_read(fd, dst, <size_t>n, FP_MODE_BLOCK)
+                    err = errno
+                self._blocked_reader = False
+                self._woken()  # closed meanwhile: what the read took (the wake) is dropped
+                if r >= 0:
+                    return r
+                if err == EAGAIN:
+                    break  # someone made the description non-blocking: wait in poll() below
+                _retry(err)
         while True:
-            if must_poll:
-                if mode == FP_MODE_PIPE and not bulk and self._nfd == -1:
-                    self._open_private()
-                    mode = self._mode
-                if mode != FP_MODE_BLOCK and not poll_first:
-                    rfd = self._nfd if mode == FP_MODE_NONBLOCK else fd
-                    with nogil:
-                        r = fp_read(rfd, dst, <size_t>n, mode)
-                        err = errno
-                    if r >= 0:
-                        return r
-                    if err == EOPNOTSUPP or err == EINVAL:
-                        mode = FP_MODE_BLOCK  # this kernel cannot; poll first from now on
-                        if bulk:
-                            self._bmode = mode
-                        else:
-                            self._mode = mode
-                    elif err != EAGAIN:
-                        _retry(err)
-                        continue
-                started = fp_now()
-                rc = self._wait_readable(fd, deadline)
-                if rc == W_DEAD:
-                    lost, expected = self._lost()
-                    raise self._liveness.error(lost_bytes=lost, expected_bytes=expected)
-                if rc == W_TIMEOUT:
-                    raise _Expired()
-                if adaptive:
-                    # Try a read before polling next time only if this poll found data
-                    # already there: a reader that keeps up with its writer then makes one
-                    # syscall per wait instead of a failed read, a poll and a read.
-                    poll_first = fp_now() - started > POLL_WAITED
+            self._woken()
+            if mode == FP_MODE_PIPE and not bulk and self._nfd == -1:
+                self._open_private()
+                mode = self._mode
+            # A fd with no way to read it without blocking (not a pipe or socket) is read
+            # only once a wait found it readable.
+            if ready or (not poll_first and mode != FP_MODE_BLOCK):
+                rfd = self._nfd if mode == FP_MODE_NONBLOCK else fd
+                with nogil:
+                    r = fp_read(rfd, dst, <size_t>n, mode)
+                    err = errno
+                if r >= 0:
+                    return r
+                if err == EOPNOTSUPP or err == EINVAL:
+                    mode = FP_MODE_BLOCK  # this kernel cannot: read after a wait from now on
                     if bulk:
-                        self._bpoll_first = poll_first
+                        self._bmode = mode
                     else:
-                        self._poll_first = poll_first
-            with nogil:
-                r = fp_read(fd, dst, <size_t>n, FP_MODE_BLOCK)
-                err = errno
-            if r >= 0:
-                return r
-            if err == EAGAIN:
-                must_poll = True  # someone set O_NONBLOCK on the description: poll first
-                continue
-            _retry(err)
+                        self._mode = mode
+                    continue
+                if err != EAGAIN:
+                    _retry(err)
+                    continue
+                # EAGAIN: nothing to read after all (another reader of the pipe took it)
+            started = fp_now()
+            rc = self._wait_readable(fd, deadline)
+            if rc == W_DEAD:
+                lost, expected = self._lost()
+                raise self._liveness.error(lost_bytes=lost, expected_bytes=expected)
+            if rc == W_TIMEOUT:
+                raise _Expired()
+            ready = True
+            if adaptive:
+                # Try a read before polling next time only if this poll found data
+                # already there: a reader that keeps up with its writer then makes one
+                # syscall per wait instead of a failed read, a poll and a read.
+                poll_first = fp_now() - started > POLL_WAITED
+                if bulk:
+                    self._bpoll_first = poll_first
+                else:
+                    self._poll_first = poll_first
 
     cdef int _open_private(self) except -1:
         """Switch timed and watched reads of the pipe to a private O_NONBLOCK description
@@ -681,7 +806,7 @@ cdef class Engine:
         for the death until a grace window, opened by the first end of file seen, closes. A
         read whose deadline comes first raises _Expired: a later read decides, so the same
         exit always gives the same error."""
-        cdef int rc, err, lfd
+        cdef int rc, err, lfd, wake
         cdef double end
         cdef bint expire
         live = self._liveness
@@ -703,15 +828,20 @@ cdef class Engine:
                 if expire:
                     raise _Expired()
                 return False
+            self._woken()
             lfd = self._lfd
             if lfd < 0:  # no pidfd: look again soon
                 time.sleep(min(LIVENESS_SLICE, max(end - fp_now(), 0.0)))
                 continue
+            wake = self._wake_fd(end)
             with nogil:
-                rc = fp_wait(lfd, FP_READ, -1, end)
+                rc = fp_wait(lfd, FP_READ, -1, wake, end)
                 err = errno
             if rc < 0:
                 _retry(err)
+            elif rc == FP_WOKEN:
+                self._woken()
+                self._drain_wake()
 
     cdef int _at_eof(self, double deadline) except -1:
         cdef bint in_frame = self._pkind >= 0 or self._bend > self._bstart
@@ -886,10 +1016,11 @@ cdef class Engine:
         return r
 
     cdef int _lock_read(self, double deadline) except -1:
+        """Begin a read: take the read lock (readers queue, never interleave) before the
+        deadline; end it with _unlock_read."""
         cdef PyLockStatus st
         cdef PY_TIMEOUT_T us
-        if self._gen != _fork_gen:
-            self._renew_locks_after_fork()
+        self._enter()
         if PyThread_acquire_lock(self._rlock, NOWAIT_LOCK):
             return 0
         if deadline < 0:
@@ -901,7 +1032,16 @@ cdef class Engine:
         with nogil:
             st = PyThread_acquire_lock_timed(self._rlock, us, 0)
         if st != PY_LOCK_ACQUIRED:
+            self._leave()
             raise _Expired()
+        if self._fd < 0:  # closed while this call waited for the reader before it
+            self._unlock_read()
+            raise closed_while_waiting()
+        return 0
+
+    cdef int _unlock_read(self) except -1:
+        PyThread_release_lock(self._rlock)
+        self._leave()
         return 0
 
     def _read_frame(self, double deadline, bint mutable):
@@ -934,7 +1074,7 @@ cdef class Engine:
                         return payload
                 return self._message(kind, payload, deadline, True, maxl)
             finally:
-                PyThread_release_lock(self._rlock)
+                self._unlock_read()
         except _Expired:
             raise timeout_error(timeout, *self._lost()) from None
 
@@ -971,7 +1111,7 @@ cdef class Engine:
                         if kind != FP_KIND_DATA:
                             result = self._message(kind, result, deadline, True, -1)
                     finally:
-                        PyThread_release_lock(self._rlock)
+                        self._unlock_read()
                 except _Expired:
                     raise timeout_error(timeout, *self._lost()) from None
                 if len(result) > view.len - off:
@@ -998,17 +1138,23 @@ cdef class Engine:
                         return _loads(payload)
                 return self._message(kind, payload, deadline, False, -1)
             finally:
-                PyThread_release_lock(self._rlock)
+                self._unlock_read()
         except _Expired:
             raise timeout_error(timeout, *self._lost()) from None
 
     def poll(self, timeout=0.0):
         cdef int fd
+        cdef double deadline
         self._check_readable()
         if self._bend > self._bstart and not self._pbulk:
             return True
         fd = self._bfd if self._pbulk else self._fd
-        return self._wait_readable(fd, _deadline(timeout)) != W_TIMEOUT
+        deadline = _deadline(timeout)
+        self._enter()
+        try:
+            return self._wait_readable(fd, deadline) != W_TIMEOUT
+        finally:
+            self._leave()
 
     def _handles(self):
         """(read fd, write fd, bulk read fd, bulk write fd); -1 for no bulk fd."""
@@ -1046,17 +1192,17 @@ cdef class Engine:
         cdef size_t written = 0
         self._check_writable()
         fd = self._bwfd if bulk else self._wfd
-        if fd < 0:
-            raise closed()
         v = _Iov(parts, min(len(parts), 1024))
         iov = v.iov
         cnt = <int>v.count
+        self._enter()
         try:
             with nogil:
                 rc = fp_writev(fd, &iov, &cnt, 1, &written)
                 err = errno
         finally:
             v.release()
+            self._leave()
         if rc == FP_OK or written > 0:
             return written
         if err == EAGAIN:

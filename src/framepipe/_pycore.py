@@ -29,6 +29,7 @@ from ._stream_errors import (
     blocking_send_under_async_send,
     broken,
     closed,
+    closed_while_waiting,
     no_bulk_channel,
     sentinel_timeout,
     timeout_error,
@@ -45,6 +46,7 @@ from ._wire import (
     KIND_TIMEOUT,
     MORE,
     OK,
+    TIMEOUT,
     decode_header,
     frame_cap,
     header,
@@ -125,17 +127,11 @@ def _deadline(timeout: float | None) -> float:
     return time.monotonic() + max(t, 0.0)
 
 
-def _wait_writable(fd: int) -> None:
-    poller = select.poll()
-    poller.register(fd, select.POLLOUT)
-    poller.poll()
-
-
 def _writev(fd: int, views: list[memoryview], nowait: bool = False) -> int:
     """Write the bytes of ``views`` to ``fd`` as ``fp_writev`` (csrc/fp.c) does, looping over
     short writes; ``views`` is left holding what is not written. Returns the bytes written.
-    With ``nowait`` no write blocks (RWF_NOWAIT, a per-call flag): it returns when the fd is
-    full. Without, a description someone made non-blocking waits for room."""
+    With ``nowait`` no write blocks (RWF_NOWAIT, a per-call flag): BlockingIOError when the fd
+    is full. A description someone made non-blocking raises it as well."""
     written = 0
     while views and not views[0].nbytes:  # empty parts first: a frame may have no payload
         views.pop(0)
@@ -145,11 +141,9 @@ def _writev(fd: int, views: list[memoryview], nowait: bool = False) -> int:
                 n = os.pwritev(fd, views[:_IOV_MAX], -1, _RWF_NOWAIT)  # type: ignore[arg-type]
             else:
                 n = os.writev(fd, views[:_IOV_MAX])
-        except BlockingIOError:
-            if nowait:
-                return written
-            _wait_writable(fd)
-            continue
+        except BlockingIOError as exc:
+            exc.characters_written = written
+            raise
         written += n
         while views and n >= views[0].nbytes:
             n -= views[0].nbytes
@@ -157,6 +151,43 @@ def _writev(fd: int, views: list[memoryview], nowait: bool = False) -> int:
         if n:
             views[0] = views[0][n:]
     return written
+
+
+def _wake_open() -> tuple[int, int]:
+    """A wake fd for waits (``fp_wake_open``): ``(read end, write end)``, one eventfd where
+    there is one."""
+    if hasattr(os, "eventfd"):
+        fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        return fd, fd
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    return r, w
+
+
+def _wake(wfd: int) -> None:
+    try:
+        os.write(wfd, (1).to_bytes(8, sys.byteorder))
+    except BlockingIOError:
+        pass  # readable already
+
+
+_HAVE_PIPE_WAKE = sys.platform.startswith("linux")
+
+
+def _wake_pipe_reader(fd: int) -> None:
+    """Wake a thread blocked in read() on the pipe read end ``fd`` (``fp_wake_pipe_reader``):
+    a TIMEOUT sentinel written through a write description of its own, opened for it."""
+    try:
+        wfd = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.write(wfd, TIMEOUT)
+    except OSError:
+        pass  # full: nobody is blocked
+    finally:
+        os.close(wfd)
 
 
 # Locks held by threads of the parent stay held in a forked child, where those threads do not
@@ -198,6 +229,10 @@ class Engine:
     _peer: Any = None
     _object: Any = None
     _sentinel_sent = 0
+    _users = 0
+    _wake_r = _wake_w = -1
+    _is_pipe = False  # reads without a deadline wait in read() (see _wake_pipe_reader)
+    _blocked_reader = False  # a thread is in such a read
     _eof_until = -1.0  # end of the grace for a watched writer's death after end of file
 
     if TYPE_CHECKING:  # the hooks the Connection above provides (see _core.pyi)
@@ -223,11 +258,14 @@ class Engine:
         """Take the (checked) fds: ``fd`` to read, ``wfd`` to write, ``bfd``/``bwfd`` the bulk
         channel (-1: none)."""
         self._gen = _fork_gen
-        # Guards the fd fields against close() while the watcher writes a DEAD sentinel:
-        # _sentinels such writes under way, _deferred the fds a close() left for them to close.
+        # Calls under way in other threads that use the fds (reads, polls, writes, the
+        # watcher's DEAD sentinel), and what a close() left for the last of them to close:
+        # (fds, private description, liveness). _slock orders them.
         self._slock = threading.Lock()
-        self._sentinels = 0
-        self._deferred: tuple[int, int, int, int] | None = None
+        self._users = 0
+        self._deferred: tuple[tuple[int, int, int, int], int, Any] | None = None
+        self._wake_r = self._wake_w = -1  # the wake fd of waits, made at the first wait
+        self._nowait_writes = _RWF_NOWAIT is not None
         self._fd = fd
         self._wfd = wfd
         self._bfd = bfd  # bulk payloads are read from here (-1: no bulk channel)
@@ -240,6 +278,10 @@ class Engine:
         self._cap = frame_cap(max_size)
         self._closefd = bool(closefd)
         self._read_ahead = bool(read_ahead)
+        try:
+            self._is_pipe = _HAVE_PIPE_WAKE and stat.S_ISFIFO(os.fstat(fd).st_mode)
+        except OSError:
+            self._is_pipe = False  # like the stdlib: a bad handle fails on first use
         self._ids = tuple(_fd_identity(f) if f >= 0 else None for f in (fd, wfd, bfd, bwfd))
         self._async_owner = 0  # the thread whose asyncio send holds the write lock, or 0
         self._nfd = -1  # a private O_NONBLOCK description of the pipe (-1: not yet, -2: none)
@@ -266,28 +308,102 @@ class Engine:
             pass
 
     def _close(self) -> None:
-        """Close the fds (those this connection owns) and forget the watched writer."""
+        """Close the fds (those this connection owns, and its own private ones) and the
+        watched writer's liveness. A call under way in another thread is woken (it raises
+        OSError) and the last such call to leave closes them: until then no number is freed,
+        so no call can reach a file that took one of them."""
         if self._fd < 0:
             return
         if self._gen != _fork_gen:
             self._renew_locks_after_fork()
         with self._slock:
-            fd, wfd, bfd, bwfd = self._fd, self._wfd, self._bfd, self._bwfd
-            if fd < 0:
+            fds = (self._fd, self._wfd, self._bfd, self._bwfd)
+            if fds[0] < 0:
                 return  # closed by another thread meanwhile
+            nfd, liveness = self._nfd, self._liveness
             self._fd = self._wfd = self._bfd = self._bwfd = -1
-            # The watcher thread is writing a DEAD sentinel to wfd: the fds stay open (and
-            # their numbers taken) until that write is done, or it could land in whatever
-            # took the number next. The sentinel writer closes them (_write_sentinel).
-            defer = self._sentinels > 0 and self._closefd
-            if defer:
-                self._deferred = (fd, wfd, bfd, bwfd)
-        if self._nfd >= 0:
-            os.close(self._nfd)  # ours whatever closefd says
             self._nfd = -1
-        self._liveness = None
-        if self._closefd and not defer:
-            _close_owned((fd, wfd, bfd, bwfd), self._ids)
+            self._liveness = None
+            if self._users > 0:
+                self._deferred = (fds, nfd, liveness)
+                if self._wake_w >= 0:
+                    _wake(self._wake_w)
+                if self._blocked_reader:
+                    _wake_pipe_reader(fds[0])
+                return
+        self._close_now(fds, nfd, liveness)
+
+    def _close_now(self, fds: tuple[int, int, int, int], nfd: int, liveness: Any) -> None:
+        if nfd >= 0:
+            os.close(nfd)  # ours whatever closefd says
+        self._close_wake()
+        try:
+            if self._closefd:
+                _close_owned(fds, self._ids)
+        finally:
+            if liveness is not None:
+                try:
+                    liveness.close()
+                except OSError:
+                    pass
+
+    def _close_wake(self) -> None:
+        r, w = self._wake_r, self._wake_w
+        self._wake_r = self._wake_w = -1
+        if r >= 0:
+            os.close(r)
+            if w != r:
+                os.close(w)
+
+    def _enter(self) -> None:
+        """A call that uses the fds begins (see _close)."""
+        if self._gen != _fork_gen:
+            self._renew_locks_after_fork()
+        with self._slock:
+            if self._fd < 0:
+                raise closed()
+            self._users += 1
+
+    def _leave(self) -> None:
+        """The call ends; the last one out after a close() closes the fds. Nobody to report a
+        failed close() to: the connection was closed by another thread."""
+        with self._slock:
+            self._users -= 1
+            deferred = self._deferred if self._users == 0 else None
+            if deferred is not None:
+                self._deferred = None
+        if deferred is not None:
+            try:
+                self._close_now(*deferred)
+            except OSError:
+                pass
+
+    def _wake_fd(self, deadline: float) -> int:
+        """The wake fd for a wait until ``deadline``, made now if the wait can block; -1 when
+        it cannot block, or when no fd is left to make one (then a close() is seen when the
+        wait ends by itself)."""
+        if self._wake_r >= 0:
+            return self._wake_r
+        if 0.0 <= deadline <= time.monotonic():
+            return -1
+        try:
+            r, w = _wake_open()
+        except OSError:
+            return -1
+        with self._slock:
+            if self._fd < 0:  # closed meanwhile: this call leaves at once
+                os.close(r)
+                if w != r:
+                    os.close(w)
+                raise closed_while_waiting()
+            self._wake_r, self._wake_w = r, w
+        self._poller = self._bpoller = None  # made again with the wake fd in them
+        return r
+
+    def _woken(self) -> None:
+        """Raise if another thread closed the connection while this call was under way."""
+        if self._fd < 0:
+            raise closed_while_waiting()
 
     def _check_readable(self) -> None:
         if self._fd < 0:
@@ -338,25 +454,12 @@ class Engine:
     # -- writing -----------------------------------------------------------------------------
 
     def _write_sentinel(self, data: bytes) -> None:
-        """Write a DEAD sentinel from the watcher thread. A close() from another thread while
-        it is on its way leaves the fds to be closed here, once the write is done."""
-        if self._gen != _fork_gen:
-            self._renew_locks_after_fork()
-        with self._slock:
-            if self._fd < 0:
-                return
-            self._sentinels += 1
-        try:
-            self._write_parts([data])
-            self._sentinel_sent += len(data)
-        finally:
-            with self._slock:
-                self._sentinels -= 1
-                deferred = self._deferred if self._sentinels == 0 else None
-                if deferred is not None:
-                    self._deferred = None
-            if deferred is not None:
-                _close_owned(deferred, self._ids)
+        """Write a DEAD sentinel from the watcher thread (nothing once the connection is
+        closed)."""
+        if self._fd < 0:
+            return
+        self._write_parts([data])
+        self._sentinel_sent += len(data)
 
     def _renew_locks_after_fork(self) -> None:
         """First use in a forked child: the inherited locks may be held by parent threads
@@ -365,11 +468,14 @@ class Engine:
             if self._gen != _fork_gen:
                 self._rlock = threading.Lock()
                 self._wlock = threading.Lock()
-                # Sentinel writes of the parent's watcher thread do not go on here; fds whose
-                # close waited for one are left open, as after any close() that follows a fork.
+                # Calls of the parent's threads do not go on here; fds whose close waited for
+                # one are left open, as after any close() that follows a fork. The wake fd is
+                # the parent's (one eventfd shared by both): a close here must not wake the
+                # parent's calls.
                 self._slock = threading.Lock()
-                self._sentinels = 0
+                self._users = 0
                 self._deferred = None
+                self._close_wake()
                 self._poller = self._bpoller = None  # may be marked busy by a parent thread
                 self._async_owner = 0
                 self._gen = _fork_gen
@@ -382,31 +488,56 @@ class Engine:
                 raise blocking_send_under_async_send()
             self._wlock.acquire()
 
+    def _write_locked(self, fd: int, views: list[memoryview]) -> None:
+        """Write all of ``views`` to ``fd``; the caller holds the write lock. A full fd is
+        waited for in a poll() with the wake fd, so a close() wakes the writer."""
+        while True:
+            self._woken()
+            try:
+                _writev(fd, views, self._nowait_writes)
+                return
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                self._nowait_writes = False  # no non-blocking writes here: blocking ones
+                continue
+            self._woken()
+            poller = select.poll()
+            poller.register(fd, select.POLLOUT)
+            wake = self._wake_fd(-1.0)
+            if wake >= 0:
+                poller.register(wake, select.POLLIN)
+            poller.poll()
+
     def _write_parts(self, parts: list[Any]) -> None:
         views = [memoryview(p).cast("B") for p in parts]
-        self._lock_write()
+        self._enter()
         try:
-            fd = self._wfd
-            if fd < 0:
-                raise closed()
-            _writev(fd, views)
+            self._lock_write()
+            try:
+                self._write_locked(self._wfd, views)
+            finally:
+                self._wlock.release()
         finally:
-            self._wlock.release()
+            self._leave()
 
     def _write_segments(self, segments: list[Any]) -> None:
         """Write ``[pipe_parts, bulk_payload, pipe_parts, ...]`` (see ``_objects.dumps_bulk``)
         under one hold of the write lock: each BULK header reaches the pipe before its payload
         reaches the bulk fd."""
-        self._lock_write()
+        self._enter()
         try:
-            for i, seg in enumerate(segments):
-                fd = self._bwfd if i & 1 else self._wfd
-                if fd < 0:
-                    raise closed()
-                views = [memoryview(p).cast("B") for p in (seg if not i & 1 else [seg])]
-                _writev(fd, views)
+            self._lock_write()
+            try:
+                for i, seg in enumerate(segments):
+                    views = [memoryview(p).cast("B") for p in (seg if not i & 1 else [seg])]
+                    self._write_locked(self._bwfd if i & 1 else self._wfd, views)
+            finally:
+                self._wlock.release()
         finally:
-            self._wlock.release()
+            self._leave()
 
     def send_bytes(self, buf: Any, offset: int = 0, size: int | None = None) -> None:
         self._check_writable()
@@ -448,52 +579,62 @@ class Engine:
         The caller holds the write lock."""
         self._check_writable()
         fd = self._bwfd if bulk else self._wfd
-        if fd < 0:
-            raise closed()
         if _RWF_NOWAIT is None:
             return -1
+        self._enter()
         try:
             return _writev(fd, list(parts[:_IOV_MAX]), nowait=True)
+        except BlockingIOError as exc:
+            return exc.characters_written
         except OSError as exc:
             if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
                 return -1
             raise
+        finally:
+            self._leave()
 
     # -- reading: the state machine ----------------------------------------------------------
 
     def _poll_once(self, deadline: float, bulk: bool = False) -> bool:
         """Wait until the fd (the bulk fd when ``bulk``) is readable: True if so, False if
         the deadline passed. Raises _Dead when the watched writer died and the fd has nothing
-        left to read."""
+        left to read, and OSError when another thread closes the connection."""
         live = self._liveness
         fd = self._bfd if bulk else self._fd
-        poller = self._bpoller if bulk else self._poller
-        if poller is None:
-            poller = select.poll()
-            poller.register(fd, _POLLIN)
-            if live is not None and live.fd is not None:
-                poller.register(live.fd, select.POLLIN)
-            if bulk:
-                self._bpoller = poller
-            else:
-                self._poller = poller
         while True:
+            self._woken()
             wait = None if deadline < 0 else max(deadline - time.monotonic(), 0.0)
             if self._dead:
                 wait = 0.0
             elif live is not None and live.fd is None:
                 wait = _LIVENESS_SLICE if wait is None else min(wait, _LIVENESS_SLICE)
-            if wait is not None and 0.0 < wait < _PRECISE_BELOW and fd < _FD_SETSIZE:
+            wake = self._wake_fd(-1.0 if wait is None else time.monotonic() + wait)
+            watch = [fd] if live is None or live.fd is None else [fd, live.fd]
+            if wake >= 0:
+                watch.append(wake)
+            if wait is not None and 0.0 < wait < _PRECISE_BELOW and max(watch) < _FD_SETSIZE:
                 # poll() takes whole milliseconds, rounded up: a short deadline would be
                 # missed by up to one. select() takes microseconds.
-                watch = [fd] if live is None or live.fd is None else [fd, live.fd]
-                if max(watch) < _FD_SETSIZE:
-                    ready = [(r, 0) for r in select.select(watch, [], [], wait)[0]]
-                else:
-                    ready = poller.poll(wait * 1000.0)
+                ready = select.select(watch, [], [], wait)[0]
             else:
-                ready = poller.poll(None if wait is None else wait * 1000.0)
-            if any(rfd == fd for rfd, _ in ready):
+                poller = self._bpoller if bulk else self._poller
+                if poller is None:
+                    poller = select.poll()
+                    for f in watch:
+                        poller.register(f, _POLLIN if f == fd else select.POLLIN)
+                    if bulk:
+                        self._bpoller = poller
+                    else:
+                        self._poller = poller
+                ready = [r for r, _ in poller.poll(None if wait is None else wait * 1000.0)]
+            if wake >= 0 and wake in ready:
+                self._woken()  # only close() wakes; anything else is drained and ignored
+                try:
+                    os.read(wake, 8)
+                except OSError:
+                    pass
+                continue
+            if fd in ready:
                 return True
             if live is not None and not self._dead and (ready or live.fd is None):
                 if live.poll_dead():
@@ -509,38 +650,52 @@ class Engine:
     ) -> Any:
         """One read(): into ``view`` (the byte count, 0 at end of file), or when ``view`` is
         None, up to ``want`` bytes (bytes, empty at end of file). Raises _Expired on the
-        deadline and WriterDied when the watched writer died with nothing left to read.
-        ``bulk`` reads the bulk fd instead of the pipe."""
+        deadline, WriterDied when the watched writer died with nothing left to read, and
+        OSError when another thread closes the connection. ``bulk`` reads the bulk fd instead
+        of the pipe. No read ever blocks: the waiting is in _poll_once, where a close() wakes
+        it (a fd without a private non-blocking description is read once a wait found it
+        readable)."""
         fd = self._bfd if bulk else self._fd
-        while True:
-            if deadline >= 0 or self._liveness is not None:
-                if not bulk:
-                    # Try a read first when the last poll found data already there: a
-                    # reader behind its writer then makes one syscall per read.
-                    if self._nfd == -1:
-                        self._nfd = _reopen_nonblocking(fd)
-                    if self._nfd >= 0 and not self._poll_first:
-                        try:
-                            if view is None:
-                                return os.read(self._nfd, want)
-                            return os.readv(self._nfd, [view])
-                        except BlockingIOError:
-                            pass
-                    started = time.monotonic()
+        ready = False  # a wait just found fd readable
+        if deadline < 0 and not bulk and self._is_pipe and self._liveness is None:
+            # No deadline, nobody to watch: wait in read() itself (see _wake_pipe_reader).
+            while True:
+                with self._slock:
+                    self._woken()
+                    self._blocked_reader = True
                 try:
-                    if not self._poll_once(deadline, bulk):
-                        raise _Expired
-                except _Dead:
-                    lost, expected = self._lost()
-                    raise self._liveness.error(lost_bytes=lost, expected_bytes=expected) from None
-                if not bulk:
-                    self._poll_first = time.monotonic() - started > _POLL_WAITED
+                    data = os.read(fd, want) if view is None else os.readv(fd, [view])
+                except BlockingIOError:
+                    break  # someone made the description non-blocking: wait in poll() below
+                finally:
+                    self._blocked_reader = False
+                self._woken()  # closed meanwhile: what the read took (the wake) is dropped
+                return data
+        while True:
+            self._woken()
+            if not bulk and self._nfd == -1:
+                self._nfd = _reopen_nonblocking(fd)
+            nfd = -2 if bulk else self._nfd
+            # Try a read first when the last poll found data already there: a reader behind
+            # its writer then makes one syscall per read.
+            if ready or (nfd >= 0 and not self._poll_first):
+                rfd = nfd if nfd >= 0 else fd
+                try:
+                    if view is None:
+                        return os.read(rfd, want)
+                    return os.readv(rfd, [view])
+                except BlockingIOError:
+                    pass  # nothing after all (another reader of the pipe took it)
+            started = time.monotonic()
             try:
-                if view is None:
-                    return os.read(fd, want)
-                return os.readv(fd, [view])
-            except BlockingIOError:
-                continue
+                if not self._poll_once(deadline, bulk):
+                    raise _Expired
+            except _Dead:
+                lost, expected = self._lost()
+                raise self._liveness.error(lost_bytes=lost, expected_bytes=expected) from None
+            ready = True
+            if not bulk:
+                self._poll_first = time.monotonic() - started > _POLL_WAITED
 
     def _fill(self, deadline: float, want: int) -> None:
         """Read up to ``want`` more bytes into the buffer; with read-ahead, up to a chunk."""
@@ -594,10 +749,12 @@ class Engine:
                 if expire:
                     raise _Expired
                 return False
-            if live.fd is not None:
-                select.select([live.fd], [], [], left)
-            else:  # no pidfd: look again soon
+            self._woken()
+            if live.fd is None:  # no pidfd: look again soon
                 time.sleep(min(_LIVENESS_SLICE, left))
+                continue
+            wake = self._wake_fd(end)
+            select.select([live.fd] if wake < 0 else [live.fd, wake], [], [], left)
 
     def _at_eof(self, deadline: float) -> None:
         avail = len(self._buf) - self._bstart
@@ -739,15 +896,23 @@ class Engine:
         return self._frame(deadline, -1, None, mutable)
 
     def _lock_read(self, deadline: float) -> None:
-        """Take the read lock (readers queue, never interleave) before ``deadline``."""
-        if self._gen != _fork_gen:
-            self._renew_locks_after_fork()
+        """Begin a read: take the read lock (readers queue, never interleave) before
+        ``deadline``; end it with _unlock_read."""
+        self._enter()
         if deadline < 0:
             self._rlock.acquire()
         elif not self._rlock.acquire(False) and not self._rlock.acquire(
             timeout=max(deadline - time.monotonic(), 0.0)
         ):
+            self._leave()
             raise _Expired
+        if self._fd < 0:  # closed while this call waited for the reader before it
+            self._unlock_read()
+            raise closed_while_waiting()
+
+    def _unlock_read(self) -> None:
+        self._rlock.release()
+        self._leave()
 
     # -- reading: the public calls -----------------------------------------------------------
 
@@ -769,7 +934,7 @@ class Engine:
                         return payload  # type: ignore[no-any-return]
                 return self._message(kind, payload, deadline, True, maxl)  # type: ignore[no-any-return]
             finally:
-                self._rlock.release()
+                self._unlock_read()
         except _Expired:
             raise timeout_error(timeout, *self._lost()) from None
 
@@ -795,7 +960,7 @@ class Engine:
                     if kind != KIND_DATA:
                         result = self._message(kind, result, deadline, True, -1)
                 finally:
-                    self._rlock.release()
+                    self._unlock_read()
             except _Expired:
                 raise timeout_error(timeout, *self._lost()) from None
             if isinstance(result, int):
@@ -818,7 +983,7 @@ class Engine:
                         return pickle.loads(payload)
                 return self._message(kind, payload, deadline, False, -1)
             finally:
-                self._rlock.release()
+                self._unlock_read()
         except _Expired:
             raise timeout_error(timeout, *self._lost()) from None
 
@@ -826,7 +991,11 @@ class Engine:
         self._check_readable()
         if len(self._buf) > self._bstart and not self._pbulk:
             return True
+        deadline = _deadline(timeout)
+        self._enter()
         try:
-            return self._poll_once(_deadline(timeout), self._pbulk)
+            return self._poll_once(deadline, self._pbulk)
         except _Dead:
             return True
+        finally:
+            self._leave()

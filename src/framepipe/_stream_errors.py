@@ -119,6 +119,14 @@ def closed() -> OSError:
     return OSError("handle is closed")
 
 
+def closed_while_waiting() -> OSError:
+    """What a read, poll or write under way in one thread raises when another thread closes
+    the connection."""
+    return OSError(
+        "handle is closed: another thread closed this connection while this call was using it"
+    )
+
+
 def blocking_send_under_async_send() -> RuntimeError:
     return RuntimeError(
         "an async send on this thread's event loop is in the middle of a frame on this "
