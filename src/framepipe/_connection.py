@@ -325,16 +325,17 @@ _DOCS = {
 }
 
 
-class Core:
+class Core(ModuleType):
     """One engine and what is written once over it: its ``Connection`` class, ``pipe()`` and
-    the reference-style ``Pipe``. What :func:`framepipe._impl.load` returns; ``ENGINE`` names
-    the engine (``"c"`` or ``"python"``) and ``__name__`` its module."""
+    the reference-style ``Pipe``. What :func:`framepipe._impl.load` returns, a namespace named
+    like the engine's module (as load() returned the module itself before Connection was
+    written once); ``ENGINE`` names the engine (``"c"`` or ``"python"``)."""
 
     def __init__(self, module: ModuleType) -> None:
+        super().__init__(module.__name__, self.__doc__)
         engine = module.Engine
         for name, doc in _DOCS.items():
             getattr(engine, name).__doc__ = doc
-        self.__name__: str = module.__name__
         self.ENGINE: str = module.ENGINE
         self.Engine: type = engine
         self.Connection: type[ConnectionBase] = type(
