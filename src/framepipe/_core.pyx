@@ -684,8 +684,9 @@ cdef class Engine:
         """One read() into dst: the byte count, 0 at end of file. Raises _Expired at the
         deadline, WriterDied when the watched writer died with nothing left to read, and
         OSError when another thread closes the connection. ``bulk`` reads the bulk fd
-        instead of the pipe. No read ever blocks: the waiting is in _wait_readable, where a
-        close() wakes it."""
+        instead of the pipe. The waiting is in _wait_readable, where a close() wakes it; only
+        a pipe read without a deadline or a watch waits in read(), woken by a close() through
+        fp_wake_pipe_reader."""
         cdef ssize_t r
         cdef int rc, err, rfd, fd = self._bfd if bulk else self._fd
         cdef int mode = self._bmode if bulk else self._mode

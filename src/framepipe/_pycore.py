@@ -652,9 +652,9 @@ class Engine:
         None, up to ``want`` bytes (bytes, empty at end of file). Raises _Expired on the
         deadline, WriterDied when the watched writer died with nothing left to read, and
         OSError when another thread closes the connection. ``bulk`` reads the bulk fd instead
-        of the pipe. No read ever blocks: the waiting is in _poll_once, where a close() wakes
-        it (a fd without a private non-blocking description is read once a wait found it
-        readable)."""
+        of the pipe. The waiting is in _poll_once, where a close() wakes it (a fd without a
+        private non-blocking description is read once a wait found it readable); only a pipe
+        read without a deadline or a watch waits in read(), woken by _wake_pipe_reader."""
         fd = self._bfd if bulk else self._fd
         ready = False  # a wait just found fd readable
         if deadline < 0 and not bulk and self._is_pipe and self._liveness is None:
