@@ -5,7 +5,15 @@
  * - Deadlines are absolute monotonic times, so a read interrupted by a signal and retried by
  *   the caller waits only for what is left of its timeout, never the whole timeout again.
  * - A frame is written with one writev() per call, header and payload together, so a frame is
- *   never split by a concatenation copy; short writes (a full pipe) continue where they stopped.
+ *   never split by a concatenation copy; short writes (a full pipe) continue where they stopped
+ *   (fp_writev, the one write loop, blocking or not).
+ * - Every wait is one poll() against an absolute deadline (poll_until, under fp_wait), with a
+ *   wake fd in the set: close() from another thread makes it readable, so no thread stays
+ *   blocked on a connection that is closed, and the fds are closed only once no thread is
+ *   inside a call (no read or write can reach a number reused meanwhile). Reads and writes
+ *   themselves never block: the waiting is in fp_wait, except for a read of a pipe without a
+ *   deadline, which waits in read() (one system call instead of two) and is woken by
+ *   fp_wake_pipe_reader.
  * - Reads that must not block use per-call flags (MSG_DONTWAIT, RWF_NOWAIT) instead of
  *   O_NONBLOCK, because O_NONBLOCK lives on the open file description, which is shared with
  *   every process that inherited the fd: setting it here would break a child's blocking reads.
@@ -22,6 +30,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #ifdef __linux__
+#include <sys/eventfd.h>
 #include <sys/prctl.h>
 #endif
 #include <time.h>
@@ -41,11 +50,46 @@ double fp_now(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-void fp_header_encode(unsigned char *out, unsigned char check, uint64_t length)
+void fp_header_encode(unsigned char *out, int kind, uint64_t length)
 {
-    out[0] = out[1] = check;
+    out[0] = out[1] = (unsigned char)kind;
     memcpy(out + 2, &length, sizeof length); /* native byte order, like struct "Q" */
-    out[10] = out[11] = check;
+    out[10] = out[11] = (unsigned char)kind;
+}
+
+/* The rules, in the order both engines apply them (framepipe._wire.decode_header is the same
+ * in Python): the two check bytes name a kind or the stream is out of sync; a TIMEOUT
+ * sentinel is those two bytes alone; a DEAD sentinel carries an 8-byte status word; any other
+ * kind is a 12-byte header whose closing check bytes repeat the opening ones and whose length
+ * must not exceed the cap. Nothing is consumed: the caller skips h->size bytes. */
+int fp_header_decode(const unsigned char *p, size_t avail, uint64_t cap, fp_header *h)
+{
+    int kind;
+
+    if (avail < 2) {
+        h->size = 2;
+        return FP_MORE;
+    }
+    kind = p[0];
+    if (p[1] != p[0] || kind > FP_KIND_MAX)
+        return FP_BAD_CHECK;
+    h->kind = kind;
+    h->value = 0;
+    if (kind == FP_KIND_TIMEOUT) {
+        h->size = FP_TIMEOUT_SIZE;
+        return FP_OK;
+    }
+    h->size = kind == FP_KIND_DEAD ? FP_DEAD_SIZE : FP_HEADER_SIZE;
+    if (avail < h->size)
+        return FP_MORE;
+    memcpy(&h->value, p + 2, sizeof h->value);
+    if (kind == FP_KIND_DEAD)
+        return FP_OK;
+    if (p[10] != p[0] || p[11] != p[1])
+        return FP_MISMATCH;
+    if (h->value > cap)
+        return FP_TOO_LARGE;
+    return FP_OK;
 }
 
 /* Wait with poll() semantics until the absolute deadline (< 0: none). Linux has ppoll(),
@@ -65,7 +109,7 @@ static int poll_until(struct pollfd *fds, nfds_t n, double deadline)
         struct timespec ts, *tsp = NULL;
         if (deadline >= 0) {
             if (left > 1e9)
-                left = 1e9; /* wait_for() loops until the real deadline */
+                left = 1e9; /* fp_wait() loops until the real deadline */
             ts.tv_sec = (time_t)left;
             ts.tv_nsec = (long)((left - (double)ts.tv_sec) * 1e9);
             tsp = &ts;
@@ -96,30 +140,39 @@ static int poll_until(struct pollfd *fds, nfds_t n, double deadline)
 #endif
 }
 
-static int wait_for(int fd, short events, int liveness_fd, double deadline)
+int fp_wait(int fd, int direction, int liveness_fd, int wake_fd, double deadline)
 {
-    struct pollfd fds[2];
+    struct pollfd fds[3];
     nfds_t n = 1;
-    int rc;
+    int rc, live = -1, wake = -1;
 
     fds[0].fd = fd;
-    fds[0].events = events;
+    fds[0].events = direction == FP_WRITE ? POLLOUT : POLLIN | POLLPRI;
     fds[0].revents = 0;
     if (liveness_fd >= 0) {
-        fds[1].fd = liveness_fd;
-        fds[1].events = POLLIN;
-        fds[1].revents = 0;
-        n = 2;
+        live = (int)n++;
+        fds[live].fd = liveness_fd;
+        fds[live].events = POLLIN;
+        fds[live].revents = 0;
+    }
+    if (wake_fd >= 0) {
+        wake = (int)n++;
+        fds[wake].fd = wake_fd;
+        fds[wake].events = POLLIN;
+        fds[wake].revents = 0;
     }
     for (;;) {
         rc = poll_until(fds, n, deadline);
         if (rc < 0)
             return -1; /* EINTR included: the caller handles signals */
-        /* The data fd wins over the liveness fd: frames written before the writer died are
-         * delivered first. POLLHUP/POLLERR count as readable: the read reports them. */
+        /* A close by another thread ends the wait whatever else is ready. Then the data fd
+         * wins over the liveness fd: frames written before the writer died are delivered
+         * first. POLLHUP/POLLERR count as ready: the read or write reports them. */
+        if (wake >= 0 && fds[wake].revents)
+            return FP_WOKEN;
         if (fds[0].revents)
             return FP_OK;
-        if (n == 2 && fds[1].revents)
+        if (live >= 0 && fds[live].revents)
             return FP_LIVENESS;
         if (deadline >= 0 && fp_now() >= deadline)
             return FP_TIMEOUT;
@@ -127,14 +180,65 @@ static int wait_for(int fd, short events, int liveness_fd, double deadline)
     }
 }
 
-int fp_wait_readable(int fd, int liveness_fd, double deadline)
+int fp_wake_open(int *rfd, int *wfd)
 {
-    return wait_for(fd, POLLIN | POLLPRI, liveness_fd, deadline);
+#ifdef __linux__
+    int fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (fd >= 0) {
+        *rfd = *wfd = fd;
+        return FP_OK;
+    }
+    if (errno != ENOSYS && errno != EINVAL)
+        return -1;
+#endif
+    {
+        int p[2];
+        if (pipe(p) < 0)
+            return -1;
+        fcntl(p[0], F_SETFD, FD_CLOEXEC);
+        fcntl(p[1], F_SETFD, FD_CLOEXEC);
+        fcntl(p[0], F_SETFL, fcntl(p[0], F_GETFL) | O_NONBLOCK);
+        fcntl(p[1], F_SETFL, fcntl(p[1], F_GETFL) | O_NONBLOCK);
+        *rfd = p[0];
+        *wfd = p[1];
+        return FP_OK;
+    }
 }
 
-int fp_wait_writable(int fd, double deadline)
+int fp_wake(int wfd)
 {
-    return wait_for(fd, POLLOUT, -1, deadline);
+    uint64_t one = 1; /* an eventfd takes exactly 8 bytes; a pipe takes any */
+    ssize_t w = write(wfd, &one, sizeof one);
+    if (w < 0 && errno != EAGAIN) /* EAGAIN: a full pipe or counter is readable already */
+        return -1;
+    return FP_OK;
+}
+
+int fp_wake_pipe_reader(int fd)
+{
+#ifdef __linux__
+    char path[40];
+    static const unsigned char sentinel[2] = {FP_KIND_TIMEOUT, FP_KIND_TIMEOUT};
+    int wfd, err;
+    ssize_t w;
+
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    wfd = open(path, O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+    if (wfd < 0)
+        return -1;
+    w = write(wfd, sentinel, sizeof sentinel);
+    err = errno;
+    close(wfd);
+    if (w < 0 && err != EAGAIN) { /* EAGAIN: the pipe is not empty, so nobody is blocked */
+        errno = err;
+        return -1;
+    }
+    return FP_OK;
+#else
+    (void)fd;
+    errno = ENOSYS;
+    return -1;
+#endif
 }
 
 ssize_t fp_read(int fd, void *buf, size_t n, int mode)
@@ -157,19 +261,6 @@ ssize_t fp_read(int fd, void *buf, size_t n, int mode)
 #endif
     }
     return read(fd, buf, n);
-}
-
-ssize_t fp_writev_nowait(int fd, const struct iovec *iov, int iovcnt)
-{
-#ifdef __linux__
-    return pwritev2(fd, iov, iovcnt > IOV_MAX ? IOV_MAX : iovcnt, -1, RWF_NOWAIT);
-#else
-    (void)fd;
-    (void)iov;
-    (void)iovcnt;
-    errno = EOPNOTSUPP;
-    return -1;
-#endif
 }
 
 int fp_reopen_nonblocking(int fd)
@@ -209,36 +300,52 @@ int fp_reopen_nonblocking(int fd)
 #endif
 }
 
-int fp_writev_all(int fd, struct iovec **iovp, int *iovcntp)
+/* Skip n written bytes of *iov: whole entries first, then a partly written one in place. */
+static void iov_advance(struct iovec **iovp, int *cntp, size_t n)
 {
     struct iovec *iov = *iovp;
-    int cnt = *iovcntp;
-    ssize_t w;
+    int cnt = *cntp;
 
-    while (cnt > 0 && iov->iov_len == 0) {
+    while (cnt > 0 && n >= iov->iov_len) {
+        n -= iov->iov_len;
         iov++;
         cnt--;
     }
-    while (cnt > 0) {
-        w = writev(fd, iov, cnt > IOV_MAX ? IOV_MAX : cnt);
-        if (w < 0) {
-            *iovp = iov;
-            *iovcntp = cnt;
-            return -1;
-        }
-        /* Skip what was written; a partly written entry is advanced in place. */
-        while (cnt > 0 && (size_t)w >= iov->iov_len) {
-            w -= (ssize_t)iov->iov_len;
-            iov++;
-            cnt--;
-        }
-        if (cnt > 0 && w > 0) {
-            iov->iov_base = (char *)iov->iov_base + w;
-            iov->iov_len -= (size_t)w;
-        }
+    if (cnt > 0 && n > 0) {
+        iov->iov_base = (char *)iov->iov_base + n;
+        iov->iov_len -= n;
     }
     *iovp = iov;
-    *iovcntp = 0;
+    *cntp = cnt;
+}
+
+static ssize_t writev_once(int fd, const struct iovec *iov, int cnt, int nowait)
+{
+    if (cnt > IOV_MAX)
+        cnt = IOV_MAX;
+    if (!nowait)
+        return writev(fd, iov, cnt);
+#ifdef __linux__
+    return pwritev2(fd, iov, cnt, -1, RWF_NOWAIT);
+#else
+    errno = EOPNOTSUPP;
+    return -1;
+#endif
+}
+
+int fp_writev(int fd, struct iovec **iov, int *iovcnt, int nowait, size_t *written)
+{
+    ssize_t w;
+
+    iov_advance(iov, iovcnt, 0); /* empty entries first: a frame may have an empty payload */
+    while (*iovcnt > 0) {
+        w = writev_once(fd, *iov, *iovcnt, nowait);
+        if (w < 0)
+            return -1;
+        if (written != NULL)
+            *written += (size_t)w;
+        iov_advance(iov, iovcnt, (size_t)w);
+    }
     return FP_OK;
 }
 
@@ -261,6 +368,6 @@ int fp_close_if_same(int fd, uint64_t dev, uint64_t ino)
 {
     uint64_t d, i;
     if (fp_identity(fd, &d, &i) < 0 || d != dev || i != ino)
-        return FP_EOF;
+        return FP_SKIPPED;
     return close(fd) < 0 ? -1 : FP_OK;
 }

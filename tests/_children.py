@@ -45,7 +45,7 @@ def serve(conn) -> None:
 
                 conn.send(np.frombuffer(pattern(request[1]), dtype=np.uint8).copy())
             elif request == "module":
-                conn.send(type(conn).__module__)
+                conn.send(conn.ENGINE)
             elif request == "echo-bytes":
                 conn.send_bytes(conn.recv_bytes(timeout=READ_TIMEOUT))
             else:

@@ -496,6 +496,31 @@ def test_maxlength_is_an_oserror_like_the_stdlib(pairs):
         fr.recv_bytes(10, timeout=TIMEOUT)
 
 
+# --- the write loop ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [100_000, 3 << 20], ids=["100KB", "3MiB"])
+def test_a_write_end_someone_made_non_blocking_waits_for_room(impl, n):
+    # O_NONBLOCK lives on the open file description, which a child or a library may set
+    # behind the connection's back: a full pipe must then make the write wait, on both
+    # engines, never raise BlockingIOError half way through a frame.
+    r, w = os.pipe()
+    fcntl.fcntl(w, F_SETPIPE_SZ, 4096)
+    os.set_blocking(w, False)
+    writer = impl.Connection(w, readable=False)
+    reader = impl.Connection(r, writable=False)
+    data = os.urandom(n)
+    try:
+        sending = Background(lambda: [writer.send_bytes(data), writer.send(("after", 1))])
+        time.sleep(0.05)  # the pipe is full and the writer waits for room
+        assert reader.recv_bytes(timeout=TIMEOUT) == data
+        assert reader.recv(timeout=TIMEOUT) == ("after", 1)
+        sending.join()
+    finally:
+        writer.close()
+        reader.close()
+
+
 # --- protocol errors ------------------------------------------------------------------------------
 
 

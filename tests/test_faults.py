@@ -371,6 +371,90 @@ def test_exit_0_without_writing_is_writer_died(impl, method, hold):
     w.close()
 
 
+def _close_then_exit_0(w, linger: float) -> None:
+    """A clean exit at a frame boundary: the last frame, the write end closed (as an
+    interpreter's shutdown closes it), then ``linger`` seconds until the process ends."""
+    w.send_bytes(b"last")
+    w.close()
+    time.sleep(linger)
+
+
+# How long a writer's exit may take after its end of the pipe closed: an interpreter shutting
+# down takes from nothing to a few hundred ms on a loaded machine. Each value runs several
+# times; the reader must always hear the same thing.
+LINGERS = [0.0, 0.002, 0.02, 0.08, 0.15, 0.3] * 4
+
+
+@pytest.mark.parametrize("how", ["untimed", "timed", "short-timeouts", "async", "wait"])
+def test_a_clean_exit_at_a_frame_boundary_is_always_writer_died(impl, how):
+    # The reader sees end of file first (the closed write end) and the death after it; the
+    # race between the two must not decide the error: a watched writer that exits with code
+    # 0 is WriterDied (also an EOFError, what the stdlib raises; subprocess_rpc's callers
+    # route a code 0 through their timeout path), never a bare EOFError.
+    import asyncio
+
+    seen = []
+    for linger in LINGERS:
+        r, w = impl.pipe(False)
+        with running("fork", _close_then_exit_0, w, linger) as proc:
+            w.close()
+            r.watch(proc)
+            assert r.recv_bytes(timeout=WAIT) == b"last"
+            try:
+                if how == "untimed":
+                    r.recv_bytes()
+                elif how == "timed":
+                    r.recv_bytes(timeout=WAIT)
+                elif how == "short-timeouts":  # a deadline inside the writer's exit decides
+                    deadline = time.monotonic() + WAIT  # nothing: the next read goes on
+                    while time.monotonic() < deadline:
+                        try:
+                            r.recv_bytes(timeout=0.01)
+                        except ReadTimeout:
+                            continue
+                elif how == "async":
+                    asyncio.run(asyncio.wait_for(r.recv_bytes_async(), WAIT))
+                else:  # framepipe's wait(), then a read that must not block
+                    deadline = time.monotonic() + WAIT
+                    while time.monotonic() < deadline:
+                        assert fpc.wait([r], WAIT) == [r]
+                        try:
+                            r.recv_bytes(timeout=0)
+                        except ReadTimeout:
+                            continue
+                seen.append(("data", linger))
+            except WriterDied as exc:
+                seen.append(("WriterDied", exc.exitcode))
+            except EOFError:
+                seen.append(("EOFError", linger))
+            proc.join(WAIT)
+        r.close()
+    assert seen == [("WriterDied", 0)] * len(LINGERS)
+
+
+def _close_then_live(w, seconds: float) -> None:
+    w.close()
+    time.sleep(seconds)
+
+
+def test_a_watched_writer_that_closes_and_lives_on_is_end_of_file(impl):
+    # End of file with the writer alive: after a grace for its exit to show, EOFError, as
+    # the stdlib says; the read never waits for a death that does not come.
+    r, w = impl.pipe(False)
+    with running("fork", _close_then_live, w, 3 * WAIT) as proc:
+        w.close()
+        r.watch(proc)
+        started = time.monotonic()
+        with pytest.raises(EOFError) as info:
+            r.recv_bytes()
+        assert type(info.value) is EOFError
+        assert time.monotonic() - started < 10  # the grace is a second: a hang guard only
+        assert proc.is_alive()
+        with pytest.raises(EOFError):  # and at once from then on
+            r.recv_bytes(timeout=0)
+    r.close()
+
+
 def _wait_with(waiter: str, conn, timeout: float) -> bool:
     """Whether ``waiter`` reports ``conn`` ready within ``timeout`` seconds."""
     if waiter == "multiprocessing.wait":

@@ -45,7 +45,7 @@ from framepipe import (  # noqa: F401 - imported before memory is traced
     remote,
     watch,
 )
-from framepipe import _frames as F
+from framepipe import _wire as F
 
 LEN = struct.Struct("Q")
 SHORT = 0.02  # the timeout of reads that need bytes the test has not written

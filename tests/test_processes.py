@@ -33,7 +33,7 @@ METHODS = [
 
 
 def impl_name(impl) -> str:
-    return "c" if impl.__name__ == "framepipe._core" else "python"
+    return impl.ENGINE
 
 
 def child_env() -> dict[str, str]:
@@ -75,7 +75,7 @@ def test_connection_passed_to_a_process(impl, method):
         child.close()  # the child holds its own copy now
 
         parent.send("module")
-        assert parent.recv(timeout=TIMEOUT) == impl.__name__  # the same implementation
+        assert parent.recv(timeout=TIMEOUT) == impl.ENGINE  # the same engine
 
         for n in (0, 1, 70_000, 3 << 20):
             parent.send(("bytes", n))
@@ -154,7 +154,7 @@ def test_connection_used_by_a_subprocess_child(impl, transport):
             os.close(fd)
         child_fds = []
         parent.send("module")
-        assert parent.recv(timeout=TIMEOUT) == impl.__name__
+        assert parent.recv(timeout=TIMEOUT) == impl.ENGINE
         parent.send(("bytes", 1 << 20))
         assert parent.recv_bytes(timeout=TIMEOUT) == pattern(1 << 20)
         parent.send({"k": [1, 2]})

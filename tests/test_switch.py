@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import inspect
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,7 +20,10 @@ PACKAGE = os.path.dirname(os.path.abspath(framepipe.__file__))
 REQUIRE = bool(os.environ.get("FRAMEPIPE_REQUIRE_EXTENSIONS"))
 TIMEOUT = 60.0
 
-REPORT = "import framepipe; print(framepipe.implementation, framepipe.Connection.__module__)"
+REPORT = (
+    "import framepipe; "
+    "print(framepipe.implementation, framepipe.Connection.ENGINE, framepipe._impl.core.__name__)"
+)
 
 
 def extension_present() -> bool:
@@ -64,30 +69,30 @@ def tree_without_extension(tmp_path):
 def test_no_extensions_forces_the_python_core():
     res = run(REPORT, FRAMEPIPE_NO_EXTENSIONS="1")
     assert res.returncode == 0, res.stderr
-    assert res.stdout.split() == ["python", "framepipe._pycore"]
+    assert res.stdout.split() == ["python", "python", "framepipe._pycore"]
 
 
 def test_default_prefers_the_compiled_core():
     needs_extension()
     res = run(REPORT)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.split() == ["c", "framepipe._core"]
+    assert res.stdout.split() == ["c", "c", "framepipe._core"]
 
 
 def test_require_extensions_imports_the_compiled_core():
     needs_extension()
     res = run(REPORT, FRAMEPIPE_REQUIRE_EXTENSIONS="1")
     assert res.returncode == 0, res.stderr
-    assert res.stdout.split() == ["c", "framepipe._core"]
+    assert res.stdout.split() == ["c", "c", "framepipe._core"]
 
 
 def test_the_compiled_core_imports_when_required():
     if not REQUIRE:
         pytest.skip("FRAMEPIPE_REQUIRE_EXTENSIONS is not set")
-    import framepipe._core as core
+    import framepipe._core as engine
 
-    assert framepipe.implementation == "c"
-    assert framepipe.Connection is core.Connection
+    assert framepipe.implementation == "c" == _impl.core.ENGINE
+    assert issubclass(framepipe.Connection, engine.Engine)
     assert _impl.available() == ["c", "python"]
 
 
@@ -101,8 +106,8 @@ def test_both_variables_set_is_an_import_error():
 def test_missing_extension_falls_back_to_python(tree_without_extension):
     res = run(REPORT, path=str(tree_without_extension))
     assert res.returncode == 0, res.stderr
-    assert res.stdout.split() == ["python", "framepipe._pycore"]
-    res = run("import framepipe; r, w = framepipe._impl.core.pipe(False); w.send_bytes(b'ok');"
+    assert res.stdout.split() == ["python", "python", "framepipe._pycore"]
+    res = run("import framepipe; r, w = framepipe.connection.Pipe(False); w.send_bytes(b'ok');"
               "print(r.recv_bytes(timeout=5).decode())", path=str(tree_without_extension))
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["ok"]
@@ -120,24 +125,172 @@ def test_broken_extension_falls_back_unless_required(tree_without_extension):
     core.write_text("raise ImportError('this build of the core is broken')\n")
     res = run(REPORT, path=str(tree_without_extension))
     assert res.returncode == 0, res.stderr
-    assert res.stdout.split() == ["python", "framepipe._pycore"]
+    assert res.stdout.split() == ["python", "python", "framepipe._pycore"]
     res = run(REPORT, path=str(tree_without_extension), FRAMEPIPE_REQUIRE_EXTENSIONS="1")
     assert res.returncode != 0
     assert "this build of the core is broken" in res.stderr
 
 
 def test_load_and_available():
-    assert _impl.load("python") is _pycore
+    core = _impl.load("python")
+    assert core is _impl.load("python")  # built once
+    assert core.ENGINE == _pycore.ENGINE == "python" and core.Engine is _pycore.Engine
+    assert core.__name__ == "framepipe._pycore"
+    assert issubclass(core.Connection, _pycore.Engine)
     assert "python" in _impl.available()
     assert ("c" in _impl.available()) == extension_present()
     with pytest.raises(ValueError):
         _impl.load("fortran")
     assert framepipe.implementation in ("c", "python")
+    assert framepipe.implementation == _impl.core.ENGINE == framepipe.Connection.ENGINE
     assert framepipe.Connection is _impl.core.Connection
+    assert framepipe.connection.Connection is _impl.core.Connection
     assert framepipe.Pipe is _impl.core.Pipe
 
 
-# --- parity of the two cores --------------------------------------------------------------------
+# --- the engine interface: _core.pyi, checked against both engines --------------------------
+
+STUB = os.path.join(PACKAGE, "_core.pyi")
+
+
+def _stub_signature(fn: ast.FunctionDef) -> inspect.Signature:
+    """The signature a ``def`` of the stub declares (names, kinds, defaults; no annotations)."""
+    params = []
+    args = fn.args
+    positional = args.posonlyargs + args.args
+    defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+    for i, (a, d) in enumerate(zip(positional, defaults)):
+        kind = (inspect.Parameter.POSITIONAL_ONLY if i < len(args.posonlyargs)
+                else inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        default = inspect.Parameter.empty if d is None else ast.literal_eval(d)
+        params.append(inspect.Parameter(a.arg, kind, default=default))
+    if args.vararg:
+        params.append(inspect.Parameter(args.vararg.arg, inspect.Parameter.VAR_POSITIONAL))
+    for a, d in zip(args.kwonlyargs, args.kw_defaults):
+        default = inspect.Parameter.empty if d is None else ast.literal_eval(d)
+        params.append(inspect.Parameter(a.arg, inspect.Parameter.KEYWORD_ONLY, default=default))
+    if args.kwarg:
+        params.append(inspect.Parameter(args.kwarg.arg, inspect.Parameter.VAR_KEYWORD))
+    return inspect.Signature(params)
+
+
+def _stub_class(name: str) -> dict[str, tuple[str, inspect.Signature | None]]:
+    """The members the stub declares on class ``name``: ``{member: (what, signature)}`` with
+    ``what`` one of method, property, attribute."""
+    tree = ast.parse(open(STUB).read())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    out: dict[str, tuple[str, inspect.Signature | None]] = {}
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef):
+            is_property = any(isinstance(d, ast.Name) and d.id == "property"
+                              for d in node.decorator_list)
+            out[node.name] = ("property", None) if is_property else (
+                "method", _stub_signature(node))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out[node.target.id] = ("attribute", None)
+    return out
+
+
+ENGINE_MEMBERS = _stub_class("Engine")
+HOOKS = _stub_class("ConnectionHooks")
+
+
+def _same_signature(actual: inspect.Signature, declared: inspect.Signature, what: str) -> None:
+    got = [(p.name, p.kind, p.default) for p in actual.parameters.values()]
+    want = [(p.name, p.kind, p.default) for p in declared.parameters.values()]
+    assert got == want, f"{what}: {actual} where _core.pyi declares {declared}"
+
+
+@pytest.fixture(scope="module", params=["c", "python"], ids=["c", "py"])
+def engine_core(request):
+    try:
+        return _impl.load(request.param)
+    except ImportError as exc:
+        if REQUIRE:
+            pytest.fail(f"FRAMEPIPE_REQUIRE_EXTENSIONS is set but the {request.param} engine "
+                        f"does not import: {exc}")
+        pytest.skip(f"the {request.param} engine is not built")
+
+
+def test_the_stub_declares_the_interface():
+    # The parity checks below are only as good as the stub they read.
+    methods = {n for n, (what, _) in ENGINE_MEMBERS.items() if what == "method"}
+    assert {"recv_bytes", "send_bytes", "poll", "_open", "_close", "_read_frame"} <= methods
+    assert {"_fd", "_peer", "_object"} <= set(ENGINE_MEMBERS)
+    assert set(HOOKS) == {"_message", "_dead_sentinel"}
+
+
+def test_engine_names_itself(engine_core):
+    module = sys.modules[engine_core.__name__]
+    assert module.ENGINE == engine_core.Engine.ENGINE == engine_core.ENGINE
+    assert engine_core.ENGINE in ("c", "python")
+    assert module.__all__ == ["ENGINE", "Engine"]
+
+
+@pytest.mark.parametrize("member", sorted(n for n, (w, _) in ENGINE_MEMBERS.items()
+                                          if w == "method"))
+def test_engine_methods_match_the_stub(engine_core, member):
+    fn = getattr(engine_core.Engine, member, None)
+    assert fn is not None, f"the {engine_core.ENGINE} engine has no {member}"
+    try:
+        actual = inspect.signature(fn)
+    except ValueError as exc:
+        pytest.fail(f"{engine_core.ENGINE} engine's {member} has no signature: {exc}")
+    params = list(actual.parameters.values())
+    assert params[0].name == "self"
+    _same_signature(actual.replace(parameters=params[1:]),
+                    _stub_signature_without_self(member), f"Engine.{member}")
+
+
+def _stub_signature_without_self(member: str) -> inspect.Signature:
+    sig = ENGINE_MEMBERS[member][1]
+    assert sig is not None
+    params = list(sig.parameters.values())
+    assert params[0].name == "self"
+    return sig.replace(parameters=params[1:])
+
+
+def test_engine_properties_and_attributes_match_the_stub(engine_core):
+    r, w = engine_core.pipe(False)
+    try:
+        for name, (what, _) in ENGINE_MEMBERS.items():
+            if what == "property":
+                assert isinstance(inspect.getattr_static(engine_core.Engine, name), property) or (
+                    inspect.isdatadescriptor(getattr(engine_core.Engine, name))
+                ), f"Engine.{name}"
+            if what in ("property", "attribute"):
+                for conn in (r, w):
+                    getattr(conn, name)  # readable on an open connection
+        r._peer = None  # the two settable attributes
+        r._object = None
+    finally:
+        r.close()
+        w.close()
+
+
+def test_the_compiled_engine_has_no_name_outside_the_stub():
+    # The compiled engine hides its helpers (cdef); everything it shows is the interface, so
+    # a layer above that used anything else would fail on it.
+    try:
+        engine = _impl.load("c").Engine
+    except ImportError:
+        needs_extension()
+        raise
+    shown = {n for n in dir(engine) if not (n.startswith("__") and n.endswith("__"))}
+    assert shown == set(ENGINE_MEMBERS) | {"ENGINE"}
+
+
+@pytest.mark.parametrize("hook", sorted(HOOKS))
+def test_the_connection_provides_the_hooks(engine_core, hook):
+    fn = getattr(engine_core.Connection, hook)
+    assert fn is not getattr(engine_core.Engine, hook, None)
+    sig = inspect.signature(fn)
+    declared = HOOKS[hook][1]
+    assert declared is not None
+    _same_signature(sig, declared, f"Connection.{hook}")
+
+
+# --- what users see is the same whichever engine runs -------------------------------------------
 
 
 def _public(cls: type) -> list[str]:
@@ -181,20 +334,27 @@ def ccore():
         pytest.skip("the compiled core is not built")
 
 
-def test_module_exports_match(ccore):
-    for name in _pycore.__all__:
-        assert hasattr(ccore, name), name
-    _assert_same_signature(_pycore.pipe, ccore.pipe, "pipe()")
+@pytest.fixture(scope="module")
+def pycore():
+    return _impl.load("python")
+
+
+def test_core_exports_match(ccore, pycore):
+    for name in ("Connection", "Engine", "ENGINE", "Pipe", "pipe"):
+        assert hasattr(ccore, name) and hasattr(pycore, name), name
+    _assert_same_signature(pycore.pipe, ccore.pipe, "pipe()")
+    assert ccore.Connection is not pycore.Connection
+    assert ccore.Connection.__qualname__ == pycore.Connection.__qualname__ == "Connection"
 
 
 @pytest.mark.parametrize("cls", ["Connection", "Pipe"])
-def test_public_names_match(ccore, cls):
-    assert _public(getattr(ccore, cls)) == _public(getattr(_pycore, cls))
+def test_public_names_match(ccore, pycore, cls):
+    assert _public(getattr(ccore, cls)) == _public(getattr(pycore, cls))
 
 
 @pytest.mark.parametrize("cls", ["Connection", "Pipe"])
-def test_constructor_signatures_match(ccore, cls):
-    _assert_same_signature(getattr(_pycore, cls), getattr(ccore, cls), f"{cls}()")
+def test_constructor_signatures_match(ccore, pycore, cls):
+    _assert_same_signature(getattr(pycore, cls), getattr(ccore, cls), f"{cls}()")
 
 
 def _methods(cls: type) -> list[str]:
@@ -204,32 +364,120 @@ def _methods(cls: type) -> list[str]:
 
 @pytest.mark.parametrize(
     "cls, method",
-    [(c, m) for c in ("Connection", "Pipe") for m in _methods(getattr(_pycore, c))],
+    [(c, m) for c in ("Connection", "Pipe")
+     for m in _methods(getattr(_impl.load("python"), c))],
 )
-def test_method_signatures_match(ccore, cls, method):
-    py_cls, c_cls = getattr(_pycore, cls), getattr(ccore, cls)
+def test_method_signatures_match(ccore, pycore, cls, method):
+    py_cls, c_cls = getattr(pycore, cls), getattr(ccore, cls)
     assert hasattr(c_cls, method), f"{cls}.{method} is missing from the compiled core"
     _assert_same_signature(getattr(py_cls, method), getattr(c_cls, method), f"{cls}.{method}")
 
 
-def test_properties_match(ccore):
+def test_every_public_method_is_documented(engine_core):
+    # The engines' own public methods have no docstrings: the Connection gives them theirs.
+    for name in _methods(engine_core.Connection)[:-2]:
+        doc = inspect.getdoc(getattr(engine_core.Connection, name))
+        assert doc and len(doc) > 20, f"Connection.{name} has no docstring"
+    assert inspect.getdoc(engine_core.Connection).startswith("A framed, bidirectional")
+
+
+def test_properties_match(ccore, pycore):
     for cls in ("Connection", "Pipe"):
-        py_cls, c_cls = getattr(_pycore, cls), getattr(ccore, cls)
+        py_cls, c_cls = getattr(pycore, cls), getattr(ccore, cls)
         for name in _public(py_cls):
             if inspect.isdatadescriptor(getattr(py_cls, name)):
                 assert inspect.isdatadescriptor(getattr(c_cls, name, None)), f"{cls}.{name}"
 
 
-def test_instance_attributes_match(ccore):
-    for module in (_pycore, ccore):
-        r, w = module.pipe(False)
-        p = module.Pipe()
+def test_instance_attributes_match(ccore, pycore):
+    want = None
+    for core in (pycore, ccore):
+        r, w = core.pipe(False)
+        p = core.Pipe()
         try:
-            if module is _pycore:
-                want = (_public(r), _public(w), _public(p))
+            got = (_public(r), _public(w), _public(p))
+            if want is None:
+                want = got
             else:
-                assert (_public(r), _public(w), _public(p)) == want
+                assert got == want
         finally:
             r.close()
             w.close()
             p.close()
+
+
+# --- the layers: imports only point down ------------------------------------------------------
+
+# Bottom up. A module may import framepipe modules of lower layers only. remote and watch
+# (exceptions across processes, writer liveness) import nothing of the core; the engines
+# import nothing above the error and wire layers.
+LAYERS = [
+    {"errors"},
+    {"_wire"},
+    {"_stream_errors", "_args", "_objects"},
+    {"_pycore", "_core"},
+    {"remote", "watch"},
+    {"_control", "_pipes", "_aio"},
+    {"_connection"},
+    {"_impl"},
+    {"connection"},
+]
+LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
+# Imports made inside a function, each for a stated reason (none hides a cycle: the imported
+# module is below the importer).
+DEFERRED = {
+    ("_connection", "_aio"): "asyncio loads on a connection's first async call, not at import",
+    ("_connection", "_core"): "the TYPE_CHECKING import of the stub",
+}
+
+
+def _framepipe_imports(name: str) -> list[tuple[str, bool]]:
+    """``(imported module, at module level)`` for each framepipe import in ``name``."""
+    path = os.path.join(PACKAGE, name + (".pyx" if name == "_core" else ".py"))
+    source = open(path).read()
+    found: list[tuple[str, bool]] = []
+    if name == "_core":  # Cython: its Python imports are plain lines
+        for m in re.finditer(r"^([ \t]*)from \.(\w*) import ([\w, ()\n]+)", source, re.M):
+            mods = [m.group(2)] if m.group(2) else re.findall(r"\w+", m.group(3))
+            found += [(mod, not m.group(1)) for mod in mods]
+        return found
+    tree = ast.parse(source)
+    top = set(map(id, tree.body))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            mods = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
+            found += [(mod, id(node) in top) for mod in mods]
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            module = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+            assert not (module or "").startswith("framepipe"), f"{name}: absolute import"
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(LAYER.keys() - {"remote", "watch"}))
+def test_imports_point_down(name):
+    for mod, at_top in _framepipe_imports(name):
+        assert mod in LAYER, f"{name} imports {mod}, which has no place in the layers"
+        assert LAYER[mod] < LAYER[name], f"{name} (layer {LAYER[name]}) imports {mod} " \
+            f"(layer {LAYER[mod]}): imports point down only"
+        if not at_top:
+            assert (name, mod) in DEFERRED, f"{name} imports {mod} inside a function"
+
+
+def test_the_engines_are_chosen_in_one_place():
+    # Only the switch's helper names the engines' modules and imports them; everything else
+    # asks framepipe._impl, and a connection says which engine it runs on (conn.ENGINE).
+    for root, _, files in os.walk(PACKAGE):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(root, f)
+            source = open(path).read()
+            rel = os.path.relpath(path, PACKAGE)
+            if rel == "_connection.py":
+                continue
+            assert not re.search(r"['\"]framepipe\._(py)?core['\"]", source), (
+                f"{rel} names an engine's module"
+            )
+            assert not re.search(r"import _(py)?core\b|from \._(py)?core import", source), (
+                f"{rel} imports an engine directly; use framepipe._impl"
+            )

@@ -291,3 +291,58 @@ def test_any_frames_in_any_chunking_read_back_exactly(impl, sizes, chunks, seed)
     writer.join()
     assert [len(g) for g in got] == sizes
     assert got == payloads
+
+
+# --- the header codec: _wire.decode_header restates csrc's fp_header_decode ------------------
+
+
+@pytest.mark.parametrize(
+    "data, want",
+    [
+        (b"", ("MORE", -1, 0, 2)),
+        (b"\x00", ("MORE", -1, 0, 2)),
+        (b"\x00\x00" + LEN.pack(5)[:3], ("MORE", 0, 0, 12)),
+        (b"\x00\x00" + LEN.pack(5) + b"\x00\x00", ("OK", 0, 5, 12)),
+        (b"\x06\x06" + LEN.pack(50) + b"\x06\x06", ("OK", 6, 50, 12)),
+        (b"\x01\x01", ("OK", 1, 0, 2)),
+        (b"\x02\x02" + LEN.pack(7)[:5], ("MORE", 2, 0, 10)),
+        (b"\x02\x02" + LEN.pack(7), ("OK", 2, 7, 10)),
+        (b"\x07\x07" + bytes(10), ("BAD_CHECK", -1, 0, 0)),
+        (b"\x00\x01" + bytes(10), ("BAD_CHECK", -1, 0, 0)),
+        (b"\x00\x00" + LEN.pack(5) + b"\x00\x03", ("MISMATCH", 0, 0, 12)),
+        (b"\x00\x00" + LEN.pack(101) + b"\x00\x00", ("TOO_LARGE", 0, 101, 12)),
+        (b"\x00\x00" + LEN.pack(2**64 - 1) + b"\x00\x00", ("TOO_LARGE", 0, 2**64 - 1, 12)),
+    ],
+    ids=["empty", "one-byte", "short-header", "data", "bulk", "timeout", "short-dead", "dead",
+         "unknown-kind", "unequal-checks", "mismatch", "over-cap", "2**64-1"],
+)
+def test_decode_header(data, want):
+    from framepipe import _wire
+
+    status, kind, value, size = _wire.decode_header(b"junk" + data, 4, 100)
+    assert (status, kind, value, size) == (getattr(_wire, want[0]), *want[1:])
+
+
+@pytest.mark.parametrize("length", [100, 101, 2**62, 2**62 + 1, 2**63, 2**64 - 1])
+def test_both_engines_refuse_the_same_lengths(impl, length):
+    # The cap is the engine's (C: fp_header_decode, twin: decode_header), the same numbers.
+    r, w = os.pipe()
+    conn = impl.Connection(r, writable=False, max_size=None if length > 101 else 100)
+    try:
+        write_all(w, CHECK + LEN.pack(length) + CHECK + b"xy")
+        os.close(w)
+        w = -1
+        with pytest.raises(framepipe.FrameError) as info:
+            conn.recv_bytes(timeout=TIMEOUT)
+        message = str(info.value)
+        if length in (101, 2**62 + 1, 2**63, 2**64 - 1):  # over the cap: refused unallocated
+            assert f"announces {length:,} bytes" in message, message
+            assert "nothing was allocated" in message, message
+        elif length == 2**62:  # at the cap: tried, and no process can hold it
+            assert "more than this process could allocate" in message, message
+        else:  # admitted: the 2 bytes that came are not the 100 announced
+            assert "got end of file during message" in message, message
+    finally:
+        conn.close()
+        if w >= 0:
+            os.close(w)

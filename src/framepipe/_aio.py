@@ -20,7 +20,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from . import _frames as F
+from ._args import check_send_args
+from ._objects import dumps, dumps_bulk
+from ._stream_errors import closed, timeout_error
+from ._wire import BULK_MIN, KIND_BULK, KIND_DATA, header
 from .errors import ReadTimeout
 
 _CONTENDED = 0.0005  # how often an async send looks again at a write lock a thread holds
@@ -59,13 +62,22 @@ async def recv_async(conn: Any, read: Callable[[float], Any], timeout: float | N
                 raise
         remaining = None if deadline is None else deadline - loop.time()
         if remaining is not None and remaining <= 0:
-            raise F.timeout_error(timeout)
-        bulk = conn._pending_bulk_fd  # a partly read bulk payload arrives on its own fd
-        fds = [conn.fileno() if bulk is None else bulk]
-        if conn._liveness_fd is not None:
-            fds.append(conn._liveness_fd)
+            raise timeout_error(timeout)
+        live = conn._liveness_fd
+        eof_wait = conn._eof_wait
+        if eof_wait is not None:
+            # End of file from a watched writer whose death has not shown yet: wait for it
+            # (the fd at end of file is always readable), or for the grace to end.
+            fds = [] if live is None else [live]
+            wait = eof_wait if remaining is None else min(remaining, eof_wait)
+        else:
+            bulk = conn._pending_bulk_fd  # a partly read bulk payload arrives on its own fd
+            fds = [conn.fileno() if bulk is None else bulk]
+            if live is not None:
+                fds.append(live)
+            wait = remaining
         try:
-            await _readable(fds, remaining)
+            await _readable(fds, wait)
         except asyncio.TimeoutError:
             pass  # the loop above reads once more, then reports the timeout
 
@@ -107,7 +119,7 @@ class _Message:
         _, wfd, _, bwfd = conn._handles()
         fd = bwfd if self.steps and self.steps[0][0] else wfd
         if fd < 0:
-            raise OSError("handle is closed")
+            raise closed()
         return fd
 
     async def finish(self, conn: Any) -> None:
@@ -187,16 +199,16 @@ async def send_bytes_async(conn: Any, buf: Any, offset: int, size: int | None) -
     m = memoryview(buf)
     if m.itemsize > 1:
         m = m.cast("B")
-    size = F.check_send_args(m.nbytes, offset, size)
+    size = check_send_args(m.nbytes, offset, size)
     payload = m[offset : offset + size]
-    if size >= F.BULK_MIN and conn._handles()[3] >= 0:
-        await _send(conn, [[F.header(F.KIND_BULK, size)], payload, []])
+    if size >= BULK_MIN and conn._handles()[3] >= 0:
+        await _send(conn, [[header(KIND_BULK, size)], payload, []])
     else:
-        await _send(conn, [[F.header(F.KIND_DATA, size), payload]])
+        await _send(conn, [[header(KIND_DATA, size), payload]])
 
 
 async def send_object_async(conn: Any, obj: Any) -> None:
     if conn._handles()[3] >= 0:
-        await _send(conn, F.dumps_bulk(obj, F.BULK_MIN))
+        await _send(conn, dumps_bulk(obj, BULK_MIN))
     else:
-        await _send(conn, [F.dumps(obj)])
+        await _send(conn, [dumps(obj)])

@@ -1,7 +1,8 @@
-# cython: language_level=3, embedsignature=True
-"""The compiled core: the hot path of framepipe over csrc/fp.c.
+# cython: language_level=3, embedsignature=True, binding=True
+"""The compiled engine: the hot loops of a connection over csrc/fp.c.
 
-Same classes, names, parameters, errors and bytes on the wire as framepipe._pycore (the spec).
+Same interface, errors and bytes on the wire as framepipe._pycore (the spec); the interface is
+written down in _core.pyi. Connection (framepipe._connection) subclasses Engine.
 """
 
 cimport cython
@@ -19,16 +20,21 @@ from libc.stdint cimport uint64_t
 from libc.string cimport memcpy, memmove, strerror
 
 import os
-import select
 import stat
-import threading
 import time
+from pickle import loads as _loads
 
-from . import _frames as F
-from ._api import build_api
+from ._args import check_send_args, check_timeout
+from ._stream_errors import (
+    bad_header, blocking_send_under_async_send, broken, closed, closed_while_waiting,
+    no_bulk_channel, sentinel_timeout, timeout_error, truncated, unallocatable,
+)
+from ._wire import BULK_MIN as _BULK_MIN, KIND_BULK, frame_cap
 from .errors import BufferTooShort, MessageTooLong
 
-__all__ = ["Connection", "Pipe", "pipe"]
+__all__ = ["ENGINE", "Engine"]
+
+ENGINE = "c"
 
 
 cdef extern from "Python.h":
@@ -45,17 +51,26 @@ cdef extern from "sys/uio.h" nogil:
 
 
 cdef extern from "fp.h" nogil:
-    int FP_OK, FP_EOF, FP_TIMEOUT, FP_LIVENESS
-    int FP_HEADER_SIZE, FP_DEAD_SIZE
+    int FP_OK, FP_TIMEOUT, FP_LIVENESS, FP_MORE, FP_WOKEN
+    int FP_KIND_DATA, FP_KIND_TIMEOUT, FP_KIND_DEAD, FP_KIND_BUFFER, FP_KIND_BULK
+    int FP_HEADER_SIZE
+    int FP_READ, FP_WRITE
     int FP_MODE_BLOCK, FP_MODE_SOCKET, FP_MODE_PIPE, FP_MODE_NONBLOCK
+    ctypedef struct fp_header:
+        int kind
+        uint64_t value
+        size_t size
     double fp_now()
-    void fp_header_encode(unsigned char *out, unsigned char check, uint64_t length)
-    int fp_wait_readable(int fd, int liveness_fd, double deadline)
-    int fp_wait_writable(int fd, double deadline)
+    void fp_header_encode(unsigned char *out, int kind, uint64_t length)
+    int fp_header_decode(const unsigned char *p, size_t avail, uint64_t cap, fp_header *h)
+    int fp_wait(int fd, int direction, int liveness_fd, int wake_fd, double deadline)
+    int fp_wake_open(int *rfd, int *wfd)
+    int fp_wake(int wfd)
+    bint FP_HAVE_PIPE_WAKE
+    int fp_wake_pipe_reader(int fd)
     ssize_t fp_read(int fd, void *buf, size_t n, int mode)
-    int fp_writev_all(int fd, iovec **iov, int *iovcnt)
     int fp_reopen_nonblocking(int fd)
-    ssize_t fp_writev_nowait(int fd, const iovec *iov, int iovcnt)
+    int fp_writev(int fd, iovec **iov, int *iovcnt, int nowait, size_t *written)
     int fp_identity(int fd, uint64_t *dev, uint64_t *ino)
     int fp_close_if_same(int fd, uint64_t dev, uint64_t ino)
 
@@ -64,19 +79,18 @@ cdef extern from "unistd.h" nogil:
     int c_close "close"(int fd)
 
 
-DEF READ_CHUNK = 65536
-DEF DIRECT_MIN = 16384
+cdef enum:
+    READ_CHUNK = 65536  # the read buffer: with read-ahead, many small frames per read()
+    DIRECT_MIN = 16384  # a remainder at least this large is read straight into its frame
 
-cdef int K_DATA = F.KIND_DATA
-cdef int K_TIMEOUT = F.KIND_TIMEOUT
-cdef int K_DEAD = F.KIND_DEAD
-cdef int K_ERROR = F.KIND_ERROR
-cdef int K_OBJECT = F.KIND_OBJECT
-cdef int K_BUFFER = F.KIND_BUFFER
-cdef int K_BULK = F.KIND_BULK
-cdef int K_MAX = F.KIND_BULK
-cdef Py_ssize_t BULK_MIN = F.BULK_MIN
-cdef double DEATH_GRACE = 0.1
+assert KIND_BULK == FP_KIND_BULK  # _wire's kinds are fp.h's
+cdef Py_ssize_t BULK_MIN = _BULK_MIN
+
+cdef enum:  # what _wait_readable saw
+    W_READY, W_TIMEOUT, W_DEAD
+# After end of file, how long a watched writer's death may take to show: its fds close first,
+# then the interpreter or the kernel finishes the exit.
+cdef double DEATH_GRACE = 1.0
 cdef double LIVENESS_SLICE = 0.01
 cdef double POLL_WAITED = 20e-6  # a poll() that took longer had to wait for data
 
@@ -105,12 +119,22 @@ cdef inline double _deadline(timeout) except? -2.0:
         return -1.0
     t = timeout
     if t != t:
-        F.check_timeout(t)  # raises: the message is shared with the twin
+        check_timeout(t)  # raises: the message is shared with the twin
     return fp_now() + (t if t > 0.0 else 0.0)
 
 
 cdef object _oserror(int err):
     return OSError(err, strerror(err).decode("utf-8", "replace"))
+
+
+cdef int _retry(int err) except -1:
+    """After a system call failed with ``err``: EINTR runs the signal handlers (which may
+    raise, e.g. KeyboardInterrupt) and returns so that the caller retries against the same
+    deadline (PEP 475); any other errno raises."""
+    if err == EINTR:
+        PyErr_CheckSignals()
+        return 0
+    raise _oserror(err)
 
 
 cdef class _Iov:
@@ -148,47 +172,24 @@ cdef class _Iov:
         self.iov = NULL
 
 
-@cython.embedsignature(False)  # the docstring's first line is the exact signature
-cdef class Connection:
-    """Connection(handle, readable=True, writable=True, *, write_handle=None, bulk_handle=None, bulk_write_handle=None, max_size=None, closefd=True, read_ahead=False)
---
+cdef class Engine:
+    """The hot loops of one connection over a pipe or socket fd (see _pycore.Engine)."""
 
-A framed, bidirectional or one-way connection over a pipe or socket fd.
+    ENGINE = "c"
 
-    A drop-in for ``multiprocessing.connection.Connection`` (same methods, same errors), plus
-    per-read timeouts, writer liveness (:meth:`watch`), error frames and asyncio reads.
-
-    By default a read never takes a byte past the frame it returns, so ``select()`` and
-    ``multiprocessing.connection.wait()`` on :meth:`fileno` see every frame still to be read,
-    as with the stdlib. ``read_ahead=True`` lets one read() take up to 64 KiB of following
-    frames: small messages then cost a fraction of a syscall each, but frames held in the
-    connection's buffer are invisible to a foreign ``select()``; wait on such connections
-    with :func:`framepipe.connection.wait` (or :meth:`poll`), which sees them. ``max_size``
-    bounds the payload a frame may announce (None: no bound); ``write_handle`` makes a duplex
-    connection that reads ``handle`` and writes ``write_handle``; ``closefd=False`` leaves
-    the fds open on :meth:`close`. On Linux, the first read of a pipe with a timeout or a
-    watched writer opens a second, private non-blocking description of the pipe (through
-    ``/proc/self/fd``), so the fd that children share stays blocking; :meth:`close` closes it
-    whatever ``closefd`` says.
-
-    ``bulk_handle`` adds a bulk channel (a stream socket, made by :func:`pipe`): payloads of
-    16 KiB or more are written to it while their frame header still goes through ``handle``
-    in order, and a reader takes them from its own ``bulk_handle``. As with ``write_handle``,
-    ``bulk_write_handle`` gives a duplex connection a separate bulk fd to write.
-    """
-
-    cdef int _fd
+    cdef readonly int _fd
     cdef int _wfd
     cdef int _bfd, _bwfd, _bmode  # the bulk channel: read and write fds (-1: none)
     cdef bint _pbulk, _bpoll_first
-    cdef bint _readable, _writable, _closefd
+    cdef readonly bint _readable, _writable
+    cdef bint _closefd
     cdef int _mode
     cdef unsigned long _async_owner  # the thread whose asyncio send holds the write lock, or 0
     cdef int _nfd  # a private O_NONBLOCK description of the pipe (-1: not yet, -2: none)
-    cdef bint _read_ahead
+    cdef readonly bint _read_ahead
     cdef bint _poll_first
     cdef long long _max
-    cdef object _max_size
+    cdef readonly object _max_size
     cdef PyThread_type_lock _rlock
     cdef PyThread_type_lock _wlock
     cdef char *_buf
@@ -201,24 +202,30 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
     cdef bint _pexternal, _pdiscard
     cdef object _result
     cdef Py_ssize_t _rsize
-    cdef object _object
+    cdef public object _object  # an object message in progress (the Connection's _message)
     cdef object _broken
-    cdef object _liveness
-    cdef object _watch_handle
+    cdef readonly object _liveness
     cdef int _lfd
     cdef bint _dead
+    cdef double _eof_until  # end of the grace for a watched writer's death after end of file
     cdef unsigned long long _gen
     cdef uint64_t _dev[4]
     cdef uint64_t _ino[4]
     cdef bint _known[4]  # whether _dev/_ino of (fd, wfd, bfd, bwfd) were read
     cdef public object _peer
-    cdef public long long _sentinel_sent
-    # DEAD sentinel writes of the watcher thread under way, and whether a close() left the
-    # fds in _dfd for them to close (see _write_sentinel). The GIL orders every use: no Python
-    # code runs between a check and an update.
-    cdef int _sentinels
+    cdef readonly long long _sentinel_sent
+    cdef bint _nowait_writes  # writes never block (pwritev2 RWF_NOWAIT works here)
+    # Calls under way in other threads that use the fds (reads, polls, writes, the watcher's
+    # DEAD sentinel), and whether close() left the fds in _dfd (fd, wfd, bfd, bwfd, nfd) and
+    # the liveness in _dliveness for the last of them to close (see _close). The GIL orders
+    # every use: no Python code runs between a check and an update.
+    cdef int _users
     cdef bint _deferred
-    cdef int _dfd[4]
+    cdef int _dfd[5]
+    cdef object _dliveness
+    cdef int _wake_r, _wake_w  # the wake fd of waits, made when a call first has to wait
+    cdef bint _is_pipe  # reads without a deadline wait in read() (see fp_wake_pipe_reader)
+    cdef bint _blocked_reader  # a thread is in such a read
     cdef object __weakref__
 
     def __cinit__(self):
@@ -229,31 +236,30 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         self._lfd = -1
         self._nfd = -1
         self._pkind = -1
+        self._eof_until = -1.0
+        self._wake_r = self._wake_w = -1
         self._rlock = PyThread_allocate_lock()
         self._wlock = PyThread_allocate_lock()
         if self._rlock == NULL or self._wlock == NULL:
             raise MemoryError()
 
-    def __init__(self, handle, readable=True, writable=True, *, write_handle=None,
-                 bulk_handle=None, bulk_write_handle=None, max_size=None, closefd=True,
-                 read_ahead=False):
-        handle, wfd = F.check_handles(handle, readable, writable, write_handle)
-        bfd, bwfd = F.check_bulk_handles(bulk_handle, bulk_write_handle, readable, writable)
-        if max_size is not None and max_size < 0:
-            raise ValueError("max_size must be None or a non-negative number of bytes")
+    def _open(self, int fd, int wfd, int bfd, int bwfd, bint readable, bint writable,
+              max_size, bint closefd, bint read_ahead):
+        """Take the (checked) fds: ``fd`` to read, ``wfd`` to write, ``bfd``/``bwfd`` the bulk
+        channel (-1: none)."""
+        cdef int i
+        cdef int fds[4]
         try:
-            mode = os.fstat(handle).st_mode
+            mode = os.fstat(fd).st_mode
         except OSError:
             mode = 0  # like the stdlib: a bad handle fails on first use
         self._gen = _fork_gen
-        self._fd = handle
+        self._fd = fd
         self._wfd = wfd
         self._bfd = bfd
         self._bwfd = bwfd
         self._bmode = FP_MODE_BLOCK
-        cdef int i
-        cdef int fds[4]
-        fds[0] = handle
+        fds[0] = fd
         fds[1] = wfd
         fds[2] = bfd
         fds[3] = bwfd
@@ -268,12 +274,14 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                 self._bmode = FP_MODE_SOCKET
             elif stat.S_ISFIFO(bmode):
                 self._bmode = FP_MODE_PIPE
-        self._readable = bool(readable)
-        self._writable = bool(writable)
+        self._readable = readable
+        self._writable = writable
         self._max_size = max_size
-        self._max = F.frame_cap(max_size)
-        self._closefd = bool(closefd)
-        self._read_ahead = bool(read_ahead)
+        self._max = frame_cap(max_size)
+        self._closefd = closefd
+        self._read_ahead = read_ahead
+        self._nowait_writes = True  # until the kernel says otherwise (EOPNOTSUPP)
+        self._is_pipe = FP_HAVE_PIPE_WAKE and stat.S_ISFIFO(mode)
         if stat.S_ISSOCK(mode):
             self._mode = FP_MODE_SOCKET
         elif stat.S_ISFIFO(mode):
@@ -285,6 +293,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         if self._nfd >= 0:
             c_close(self._nfd)
             self._nfd = -1
+        self._close_wake()
         # No Python here: at interpreter shutdown the modules may already be torn down.
         if self._fd >= 0 and self._closefd:
             self._close_owned(self._fd, self._wfd, self._bfd, self._bwfd)
@@ -297,62 +306,109 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         if self._wlock != NULL:
             PyThread_free_lock(self._wlock)
 
-    # -- state -------------------------------------------------------------------------------
+    def _close(self):
+        """Close the fds (those this connection owns, and its own private ones) and the
+        watched writer's liveness. A call under way in another thread is woken (it raises
+        OSError) and the last such call to leave closes them: until then no number is freed,
+        so no call can reach a file that took one of them."""
+        cdef int fd, wfd, bfd, bwfd, nfd, err
+        if self._fd < 0:
+            return
+        if self._gen != _fork_gen:
+            self._renew_locks_after_fork()
+        fd, wfd, bfd, bwfd, nfd = self._fd, self._wfd, self._bfd, self._bwfd, self._nfd
+        liveness = self._liveness
+        self._fd = self._wfd = self._bfd = self._bwfd = -1
+        self._nfd = -1
+        self._liveness = None
+        self._lfd = -1
+        if self._users > 0:
+            self._dfd[0] = fd
+            self._dfd[1] = wfd
+            self._dfd[2] = bfd
+            self._dfd[3] = bwfd
+            self._dfd[4] = nfd
+            self._dliveness = liveness
+            self._deferred = True
+            if self._wake_w >= 0:
+                fp_wake(self._wake_w)
+            if self._blocked_reader:
+                fp_wake_pipe_reader(fd)
+            return
+        err = self._close_now(fd, wfd, bfd, bwfd, nfd, liveness)
+        if err:
+            raise _oserror(err)
 
-    @property
-    def closed(self):
-        """True if the connection is closed."""
-        return self._fd < 0
+    cdef int _close_now(self, int fd, int wfd, int bfd, int bwfd, int nfd, liveness) except -1:
+        """Close what _close took off the connection; returns 0 or the errno of the first
+        close() of an owned fd that failed."""
+        cdef int err = 0
+        if nfd >= 0:
+            c_close(nfd)  # ours whatever closefd says
+        self._close_wake()
+        if self._closefd:
+            err = self._close_owned(fd, wfd, bfd, bwfd)
+        if liveness is not None:
+            try:
+                liveness.close()
+            except OSError:
+                pass
+        return err
 
-    @property
-    def readable(self):
-        """True if the connection is readable."""
-        return self._readable
+    cdef void _close_wake(self) noexcept:
+        if self._wake_r >= 0:
+            c_close(self._wake_r)
+            if self._wake_w != self._wake_r:
+                c_close(self._wake_w)
+        self._wake_r = self._wake_w = -1
 
-    @property
-    def writable(self):
-        """True if the connection is writable."""
-        return self._writable
+    cdef inline int _enter(self) except -1:
+        """A call that uses the fds begins (see _close)."""
+        if self._gen != _fork_gen:
+            self._renew_locks_after_fork()
+        if self._fd < 0:
+            raise closed()
+        self._users += 1
+        return 0
 
-    @property
-    def max_size(self):
-        """Largest frame payload this connection accepts, or None for no limit."""
-        return self._max_size
+    cdef inline int _leave(self) except -1:
+        """The call ends; the last one out after a close() closes the fds. Nobody to report
+        a failed close() to: the connection was closed by another thread."""
+        self._users -= 1
+        if self._users == 0 and self._deferred:
+            self._deferred = False
+            liveness, self._dliveness = self._dliveness, None
+            self._close_now(self._dfd[0], self._dfd[1], self._dfd[2], self._dfd[3],
+                            self._dfd[4], liveness)
+        return 0
 
-    def fileno(self):
-        """File descriptor or handle of the connection."""
-        self._check_closed()
-        return self._fd
+    cdef int _wake_fd(self, double until) except -2:
+        """The wake fd for a wait until ``until``, made now if the wait can block; -1 when it
+        cannot block, or when no fd is left to make one (then a close() is seen when the
+        wait ends by itself)."""
+        cdef int r, w
+        if self._wake_r >= 0:
+            return self._wake_r
+        if 0.0 <= until <= fp_now():
+            return -1
+        if fp_wake_open(&r, &w) < 0:
+            return -1
+        self._wake_r = r
+        self._wake_w = w
+        return r
 
-    def close(self):
-        """Close the connection (its fd once, if it owns it) and stop watching the writer."""
-        cdef int fd, wfd, bfd, bwfd
-        cdef bint defer
-        if self._fd >= 0:
-            if self._gen != _fork_gen:
-                self._renew_locks_after_fork()
-            fd, wfd, bfd, bwfd = self._fd, self._wfd, self._bfd, self._bwfd
-            self._fd = self._wfd = self._bfd = self._bwfd = -1
-            # The watcher thread is writing a DEAD sentinel to wfd: the fds stay open (and
-            # their numbers taken) until that write is done, or it could land in whatever took
-            # the number next. The sentinel writer closes them (_write_sentinel).
-            defer = self._sentinels > 0 and self._closefd
-            if defer:
-                self._dfd[0] = fd
-                self._dfd[1] = wfd
-                self._dfd[2] = bfd
-                self._dfd[3] = bwfd
-                self._deferred = True
-            if self._nfd >= 0:
-                os.close(self._nfd)  # ours whatever closefd says
-                self._nfd = -1
-            F.stop_watch(self._liveness, self._watch_handle)
-            self._liveness = self._watch_handle = None
-            self._lfd = -1
-            if self._closefd and not defer:
-                err = self._close_owned(fd, wfd, bfd, bwfd)
-                if err:
-                    raise _oserror(err)
+    cdef int _drain_wake(self) except -1:
+        try:
+            os.read(self._wake_r, 8)
+        except OSError:
+            pass
+        return 0
+
+    cdef int _woken(self) except -1:
+        """After a wait: raise if another thread closed the connection meanwhile."""
+        if self._fd < 0:
+            raise closed_while_waiting()
+        return 0
 
     cdef int _close_owned(self, int fd, int wfd, int bfd, int bwfd) noexcept:
         """Close the distinct fds that are still the files this connection took (see
@@ -378,20 +434,9 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                     err = errno
         return err
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __repr__(self):
-        state = "closed" if self._fd < 0 else f"fd={self._fd}"
-        mode = ("r" if self._readable else "") + ("w" if self._writable else "")
-        return f"<framepipe.Connection {state} {mode} c>"
-
     cdef inline int _check_closed(self) except -1:
         if self._fd < 0:
-            raise OSError("handle is closed")
+            raise closed()
         return 0
 
     cdef inline int _check_readable(self) except -1:
@@ -408,43 +453,22 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
 
     # -- liveness ----------------------------------------------------------------------------
 
-    def watch(self, target):
-        """Watch the process that writes to this connection.
-
-        ``target`` is a pid, a started ``multiprocessing.Process`` or a ``subprocess.Popen``.
-        While reading, the writer's death (any exit code, or a signal) raises
-        :class:`framepipe.WriterDied` once the frames it wrote before dying are delivered.
-        Returns the connection. ``watch(None)`` stops watching.
-        """
-        self._check_closed()
-        F.check_watch(target, self._readable)
-        F.stop_watch(self._liveness, self._watch_handle)
-        self._liveness = self._watch_handle = None
-        self._lfd = -1
+    def _set_liveness(self, liveness):
+        """Watch the writer through ``liveness`` (None: stop watching). It has ``fd`` (a pidfd
+        or None), ``poll_dead()`` and ``error(lost_bytes=, expected_bytes=)``."""
+        self._liveness = liveness
         self._dead = False
-        if target is not None:
-            self._liveness, self._watch_handle = F.start_watch(target, self._peer)
-            fd = self._liveness.fd
-            self._lfd = -1 if fd is None else fd
-        return self
+        self._eof_until = -1.0
+        fd = None if liveness is None else liveness.fd
+        self._lfd = -1 if fd is None else fd
 
     def _write_sentinel(self, data):
-        """Write a DEAD sentinel from the watcher thread. A close() from another thread while
-        it is on its way leaves the fds to be closed here, once the write is done."""
-        if self._gen != _fork_gen:
-            self._renew_locks_after_fork()
+        """Write a DEAD sentinel from the watcher thread (nothing once the connection is
+        closed)."""
         if self._fd < 0:
             return
-        self._sentinels += 1
-        try:
-            self._write_parts([data])
-            self._sentinel_sent += len(data)
-        finally:
-            self._sentinels -= 1
-            if self._sentinels == 0 and self._deferred:
-                self._deferred = False
-                # Nobody to report a failed close() to: the application closed long ago.
-                self._close_owned(self._dfd[0], self._dfd[1], self._dfd[2], self._dfd[3])
+        self._write_parts([data])
+        self._sentinel_sent += len(data)
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -463,10 +487,13 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         self._rlock = r
         self._wlock = w
         self._async_owner = 0
-        # Sentinel writes of the parent's watcher thread do not go on here; fds whose close
-        # waited for one are left open, as after any close() that follows a fork.
-        self._sentinels = 0
+        # Calls of the parent's threads do not go on here; fds whose close waited for one are
+        # left open, as after any close() that follows a fork. The wake fd is the parent's
+        # (one eventfd shared by both): a close here must not wake the parent's calls.
+        self._users = 0
         self._deferred = False
+        self._dliveness = None
+        self._close_wake()
         self._gen = _fork_gen
         return 0
 
@@ -476,40 +503,51 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             self._renew_locks_after_fork()
         if not PyThread_acquire_lock(self._wlock, NOWAIT_LOCK):
             if self._async_owner == PyThread_get_thread_ident():
-                raise F.blocking_send_under_async_send()
+                raise blocking_send_under_async_send()
             with nogil:
                 ok = PyThread_acquire_lock_timed(self._wlock, -1, 0)
         return 0
 
     cdef int _writev(self, iovec *iov, int cnt) except -1:
-        self._lock_write()
+        self._enter()
         try:
-            self._writev_locked(iov, cnt, False)
+            self._lock_write()
+            try:
+                self._writev_locked(iov, cnt, False)
+            finally:
+                PyThread_release_lock(self._wlock)
         finally:
-            PyThread_release_lock(self._wlock)
+            self._leave()
         return 0
 
     cdef int _writev_locked(self, iovec *iov, int cnt, bint bulk) except -1:
         """Write all of iov to the pipe (the bulk fd when ``bulk``); the caller holds the
-        write lock."""
-        cdef int rc, err, fd
+        write lock. A full fd is waited for in fp_wait, so a close() wakes the writer."""
+        cdef int rc, err, fd, wake
         while True:
+            self._woken()
             fd = self._bwfd if bulk else self._wfd
-            if fd < 0:
-                raise OSError("handle is closed")
             with nogil:
-                rc = fp_writev_all(fd, &iov, &cnt)
+                rc = fp_writev(fd, &iov, &cnt, self._nowait_writes, NULL)
                 err = errno
             if rc == FP_OK:
                 return 0
-            if err == EINTR:
-                PyErr_CheckSignals()  # the frame goes on after the handlers
+            if err == EOPNOTSUPP:  # no non-blocking writes here: blocking ones from now on
+                self._nowait_writes = False
                 continue
-            if err == EAGAIN:
-                with nogil:
-                    fp_wait_writable(fd, -1.0)
+            if err != EAGAIN:
+                _retry(err)  # EINTR: the frame goes on after the signal handlers
                 continue
-            raise _oserror(err)
+            self._woken()
+            wake = self._wake_fd(-1.0)
+            with nogil:
+                rc = fp_wait(fd, FP_WRITE, -1, wake, -1.0)
+                err = errno
+            if rc < 0:
+                _retry(err)
+            elif rc == FP_WOKEN:
+                self._woken()
+                self._drain_wake()
 
     cdef int _write_bulk(self, unsigned char *hdr, iovec *payload) except -1:
         """A BULK frame: its header to the pipe, then its payload to the bulk fd, under one
@@ -517,16 +555,19 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         cdef iovec head
         head.iov_base = hdr
         head.iov_len = FP_HEADER_SIZE
-        self._lock_write()
+        self._enter()
         try:
-            self._writev_locked(&head, 1, False)
-            self._writev_locked(payload, 1, True)
+            self._lock_write()
+            try:
+                self._writev_locked(&head, 1, False)
+                self._writev_locked(payload, 1, True)
+            finally:
+                PyThread_release_lock(self._wlock)
         finally:
-            PyThread_release_lock(self._wlock)
+            self._leave()
         return 0
 
     def send_bytes(self, buf, Py_ssize_t offset=0, size=None):
-        """Send the bytes of ``buf[offset:offset+size]`` (a bytes-like object) as one frame."""
         cdef Py_buffer view
         cdef Py_ssize_t n
         cdef unsigned char hdr[12]
@@ -534,25 +575,17 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         self._check_writable()
         PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
         try:
-            if offset < 0:
-                raise ValueError("offset is negative")
-            if view.len < offset:
-                raise ValueError("buffer length < offset")
-            if size is None:
-                n = view.len - offset
+            if offset == 0 and size is None:
+                n = view.len
             else:
-                n = size
-                if n < 0:
-                    raise ValueError("size is negative")
-                if offset + n > view.len:
-                    raise ValueError("buffer length < offset + size")
+                n = check_send_args(view.len, offset, size)
             iov[1].iov_base = <char *>view.buf + offset
             iov[1].iov_len = <size_t>n
             if n >= BULK_MIN and self._bwfd >= 0:
-                fp_header_encode(hdr, <unsigned char>K_BULK, <uint64_t>n)
+                fp_header_encode(hdr, FP_KIND_BULK, <uint64_t>n)
                 self._write_bulk(hdr, &iov[1])
                 return
-            fp_header_encode(hdr, 0, <uint64_t>n)
+            fp_header_encode(hdr, FP_KIND_DATA, <uint64_t>n)
             iov[0].iov_base = hdr
             iov[0].iov_len = FP_HEADER_SIZE
             self._writev(iov, 2)
@@ -560,27 +593,35 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             PyBuffer_Release(&view)
 
     cdef int _write_parts(self, list parts) except -1:
-        self._lock_write()
+        self._enter()
         try:
-            self._write_parts_locked(parts, False)
+            self._lock_write()
+            try:
+                self._write_parts_locked(parts, False)
+            finally:
+                PyThread_release_lock(self._wlock)
         finally:
-            PyThread_release_lock(self._wlock)
+            self._leave()
         return 0
 
     cdef int _write_segments(self, list segments) except -1:
-        """Write ``[pipe_parts, bulk_payload, pipe_parts, ...]`` (see ``F.dumps_bulk``) under
+        """Write ``[pipe_parts, bulk_payload, pipe_parts, ...]`` (see ``_objects.dumps_bulk``) under
         one hold of the write lock: each BULK header reaches the pipe before its payload
         reaches the bulk fd."""
         cdef Py_ssize_t i
-        self._lock_write()
+        self._enter()
         try:
-            for i in range(len(segments)):
-                if i & 1:
-                    self._write_parts_locked([segments[i]], True)
-                else:
-                    self._write_parts_locked(segments[i], False)
+            self._lock_write()
+            try:
+                for i in range(len(segments)):
+                    if i & 1:
+                        self._write_parts_locked([segments[i]], True)
+                    else:
+                        self._write_parts_locked(segments[i], False)
+            finally:
+                PyThread_release_lock(self._wlock)
         finally:
-            PyThread_release_lock(self._wlock)
+            self._leave()
         return 0
 
     cdef int _write_parts_locked(self, list parts, bint bulk) except -1:
@@ -591,27 +632,6 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             v.release()
         return 0
 
-    def send(self, obj):
-        """Send a picklable object (pickle protocol 5; buffers of 64 KiB or more out of band)."""
-        self._check_writable()
-        if self._bwfd >= 0:
-            segments = F.dumps_bulk(obj, BULK_MIN)
-            if len(segments) > 1:
-                self._write_segments(segments)
-            else:
-                self._write_parts(segments[0])
-            return
-        self._write_parts(F.dumps(obj))
-
-    def send_exception(self, exc):
-        """Send ``exc`` as an error frame: the reader's ``recv`` or ``recv_bytes`` raises it."""
-        from .remote import dumps_exception
-
-        self._check_writable()
-        F.check_exception(exc)
-        payload = dumps_exception(exc)
-        self._write_parts([F.header(K_ERROR, len(payload)), payload])
-
     # -- reading: the state machine ----------------------------------------------------------
 
     cdef int _note_dead(self) except -1:
@@ -620,94 +640,120 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             self._dead = True
         return 0
 
+    cdef int _wait_readable(self, int fd, double deadline) except -1:
+        """Wait until ``fd`` is readable (W_READY), the deadline passes (W_TIMEOUT), or the
+        watched writer is dead and ``fd`` has nothing more to read (W_DEAD). Signals run their
+        handlers and the wait goes on against the same deadline; a close() from another
+        thread ends it (OSError)."""
+        cdef int rc, err, lfd, wake
+        cdef double until
+        while True:
+            self._woken()
+            lfd = -1 if self._dead else self._lfd
+            until = deadline
+            if self._dead:
+                until = 0.0  # only look: is anything left to read?
+            elif self._liveness is not None and self._lfd < 0:
+                until = fp_now() + LIVENESS_SLICE  # no pidfd: look at the writer now and then
+                if 0.0 <= deadline < until:
+                    until = deadline
+            wake = self._wake_fd(until)
+            with nogil:
+                rc = fp_wait(fd, FP_READ, lfd, wake, until)
+                err = errno
+            if rc == FP_OK:
+                return W_READY
+            if rc < 0:
+                _retry(err)
+                continue
+            if rc == FP_WOKEN:
+                self._woken()  # only close() wakes; anything else is drained and ignored
+                self._drain_wake()
+                continue
+            if self._dead:
+                return W_DEAD
+            if self._liveness is not None:
+                self._note_dead()
+                if self._dead:
+                    continue  # what the writer wrote before dying is read first
+            if deadline >= 0 and fp_now() >= deadline:
+                return W_TIMEOUT
+
     cdef Py_ssize_t _read_some(self, char *dst, Py_ssize_t n, double deadline,
                                bint bulk=False) except -1:
         """One read() into dst: the byte count, 0 at end of file. Raises _Expired at the
-        deadline and WriterDied when the watched writer died with nothing left to read.
-        ``bulk`` reads the bulk fd instead of the pipe."""
+        deadline, WriterDied when the watched writer died with nothing left to read, and
+        OSError when another thread closes the connection. ``bulk`` reads the bulk fd
+        instead of the pipe. The waiting is in _wait_readable, where a close() wakes it; only
+        a pipe read without a deadline or a watch waits in read(), woken by a close() through
+        fp_wake_pipe_reader."""
         cdef ssize_t r
-        cdef int rc, err, lfd, rfd, fd = self._bfd if bulk else self._fd
+        cdef int rc, err, rfd, fd = self._bfd if bulk else self._fd
         cdef int mode = self._bmode if bulk else self._mode
         # With read-ahead, poll first: by the time poll() returns, more frames have arrived and
         # one read takes them all (measured: more messages/s than even a plain blocking read).
         # Without it, try a read first when the last poll found data already there.
         cdef bint adaptive = bulk or not self._read_ahead
         cdef bint poll_first = (self._bpoll_first if bulk else self._poll_first) if adaptive else True
-        cdef double until, started
-        cdef bint watched = self._liveness is not None
-        cdef bint must_poll = deadline >= 0 or watched
-        while True:
-            if must_poll:
-                if mode == FP_MODE_PIPE and not bulk and self._nfd == -1:
-                    self._open_private()
-                    mode = self._mode
-                if mode != FP_MODE_BLOCK and not poll_first:
-                    rfd = self._nfd if mode == FP_MODE_NONBLOCK else fd
-                    with nogil:
-                        r = fp_read(rfd, dst, <size_t>n, mode)
-                        err = errno
-                    if r >= 0:
-                        return r
-                    if err == EINTR:
-                        PyErr_CheckSignals()
-                        continue
-                    if err == EOPNOTSUPP or err == EINVAL:
-                        mode = FP_MODE_BLOCK  # this kernel cannot; poll first from now on
-                        if bulk:
-                            self._bmode = mode
-                        else:
-                            self._mode = mode
-                    elif err != EAGAIN:
-                        raise _oserror(err)
-                lfd = -1 if self._dead else self._lfd
-                until = deadline
-                if self._dead:
-                    until = 0.0
-                elif watched and self._lfd < 0:
-                    until = fp_now() + LIVENESS_SLICE
-                    if deadline >= 0 and deadline < until:
-                        until = deadline
-                started = fp_now()
+        cdef bint ready = False  # a wait just found fd readable
+        cdef double started
+        if deadline < 0 and not bulk and self._is_pipe and self._liveness is None:
+            # No deadline, nobody to watch: wait in read() itself (see fp_wake_pipe_reader).
+            while True:
+                self._woken()
+                self._blocked_reader = True
                 with nogil:
-                    rc = fp_wait_readable(fd, lfd, until)
+                    r = fp_read(fd, dst, <size_t>n, FP_MODE_BLOCK)
                     err = errno
-                if rc < 0:
-                    if err == EINTR:
-                        PyErr_CheckSignals()
-                        continue
-                    raise _oserror(err)
-                if rc == FP_OK and adaptive:
-                    # Try a read before polling next time only if this poll found data
-                    # already there: a reader that keeps up with its writer then makes one
-                    # syscall per wait instead of a failed read, a poll and a read.
-                    poll_first = fp_now() - started > POLL_WAITED
+                self._blocked_reader = False
+                self._woken()  # closed meanwhile: what the read took (the wake) is dropped
+                if r >= 0:
+                    return r
+                if err == EAGAIN:
+                    break  # someone made the description non-blocking: wait in poll() below
+                _retry(err)
+        while True:
+            self._woken()
+            if mode == FP_MODE_PIPE and not bulk and self._nfd == -1:
+                self._open_private()
+                mode = self._mode
+            # A fd with no way to read it without blocking (not a pipe or socket) is read
+            # only once a wait found it readable.
+            if ready or (not poll_first and mode != FP_MODE_BLOCK):
+                rfd = self._nfd if mode == FP_MODE_NONBLOCK else fd
+                with nogil:
+                    r = fp_read(rfd, dst, <size_t>n, mode)
+                    err = errno
+                if r >= 0:
+                    return r
+                if err == EOPNOTSUPP or err == EINVAL:
+                    mode = FP_MODE_BLOCK  # this kernel cannot: read after a wait from now on
                     if bulk:
-                        self._bpoll_first = poll_first
+                        self._bmode = mode
                     else:
-                        self._poll_first = poll_first
-                if rc == FP_LIVENESS or (rc == FP_TIMEOUT and watched and not self._dead):
-                    if not self._dead:
-                        self._note_dead()
-                        if self._dead:
-                            continue  # drain what the writer wrote before dying
-                if rc != FP_OK:
-                    if self._dead:
-                        lost, expected = self._lost()
-                        raise F.writer_died(self._liveness, lost, expected)
-                    if deadline >= 0 and fp_now() >= deadline:
-                        raise _Expired()
+                        self._mode = mode
                     continue
-            with nogil:
-                r = fp_read(fd, dst, <size_t>n, FP_MODE_BLOCK)
-                err = errno
-            if r >= 0:
-                return r
-            if err == EINTR:
-                PyErr_CheckSignals()
-                continue
-            if err != EAGAIN:
-                raise _oserror(err)
-            must_poll = True  # someone set O_NONBLOCK on the description: poll first
+                if err != EAGAIN:
+                    _retry(err)
+                    continue
+                # EAGAIN: nothing to read after all (another reader of the pipe took it)
+            started = fp_now()
+            rc = self._wait_readable(fd, deadline)
+            if rc == W_DEAD:
+                lost, expected = self._lost()
+                raise self._liveness.error(lost_bytes=lost, expected_bytes=expected)
+            if rc == W_TIMEOUT:
+                raise _Expired()
+            ready = True
+            if adaptive:
+                # Try a read before polling next time only if this poll found data
+                # already there: a reader that keeps up with its writer then makes one
+                # syscall per wait instead of a failed read, a poll and a read.
+                poll_first = fp_now() - started > POLL_WAITED
+                if bulk:
+                    self._bpoll_first = poll_first
+                else:
+                    self._poll_first = poll_first
 
     cdef int _open_private(self) except -1:
         """Switch timed and watched reads of the pipe to a private O_NONBLOCK description
@@ -738,7 +784,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             want = READ_CHUNK - self._bend
         k = self._read_some(self._buf + self._bend, want, deadline)
         if k == 0:
-            self._at_eof()
+            self._at_eof(deadline)
         self._bend += k
         return 0
 
@@ -755,80 +801,102 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             lost -= peer._sentinel_sent
         return max(lost, 0), expected
 
-    cdef bint _writer_is_dead(self) except -1:
+    cdef bint _writer_is_dead(self, double deadline) except -1:
+        """At end of file: whether the watched writer died. A writer's end of the pipe closes
+        before its death shows (an interpreter closes its fds on the way out), so this waits
+        for the death until a grace window, opened by the first end of file seen, closes. A
+        read whose deadline comes first raises _Expired: a later read decides, so the same
+        exit always gives the same error."""
+        cdef int rc, err, lfd, wake
+        cdef double end
+        cdef bint expire
         live = self._liveness
         if live is None:
             return False
         if self._dead:
             return True
-        end = time.monotonic() + DEATH_GRACE
+        if self._eof_until < 0:
+            self._eof_until = fp_now() + DEATH_GRACE
+        end = self._eof_until
+        expire = 0.0 <= deadline < end
+        if expire:
+            end = deadline
         while True:
             if live.poll_dead():
                 self._dead = True
                 return True
-            if time.monotonic() >= end:
+            if fp_now() >= end:
+                if expire:
+                    raise _Expired()
                 return False
-            if live.fd is not None:
-                select.select([live.fd], [], [], max(end - time.monotonic(), 0.0))
-            else:
-                time.sleep(0.002)
+            self._woken()
+            lfd = self._lfd
+            if lfd < 0:  # no pidfd: look again soon
+                time.sleep(min(LIVENESS_SLICE, max(end - fp_now(), 0.0)))
+                continue
+            wake = self._wake_fd(end)
+            with nogil:
+                rc = fp_wait(lfd, FP_READ, -1, wake, end)
+                err = errno
+            if rc < 0:
+                _retry(err)
+            elif rc == FP_WOKEN:
+                self._woken()
+                self._drain_wake()
 
-    cdef int _at_eof(self) except -1:
+    cdef int _at_eof(self, double deadline) except -1:
         cdef bint in_frame = self._pkind >= 0 or self._bend > self._bstart
-        if self._writer_is_dead():
+        if self._writer_is_dead(deadline):
             lost, expected = self._lost()
-            raise F.writer_died(self._liveness, lost, expected)
+            raise self._liveness.error(lost_bytes=lost, expected_bytes=expected)
         if in_frame:
             lost, expected = self._lost()
-            raise F.truncated(lost, expected if expected is not None else FP_HEADER_SIZE)
+            raise truncated(lost, expected if expected is not None else FP_HEADER_SIZE)
         raise EOFError
 
-    cdef object _break(self, exc):
+    def _break(self, exc):
+        """Mark the stream broken by ``exc`` (every later read raises it); returns ``exc``."""
         self._broken = exc
         return exc
 
     cdef int _read_header(self, double deadline) except -1:
         cdef unsigned char *p
         cdef Py_ssize_t avail
-        cdef uint64_t length
-        cdef int kind
+        cdef fp_header h
+        cdef int rc, kind
         while True:
+            p = <unsigned char *>self._buf + self._bstart
             avail = self._bend - self._bstart
-            if avail >= 2:
-                p = <unsigned char *>self._buf + self._bstart
-                kind = p[0]
-                if p[1] != p[0] or kind > K_MAX:
-                    raise self._break(F.bad_check(bytes(p[:2]), self._consumed, "at a frame boundary"))
-                if kind == K_TIMEOUT:
-                    self._bstart += 2
-                    self._consumed += 2
-                    raise F.sentinel_timeout()
-                if kind == K_DEAD:
-                    if avail >= FP_DEAD_SIZE:
-                        memcpy(&length, p + 2, 8)
-                        self._bstart += FP_DEAD_SIZE
-                        self._consumed += FP_DEAD_SIZE
-                        self._dead = self._liveness is not None
-                        raise F.dead_error(length, self._liveness)
-                elif avail >= FP_HEADER_SIZE:
-                    if p[10] != p[0] or p[11] != p[1]:
-                        raise self._break(F.mismatched_checks(bytes(p[:2]), bytes(p[10:12]), self._consumed))
-                    memcpy(&length, p + 2, 8)
-                    if length > <uint64_t>self._max:
-                        raise self._break(F.too_large(length, self._max_size, self._consumed))
-                    if kind == K_BULK and self._bfd < 0:
-                        raise self._break(F.no_bulk_channel(length, self._consumed))
-                    self._pbulk = kind == K_BULK
-                    if self._pbulk:
-                        # a data frame at a message boundary, a buffer inside an object
-                        kind = K_DATA if self._object is None else K_BUFFER
-                    self._bstart += FP_HEADER_SIZE
-                    self._consumed += FP_HEADER_SIZE
-                    self._pkind = kind
-                    self._plen = <Py_ssize_t>length
-                    self._pgot = 0
-                    return 0
-            self._fill(deadline, FP_HEADER_SIZE - avail)
+            rc = fp_header_decode(p, <size_t>avail, <uint64_t>self._max, &h)
+            if rc == FP_OK:
+                break
+            if rc != FP_MORE:
+                head = p[:avail if avail < FP_HEADER_SIZE else FP_HEADER_SIZE]
+                raise self._break(bad_header(rc, head, h.value, self._max_size, self._consumed))
+            # The kind unknown yet, ask for a whole header: one read takes most frames' header.
+            self._fill(deadline, (FP_HEADER_SIZE if avail < 2 else <Py_ssize_t>h.size) - avail)
+        kind = h.kind
+        if kind == FP_KIND_TIMEOUT or kind == FP_KIND_DEAD:
+            self._bstart += h.size
+            self._consumed += h.size
+            if kind == FP_KIND_TIMEOUT:
+                raise sentinel_timeout()
+            # Only a watched writer's death is remembered: without a watch there is nothing to
+            # report it again with, and a later read is an ordinary read.
+            self._dead = self._liveness is not None
+            raise self._dead_sentinel(h.value)
+        if kind == FP_KIND_BULK and self._bfd < 0:
+            raise self._break(no_bulk_channel(h.value, self._consumed))
+        self._pbulk = kind == FP_KIND_BULK
+        if self._pbulk:
+            # a data frame at a message boundary, a buffer inside an object
+            kind = FP_KIND_DATA if self._object is None else FP_KIND_BUFFER
+        self._bstart += h.size
+        self._consumed += h.size
+        self._pkind = kind
+        self._plen = <Py_ssize_t>h.value
+        self._pgot = 0
+        return 0
 
     cdef int _pump(self, double deadline) except -1:
         """Fill the pending frame's destination until it is complete."""
@@ -850,7 +918,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             elif not self._pdiscard and (n - got >= DIRECT_MIN or not self._read_ahead):
                 k = self._read_some(self._pptr + got, n - got, deadline)
                 if k == 0:
-                    self._at_eof()
+                    self._at_eof(deadline)
                 self._pgot = got + k
                 self._consumed += k
             else:
@@ -873,30 +941,30 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                 else:
                     k = self._read_some(self._pptr + got, n - got, deadline, True)
                 if k == 0:
-                    self._at_eof()
+                    self._at_eof(deadline)
                 self._pgot = got + k
         finally:
             PyMem_Free(scratch)
         return 0
 
-    cdef int _read_frame(self, double deadline, Py_ssize_t maxlength, char *into,
-                         Py_ssize_t intolen, bint mutable) except -1:
+    cdef int _frame(self, double deadline, Py_ssize_t maxlength, char *into,
+                    Py_ssize_t intolen, bint mutable) except -1:
         """Read one whole frame and return its kind. The payload is left in self._result
         (bytes, or a bytearray when ``mutable``), or, when it was read into ``into``, its
         size in self._rsize with self._result None."""
         cdef Py_ssize_t n
         if self._broken is not None:
-            raise F.broken(self._broken)
+            raise broken(self._broken)
         if self._pkind < 0:
             self._read_header(deadline)
             n = self._plen
             self._pexternal = self._pdiscard = False
             self._pobj = None
-            if maxlength >= 0 and n > maxlength and self._pkind == K_DATA:
+            if maxlength >= 0 and n > maxlength and self._pkind == FP_KIND_DATA:
                 self._pdiscard = True
                 self._pmaxlen = maxlength
                 self._pptr = NULL
-            elif into != NULL and self._pkind == K_DATA and n <= intolen:
+            elif into != NULL and self._pkind == FP_KIND_DATA and n <= intolen:
                 self._pptr = into
                 self._pexternal = True
             else:
@@ -911,7 +979,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                     # a pending frame without a destination would be read into NULL
                     self._pkind = -1
                     self._pbulk = False
-                    raise self._break(F.unallocatable(n, self._consumed - FP_HEADER_SIZE)) from None
+                    raise self._break(unallocatable(n, self._consumed - FP_HEADER_SIZE)) from None
         try:
             self._pump(deadline)
         except BaseException:
@@ -933,7 +1001,7 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
             self._result = None
             self._rsize = n
             return kind
-        if into != NULL and kind == K_DATA and n <= intolen:
+        if into != NULL and kind == FP_KIND_DATA and n <= intolen:
             memcpy(into, PyBytes_AS_STRING(self._pobj), n)
             self._pobj = None
             self._result = None
@@ -949,10 +1017,11 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         return r
 
     cdef int _lock_read(self, double deadline) except -1:
+        """Begin a read: take the read lock (readers queue, never interleave) before the
+        deadline; end it with _unlock_read."""
         cdef PyLockStatus st
         cdef PY_TIMEOUT_T us
-        if self._gen != _fork_gen:
-            self._renew_locks_after_fork()
+        self._enter()
         if PyThread_acquire_lock(self._rlock, NOWAIT_LOCK):
             return 0
         if deadline < 0:
@@ -964,57 +1033,30 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         with nogil:
             st = PyThread_acquire_lock_timed(self._rlock, us, 0)
         if st != PY_LOCK_ACQUIRED:
+            self._leave()
             raise _Expired()
+        if self._fd < 0:  # closed while this call waited for the reader before it
+            self._unlock_read()
+            raise closed_while_waiting()
         return 0
 
-    cdef object _read_message(self, double deadline, bint raw, Py_ssize_t maxlength):
-        """The next message: bytes (``raw``) or an object. Error frames raise."""
-        cdef int kind
-        if self._object is None:
-            kind = self._read_frame(deadline, maxlength, NULL, 0, False)
-            payload = self._take_result()
-            if kind == K_DATA:
-                return payload if raw else F.loads(payload)
-            self._start_object(kind, payload)
-        pickled, table, buffers = self._object
-        while len(buffers) < len(table):
-            length, flags = table[len(buffers)]
-            kind = self._read_frame(deadline, -1, NULL, 0, not (flags & F.FLAG_BYTES))
-            payload = self._take_result()
-            if kind != K_BUFFER or len(payload) != length:
-                raise self._break(F.missing_buffer(kind, len(payload), length))
-            buffers.append(payload)
-        self._object = None
-        obj = F.loads(pickled, buffers)
-        if not raw:
-            return obj
-        data = F.dumps_inband(obj)
-        if maxlength >= 0 and len(data) > maxlength:
-            raise MessageTooLong(len(data), maxlength)
-        return data
-
-    cdef int _start_object(self, int kind, payload) except -1:
-        if kind == K_ERROR:
-            F.raise_remote(payload)
-        if kind != K_OBJECT:
-            raise self._break(F.missing_buffer(kind, len(payload), None))
-        pickled, table = F.parse_object(payload)
-        self._object = (pickled, table, [])
+    cdef int _unlock_read(self) except -1:
+        PyThread_release_lock(self._rlock)
+        self._leave()
         return 0
 
-    # -- reading: the public API -------------------------------------------------------------
+    def _read_frame(self, double deadline, bint mutable):
+        """The next frame, ``(kind, payload)``, for a message hook that holds the read lock
+        (the out-of-band buffers of an object: a bytearray when ``mutable``)."""
+        cdef int kind = self._frame(deadline, -1, NULL, 0, mutable)
+        return kind, self._take_result()
+
+    # -- reading: the public calls (documented on Connection) --------------------------------
 
     def recv_bytes(self, maxlength=None, *, timeout=None):
-        """Receive one message as bytes.
-
-        Raises EOFError at end of file (:class:`WriterDied` if the watched writer died),
-        :class:`ReadTimeout` when ``timeout`` seconds pass (nothing is lost), and
-        :class:`MessageTooLong` (an OSError) when the message exceeds ``maxlength``; unlike
-        the stdlib the message is then discarded and the connection stays usable. An error
-        frame raises the exception it carries.
-        """
         cdef Py_ssize_t maxl = -1
         cdef double deadline
+        cdef int kind
         self._check_readable()
         if maxlength is not None:
             maxl = maxlength
@@ -1024,18 +1066,20 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         try:
             self._lock_read(deadline)
             try:
-                return self._read_message(deadline, True, maxl)
+                kind = -1
+                payload = None
+                if self._object is None:
+                    kind = self._frame(deadline, maxl, NULL, 0, False)
+                    payload = self._take_result()
+                    if kind == FP_KIND_DATA:
+                        return payload
+                return self._message(kind, payload, deadline, True, maxl)
             finally:
-                PyThread_release_lock(self._rlock)
+                self._unlock_read()
         except _Expired:
-            raise F.timeout_error(timeout, *self._lost()) from None
+            raise timeout_error(timeout, *self._lost()) from None
 
     def recv_bytes_into(self, buf, offset=0, *, timeout=None):
-        """Receive one message into ``buf`` at byte ``offset``; returns its size in bytes.
-
-        Raises ``BufferTooShort`` (carrying the whole message as ``args[0]``) if it does not
-        fit; the connection stays usable.
-        """
         cdef Py_buffer view
         cdef double deadline
         cdef int kind
@@ -1057,21 +1101,20 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                 try:
                     self._lock_read(deadline)
                     try:
+                        kind = -1
+                        result = None
                         if self._object is None:
-                            kind = self._read_frame(deadline, -1, <char *>view.buf + off,
-                                                    view.len - off, False)
+                            kind = self._frame(deadline, -1, <char *>view.buf + off,
+                                               view.len - off, False)
                             result = self._take_result()
                             if result is None:
                                 return self._rsize
-                            if kind != K_DATA:
-                                self._start_object(kind, result)
-                                result = self._read_message(deadline, True, -1)
-                        else:
-                            result = self._read_message(deadline, True, -1)
+                        if kind != FP_KIND_DATA:
+                            result = self._message(kind, result, deadline, True, -1)
                     finally:
-                        PyThread_release_lock(self._rlock)
+                        self._unlock_read()
                 except _Expired:
-                    raise F.timeout_error(timeout, *self._lost()) from None
+                    raise timeout_error(timeout, *self._lost()) from None
                 if len(result) > view.len - off:
                     raise BufferTooShort(result)
                 memcpy(<char *>view.buf + off, PyBytes_AS_STRING(result), len(result))
@@ -1080,64 +1123,43 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
                 PyBuffer_Release(&view)
 
     def recv(self, *, timeout=None):
-        """Receive an object sent by :meth:`send` (or an in-band pickle from a reference
-        writer). An error frame raises the exception it carries."""
         cdef double deadline
+        cdef int kind
         self._check_readable()
         deadline = _deadline(timeout)
         try:
             self._lock_read(deadline)
             try:
-                return self._read_message(deadline, False, -1)
+                kind = -1
+                payload = None
+                if self._object is None:
+                    kind = self._frame(deadline, -1, NULL, 0, False)
+                    payload = self._take_result()
+                    if kind == FP_KIND_DATA:
+                        return _loads(payload)
+                return self._message(kind, payload, deadline, False, -1)
             finally:
-                PyThread_release_lock(self._rlock)
+                self._unlock_read()
         except _Expired:
-            raise F.timeout_error(timeout, *self._lost()) from None
+            raise timeout_error(timeout, *self._lost()) from None
 
     def poll(self, timeout=0.0):
-        """Whether there is data to read (or end of file), waiting up to ``timeout`` seconds
-        (None: forever)."""
-        cdef double deadline, until
-        cdef int rc, err, lfd, fd
+        cdef int fd
+        cdef double deadline
         self._check_readable()
         if self._bend > self._bstart and not self._pbulk:
             return True
-        deadline = _deadline(timeout)
         fd = self._bfd if self._pbulk else self._fd
-        while True:
-            lfd = -1 if self._dead else self._lfd
-            until = deadline
-            if self._liveness is not None and self._lfd < 0 and not self._dead:
-                until = fp_now() + LIVENESS_SLICE
-                if deadline >= 0 and deadline < until:
-                    until = deadline
-            with nogil:
-                rc = fp_wait_readable(fd, lfd, until)
-                err = errno
-            if rc == FP_OK:
-                return True
-            if rc < 0:
-                if err == EINTR:
-                    PyErr_CheckSignals()
-                    continue
-                raise _oserror(err)
-            if self._dead:
-                return True
-            if self._liveness is not None:
-                self._note_dead()
-                if self._dead:
-                    return True
-            if deadline >= 0 and fp_now() >= deadline:
-                return False
+        deadline = _deadline(timeout)
+        self._enter()
+        try:
+            return self._wait_readable(fd, deadline) != W_TIMEOUT
+        finally:
+            self._leave()
 
     def _handles(self):
         """(read fd, write fd, bulk read fd, bulk write fd); -1 for no bulk fd."""
         return self._fd, self._wfd, self._bfd, self._bwfd
-
-    @property
-    def read_ahead(self):
-        """Whether reads may take more than the current frame from the fd (see the class)."""
-        return self._read_ahead
 
     def _send_segments(self, list segments):
         """Write one message given as ``[pipe_parts, bulk_payload, pipe_parts, ...]``."""
@@ -1162,70 +1184,38 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         PyThread_release_lock(self._wlock)
 
     def _write_nowait(self, list parts, bint bulk):
-        """One writev() of ``parts`` to the pipe (the bulk fd when ``bulk``) that never blocks:
-        the bytes written, 0 when the fd is full, -1 when this system has no non-blocking
-        write. The caller holds the write lock."""
+        """Write ``parts`` to the pipe (the bulk fd when ``bulk``) without ever blocking: the
+        bytes written, 0 when the fd is full, -1 when this system has no non-blocking write.
+        The caller holds the write lock."""
         cdef _Iov v
-        cdef ssize_t r
-        cdef int err, fd
+        cdef iovec *iov
+        cdef int rc, err, fd, cnt
+        cdef size_t written = 0
         self._check_writable()
         fd = self._bwfd if bulk else self._wfd
-        if fd < 0:
-            raise OSError("handle is closed")
         v = _Iov(parts, min(len(parts), 1024))
+        iov = v.iov
+        cnt = <int>v.count
+        self._enter()
         try:
             with nogil:
-                r = fp_writev_nowait(fd, v.iov, <int>v.count)
+                rc = fp_writev(fd, &iov, &cnt, 1, &written)
                 err = errno
         finally:
             v.release()
-        if r >= 0:
-            return r
-        if err == EAGAIN or err == EINTR:
-            PyErr_CheckSignals()
+            self._leave()
+        if rc == FP_OK or written > 0:
+            return written
+        if err == EAGAIN:
             return 0
         if err == EOPNOTSUPP or err == ENOSYS:
             return -1
-        raise _oserror(err)
+        _retry(err)
+        return 0
 
     def _has_buffered(self):
+        """Whether bytes read ahead wait in the buffer (a foreign select() cannot see them)."""
         return self._fd >= 0 and self._bend > self._bstart
-
-    # -- pickling to a child process ---------------------------------------------------------
-
-    def __reduce__(self):
-        from .connection import _reduce_connection
-
-        return _reduce_connection(self)
-
-    # -- asyncio -----------------------------------------------------------------------------
-
-    async def recv_bytes_async(self, maxlength=None, *, timeout=None):
-        """``recv_bytes`` on the running event loop's reader callbacks (no thread)."""
-        from ._aio import recv_async
-
-        return await recv_async(self, lambda t: self.recv_bytes(maxlength, timeout=t), timeout)
-
-    async def recv_async(self, *, timeout=None):
-        """``recv`` on the running event loop's reader callbacks (no thread)."""
-        from ._aio import recv_async
-
-        return await recv_async(self, lambda t: self.recv(timeout=t), timeout)
-
-    async def send_bytes_async(self, buf, offset=0, size=None):
-        """``send_bytes`` on the running event loop's writer callbacks: a full pipe suspends
-        the coroutine, never the loop, and no thread is used. A cancelled send finishes its
-        frame in the background, so the stream never holds half a frame."""
-        from ._aio import send_bytes_async
-
-        await send_bytes_async(self, buf, offset, size)
-
-    async def send_async(self, obj):
-        """``send`` on the running event loop's writer callbacks (see
-        :meth:`send_bytes_async`)."""
-        from ._aio import send_object_async
-
-        await send_object_async(self, obj)
 
     @property
     def _pending_bulk_fd(self):
@@ -1233,12 +1223,14 @@ A framed, bidirectional or one-way connection over a pipe or socket fd.
         return self._bfd if self._pbulk and self._fd >= 0 else None
 
     @property
-    def _liveness_fd(self):
-        return None if self._lfd < 0 else self._lfd
+    def _eof_wait(self):
+        """Seconds left for a watched writer's death to show after end of file (a waiter then
+        watches the liveness fd, not the fd at end of file), or None."""
+        if self._eof_until < 0 or self._dead or self._liveness is None or self._fd < 0:
+            return None
+        return max(self._eof_until - fp_now(), 0.0)
 
     @property
-    def _watched(self):
-        return self._liveness
-
-
-pipe, Pipe = build_api(Connection)
+    def _liveness_fd(self):
+        """The watched writer's pidfd, readable once it died, or None."""
+        return None if self._lfd < 0 else self._lfd

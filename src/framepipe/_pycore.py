@@ -1,30 +1,67 @@
-"""The pure-Python core: the executable specification of framepipe's compiled core.
+"""The pure-Python engine: the executable specification of the compiled engine
+(``framepipe._core``), and the fallback where the extension is not built.
 
-Same classes, names, parameters, errors and bytes on the wire as ``framepipe._core``. It runs
-where the extension is not built, and under ``FRAMEPIPE_NO_EXTENSIONS=1``.
+An engine holds the hot loops of a connection and nothing else: framed reads against an absolute
+deadline, gather writes, ``poll``, the bulk channel, the read buffer, and closing the fds. The
+interface both engines implement is written down in ``_core.pyi`` and checked by the parity
+test. Everything else a Connection does (pickling objects, error frames, ``watch``, asyncio, the
+context manager, ``repr``, the docstrings) is written once, in ``framepipe._connection``, as a
+subclass of the engine, which calls back into two hooks (``_message``, ``_dead_sentinel``).
+
+Deadlines are absolute ``time.monotonic()`` seconds; a negative deadline means "none".
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import pickle
 import select
 import stat
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import _frames as F
-from ._api import build_api
+from ._args import check_send_args, check_timeout
+from ._stream_errors import (
+    bad_header,
+    blocking_send_under_async_send,
+    broken,
+    closed,
+    closed_while_waiting,
+    no_bulk_channel,
+    sentinel_timeout,
+    timeout_error,
+    truncated,
+    unallocatable,
+)
+from ._wire import (
+    BULK_MIN,
+    HEADER_SIZE,
+    KIND_BUFFER,
+    KIND_BULK,
+    KIND_DATA,
+    KIND_DEAD,
+    KIND_TIMEOUT,
+    MORE,
+    OK,
+    TIMEOUT,
+    decode_header,
+    frame_cap,
+    header,
+)
 from .errors import BufferTooShort, MessageTooLong
 
-__all__ = ["Connection", "Pipe", "pipe"]
+__all__ = ["ENGINE", "Engine"]
+
+ENGINE = "python"
 
 _READ_CHUNK = 64 * 1024  # read-ahead buffer: many small frames per read()
 _DIRECT_MIN = 16 * 1024  # a remainder at least this large is read straight into its frame
-_DEATH_GRACE = 0.1  # after EOF, how long to wait for a watched writer's death to show
+# After end of file, how long a watched writer's death may take to show: its fds close first,
+# then the interpreter or the kernel finishes the exit.
+_DEATH_GRACE = 1.0
 _IOV_MAX = 1024
 _LIVENESS_SLICE = 0.01  # without a pidfd, a dead writer is noticed within this many seconds
 _POLLIN = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
@@ -60,11 +97,97 @@ def _reopen_nonblocking(fd: int) -> int:
     return nfd
 
 
-def _deadline(timeout: float | None) -> float | None:
-    t = F.check_timeout(timeout)
-    if t is None:
+def _fd_identity(fd: int) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of ``fd``, or None when it cannot be read (a bad fd)."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
         return None
+    return st.st_dev, st.st_ino
+
+
+def _close_owned(fds: tuple[int, ...], identities: tuple[Any, ...]) -> None:
+    """Close each distinct fd of ``fds`` that is still the file it was when the connection
+    took it (same ``_fd_identity``). A number closed behind the connection's back and reused
+    since (by framepipe's watcher, or anything else) is left alone, and so is an fd that was
+    not open when the connection took it (a bad handle, which failed on its first use)."""
+    seen = set()
+    for fd, ident in zip(fds, identities):
+        if fd < 0 or fd in seen:
+            continue
+        seen.add(fd)
+        if ident is not None and _fd_identity(fd) == ident:
+            os.close(fd)
+
+
+def _deadline(timeout: float | None) -> float:
+    t = check_timeout(timeout)
+    if t is None:
+        return -1.0
     return time.monotonic() + max(t, 0.0)
+
+
+def _writev(fd: int, views: list[memoryview], nowait: bool = False) -> int:
+    """Write the bytes of ``views`` to ``fd`` as ``fp_writev`` (csrc/fp.c) does, looping over
+    short writes; ``views`` is left holding what is not written. Returns the bytes written.
+    With ``nowait`` no write blocks (RWF_NOWAIT, a per-call flag): BlockingIOError when the fd
+    is full. A description someone made non-blocking raises it as well."""
+    written = 0
+    while views and not views[0].nbytes:  # empty parts first: a frame may have no payload
+        views.pop(0)
+    while views:
+        try:
+            if nowait:
+                n = os.pwritev(fd, views[:_IOV_MAX], -1, _RWF_NOWAIT)  # type: ignore[arg-type]
+            else:
+                n = os.writev(fd, views[:_IOV_MAX])
+        except BlockingIOError as exc:
+            exc.characters_written = written
+            raise
+        written += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+    return written
+
+
+def _wake_open() -> tuple[int, int]:
+    """A wake fd for waits (``fp_wake_open``): ``(read end, write end)``, one eventfd where
+    there is one."""
+    if hasattr(os, "eventfd"):
+        fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        return fd, fd
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    return r, w
+
+
+def _wake(wfd: int) -> None:
+    try:
+        os.write(wfd, (1).to_bytes(8, sys.byteorder))
+    except BlockingIOError:
+        pass  # readable already
+
+
+_HAVE_PIPE_WAKE = sys.platform.startswith("linux")
+
+
+def _wake_pipe_reader(fd: int) -> None:
+    """Wake a thread blocked in read() on the pipe read end ``fd`` (``fp_wake_pipe_reader``):
+    a TIMEOUT sentinel written through a write description of its own, opened for it."""
+    try:
+        wfd = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.write(wfd, TIMEOUT)
+    except OSError:
+        pass  # full: nobody is blocked
+    finally:
+        os.close(wfd)
 
 
 # Locks held by threads of the parent stay held in a forked child, where those threads do not
@@ -91,55 +214,59 @@ class _Expired(Exception):
     """Internal: the read's deadline passed; the public method says which timeout."""
 
 
-class Connection:
-    """A framed, bidirectional or one-way connection over a pipe or socket fd.
+class Engine:
+    """The hot loops of one connection over a pipe or socket fd (see the module)."""
 
-    A drop-in for ``multiprocessing.connection.Connection`` (same methods, same errors), plus
-    per-read timeouts, writer liveness (:meth:`watch`), error frames and asyncio reads.
+    ENGINE = "python"
 
-    By default a read never takes a byte past the frame it returns, so ``select()`` and
-    ``multiprocessing.connection.wait()`` on :meth:`fileno` see every frame still to be read,
-    as with the stdlib. ``read_ahead=True`` lets one read() take up to 64 KiB of following
-    frames: small messages then cost a fraction of a syscall each, but frames held in the
-    connection's buffer are invisible to a foreign ``select()``; wait on such connections
-    with :func:`framepipe.connection.wait` (or :meth:`poll`), which sees them. ``max_size``
-    bounds the payload a frame may announce (None: no bound); ``write_handle`` makes a duplex
-    connection that reads ``handle`` and writes ``write_handle``; ``closefd=False`` leaves
-    the fds open on :meth:`close`. On Linux, the first read of a pipe with a timeout or a
-    watched writer opens a second, private non-blocking description of the pipe (through
-    ``/proc/self/fd``), so the fd that children share stays blocking; :meth:`close` closes it
-    whatever ``closefd`` says.
+    # A connection that was never opened (its constructor failed) is closed.
+    _fd = _wfd = _bfd = _bwfd = -1
+    _nfd = -1
+    _closefd = False
+    _readable = _writable = _read_ahead = False
+    _max_size: int | None = None
+    _liveness: Any = None
+    _peer: Any = None
+    _object: Any = None
+    _sentinel_sent = 0
+    _users = 0
+    _wake_r = _wake_w = -1
+    _is_pipe = False  # reads without a deadline wait in read() (see _wake_pipe_reader)
+    _blocked_reader = False  # a thread is in such a read
+    _eof_until = -1.0  # end of the grace for a watched writer's death after end of file
 
-    ``bulk_handle`` adds a bulk channel (a stream socket, made by :func:`pipe`): payloads of
-    16 KiB or more are written to it while their frame header still goes through ``handle``
-    in order, and a reader takes them from its own ``bulk_handle``. As with ``write_handle``,
-    ``bulk_write_handle`` gives a duplex connection a separate bulk fd to write.
-    """
+    if TYPE_CHECKING:  # the hooks the Connection above provides (see _core.pyi)
 
-    def __init__(
+        def _message(
+            self, kind: int, payload: Any, deadline: float, raw: bool, maxlength: int
+        ) -> Any: ...
+
+        def _dead_sentinel(self, status: int) -> BaseException: ...
+
+    def _open(
         self,
-        handle: int,
-        readable: bool = True,
-        writable: bool = True,
-        *,
-        write_handle: int | None = None,
-        bulk_handle: int | None = None,
-        bulk_write_handle: int | None = None,
-        max_size: int | None = None,
-        closefd: bool = True,
-        read_ahead: bool = False,
+        fd: int,
+        wfd: int,
+        bfd: int,
+        bwfd: int,
+        readable: bool,
+        writable: bool,
+        max_size: int | None,
+        closefd: bool,
+        read_ahead: bool,
     ) -> None:
-        handle, wfd = F.check_handles(handle, readable, writable, write_handle)
-        bfd, bwfd = F.check_bulk_handles(bulk_handle, bulk_write_handle, readable, writable)
-        if max_size is not None and max_size < 0:
-            raise ValueError("max_size must be None or a non-negative number of bytes")
+        """Take the (checked) fds: ``fd`` to read, ``wfd`` to write, ``bfd``/``bwfd`` the bulk
+        channel (-1: none)."""
         self._gen = _fork_gen
-        # Guards the fd fields against close() while the watcher writes a DEAD sentinel:
-        # _sentinels such writes under way, _deferred the fds a close() left for them to close.
+        # Calls under way in other threads that use the fds (reads, polls, writes, the
+        # watcher's DEAD sentinel), and what a close() left for the last of them to close:
+        # (fds, private description, liveness). _slock orders them.
         self._slock = threading.Lock()
-        self._sentinels = 0
-        self._deferred: tuple[int, int, int, int] | None = None
-        self._fd = handle
+        self._users = 0
+        self._deferred: tuple[tuple[int, int, int, int], int, Any] | None = None
+        self._wake_r = self._wake_w = -1  # the wake fd of waits, made at the first wait
+        self._nowait_writes = _RWF_NOWAIT is not None
+        self._fd = fd
         self._wfd = wfd
         self._bfd = bfd  # bulk payloads are read from here (-1: no bulk channel)
         self._bwfd = bwfd  # and written here
@@ -148,14 +275,14 @@ class Connection:
         self._readable = bool(readable)
         self._writable = bool(writable)
         self._max_size = max_size
-        self._cap = F.frame_cap(max_size)
-        self._closefd = closefd
+        self._cap = frame_cap(max_size)
+        self._closefd = bool(closefd)
         self._read_ahead = bool(read_ahead)
         try:
-            self._is_socket = stat.S_ISSOCK(os.fstat(handle).st_mode)
+            self._is_pipe = _HAVE_PIPE_WAKE and stat.S_ISFIFO(os.fstat(fd).st_mode)
         except OSError:
-            self._is_socket = False  # like the stdlib: a bad handle fails on first use
-        self._ids = tuple(F.fd_identity(fd) if fd >= 0 else None for fd in (handle, wfd, bfd, bwfd))
+            self._is_pipe = False  # like the stdlib: a bad handle fails on first use
+        self._ids = tuple(_fd_identity(f) if f >= 0 else None for f in (fd, wfd, bfd, bwfd))
         self._async_owner = 0  # the thread whose asyncio send holds the write lock, or 0
         self._nfd = -1  # a private O_NONBLOCK description of the pipe (-1: not yet, -2: none)
         self._poll_first = False
@@ -170,137 +297,169 @@ class Connection:
         self._pdest: Any = None  # bytearray, or the caller's memoryview
         self._pexternal = False
         self._pdiscard = False
-        self._object: Any = None  # (pickle, table, buffers) of an object being received
         self._broken: BaseException | None = None
-        self._liveness: Any = None
-        self._watch_handle: Any = None
         self._dead = False
-        self._peer: Any = None
         self._poller: Any = None
-        self._sentinel_sent = 0
-
-    # -- state -------------------------------------------------------------------------------
-
-    @property
-    def closed(self) -> bool:
-        """True if the connection is closed."""
-        return self._fd < 0
-
-    @property
-    def readable(self) -> bool:
-        """True if the connection is readable."""
-        return self._readable
-
-    @property
-    def writable(self) -> bool:
-        """True if the connection is writable."""
-        return self._writable
-
-    @property
-    def max_size(self) -> int | None:
-        """Largest frame payload this connection accepts, or None for no limit."""
-        return self._max_size
-
-    def fileno(self) -> int:
-        """File descriptor or handle of the connection."""
-        self._check_closed()
-        return self._fd
-
-    def close(self) -> None:
-        """Close the connection (its fd once, if it owns it) and stop watching the writer."""
-        if self._fd >= 0:
-            if self._gen != _fork_gen:
-                self._renew_locks_after_fork()
-            with self._slock:
-                fd, wfd, bfd, bwfd = self._fd, self._wfd, self._bfd, self._bwfd
-                if fd < 0:
-                    return  # closed by another thread meanwhile
-                self._fd = self._wfd = self._bfd = self._bwfd = -1
-                # The watcher thread is writing a DEAD sentinel to wfd: the fds stay open (and
-                # their numbers taken) until that write is done, or it could land in whatever
-                # took the number next. The sentinel writer closes them (_write_sentinel).
-                defer = self._sentinels > 0 and self._closefd
-                if defer:
-                    self._deferred = (fd, wfd, bfd, bwfd)
-            if self._nfd >= 0:
-                os.close(self._nfd)  # ours whatever closefd says
-                self._nfd = -1
-            F.stop_watch(self._liveness, self._watch_handle)
-            self._liveness = self._watch_handle = None
-            if self._closefd and not defer:
-                F.close_owned((fd, wfd, bfd, bwfd), self._ids)
 
     def __del__(self) -> None:
         try:
-            self.close()
+            self._close()
         except Exception:  # noqa: BLE001 - a finalizer never raises
             pass
 
-    def __enter__(self) -> Connection:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._fd < 0 else f"fd={self._fd}"
-        mode = ("r" if self._readable else "") + ("w" if self._writable else "")
-        return f"<framepipe.Connection {state} {mode} python>"
-
-    def _check_closed(self) -> None:
+    def _close(self) -> None:
+        """Close the fds (those this connection owns, and its own private ones) and the
+        watched writer's liveness. A call under way in another thread is woken (it raises
+        OSError) and the last such call to leave closes them: until then no number is freed,
+        so no call can reach a file that took one of them."""
         if self._fd < 0:
-            raise OSError("handle is closed")
+            return
+        if self._gen != _fork_gen:
+            self._renew_locks_after_fork()
+        with self._slock:
+            fds = (self._fd, self._wfd, self._bfd, self._bwfd)
+            if fds[0] < 0:
+                return  # closed by another thread meanwhile
+            nfd, liveness = self._nfd, self._liveness
+            self._fd = self._wfd = self._bfd = self._bwfd = -1
+            self._nfd = -1
+            self._liveness = None
+            if self._users > 0:
+                self._deferred = (fds, nfd, liveness)
+                if self._wake_w >= 0:
+                    _wake(self._wake_w)
+                if self._blocked_reader:
+                    _wake_pipe_reader(fds[0])
+                return
+        self._close_now(fds, nfd, liveness)
 
-    def _check_readable(self) -> None:
-        if not self._readable:
-            raise OSError("connection is write-only")
+    def _close_now(self, fds: tuple[int, int, int, int], nfd: int, liveness: Any) -> None:
+        if nfd >= 0:
+            os.close(nfd)  # ours whatever closefd says
+        self._close_wake()
+        try:
+            if self._closefd:
+                _close_owned(fds, self._ids)
+        finally:
+            if liveness is not None:
+                try:
+                    liveness.close()
+                except OSError:
+                    pass
 
-    def _check_writable(self) -> None:
-        if not self._writable:
-            raise OSError("connection is read-only")
+    def _close_wake(self) -> None:
+        r, w = self._wake_r, self._wake_w
+        self._wake_r = self._wake_w = -1
+        if r >= 0:
+            os.close(r)
+            if w != r:
+                os.close(w)
 
-    # -- liveness ----------------------------------------------------------------------------
-
-    def watch(self, target: Any) -> Connection:
-        """Watch the process that writes to this connection.
-
-        ``target`` is a pid, a started ``multiprocessing.Process`` or a ``subprocess.Popen``.
-        While reading, the writer's death (any exit code, or a signal) raises
-        :class:`framepipe.WriterDied` once the frames it wrote before dying are delivered.
-        Returns the connection. ``watch(None)`` stops watching.
-        """
-        self._check_closed()
-        F.check_watch(target, self._readable)
-        F.stop_watch(self._liveness, self._watch_handle)
-        self._liveness = self._watch_handle = None
-        self._dead = False
-        self._poller = self._bpoller = None
-        if target is not None:
-            self._liveness, self._watch_handle = F.start_watch(target, self._peer)
-        return self
-
-    def _write_sentinel(self, data: bytes) -> None:
-        """Write a DEAD sentinel from the watcher thread. A close() from another thread while
-        it is on its way leaves the fds to be closed here, once the write is done."""
+    def _enter(self) -> None:
+        """A call that uses the fds begins (see _close)."""
         if self._gen != _fork_gen:
             self._renew_locks_after_fork()
         with self._slock:
             if self._fd < 0:
-                return
-            self._sentinels += 1
-        try:
-            self._write_parts([data])
-            self._sentinel_sent += len(data)
-        finally:
-            with self._slock:
-                self._sentinels -= 1
-                deferred = self._deferred if self._sentinels == 0 else None
-                if deferred is not None:
-                    self._deferred = None
+                raise closed()
+            self._users += 1
+
+    def _leave(self) -> None:
+        """The call ends; the last one out after a close() closes the fds. Nobody to report a
+        failed close() to: the connection was closed by another thread."""
+        with self._slock:
+            self._users -= 1
+            deferred = self._deferred if self._users == 0 else None
             if deferred is not None:
-                F.close_owned(deferred, self._ids)
+                self._deferred = None
+        if deferred is not None:
+            try:
+                self._close_now(*deferred)
+            except OSError:
+                pass
+
+    def _wake_fd(self, deadline: float) -> int:
+        """The wake fd for a wait until ``deadline``, made now if the wait can block; -1 when
+        it cannot block, or when no fd is left to make one (then a close() is seen when the
+        wait ends by itself)."""
+        if self._wake_r >= 0:
+            return self._wake_r
+        if 0.0 <= deadline <= time.monotonic():
+            return -1
+        try:
+            r, w = _wake_open()
+        except OSError:
+            return -1
+        with self._slock:
+            if self._fd < 0:  # closed meanwhile: this call leaves at once
+                os.close(r)
+                if w != r:
+                    os.close(w)
+                raise closed_while_waiting()
+            self._wake_r, self._wake_w = r, w
+        self._poller = self._bpoller = None  # made again with the wake fd in them
+        return r
+
+    def _woken(self) -> None:
+        """Raise if another thread closed the connection while this call was under way."""
+        if self._fd < 0:
+            raise closed_while_waiting()
+
+    def _check_readable(self) -> None:
+        if self._fd < 0:
+            raise closed()
+        if not self._readable:
+            raise OSError("connection is write-only")
+
+    def _check_writable(self) -> None:
+        if self._fd < 0:
+            raise closed()
+        if not self._writable:
+            raise OSError("connection is read-only")
+
+    def _handles(self) -> tuple[int, int, int, int]:
+        """(read fd, write fd, bulk read fd, bulk write fd); -1 for none."""
+        return self._fd, self._wfd, self._bfd, self._bwfd
+
+    def _has_buffered(self) -> bool:
+        """Whether bytes read ahead wait in the buffer (a foreign select() cannot see them)."""
+        return self._fd >= 0 and len(self._buf) > self._bstart
+
+    @property
+    def _pending_bulk_fd(self) -> int | None:
+        """The bulk fd while a frame's bulk payload is partly read, else None."""
+        return self._bfd if self._pbulk and self._fd >= 0 else None
+
+    @property
+    def _eof_wait(self) -> float | None:
+        """Seconds left for a watched writer's death to show after end of file (a waiter then
+        watches the liveness fd, not the fd at end of file), or None."""
+        if self._eof_until < 0 or self._dead or self._liveness is None or self._fd < 0:
+            return None
+        return max(self._eof_until - time.monotonic(), 0.0)
+
+    @property
+    def _liveness_fd(self) -> int | None:
+        """The watched writer's pidfd, readable once it died, or None."""
+        return None if self._liveness is None else self._liveness.fd
+
+    def _set_liveness(self, liveness: Any) -> None:
+        """Watch the writer through ``liveness`` (None: stop watching). It has ``fd`` (a pidfd
+        or None), ``poll_dead()`` and ``error(lost_bytes=, expected_bytes=)``."""
+        self._liveness = liveness
+        self._dead = False
+        self._eof_until = -1.0
+        self._poller = self._bpoller = None
 
     # -- writing -----------------------------------------------------------------------------
+
+    def _write_sentinel(self, data: bytes) -> None:
+        """Write a DEAD sentinel from the watcher thread (nothing once the connection is
+        closed)."""
+        if self._fd < 0:
+            return
+        self._write_parts([data])
+        self._sentinel_sent += len(data)
 
     def _renew_locks_after_fork(self) -> None:
         """First use in a forked child: the inherited locks may be held by parent threads
@@ -309,11 +468,14 @@ class Connection:
             if self._gen != _fork_gen:
                 self._rlock = threading.Lock()
                 self._wlock = threading.Lock()
-                # Sentinel writes of the parent's watcher thread do not go on here; fds whose
-                # close waited for one are left open, as after any close() that follows a fork.
+                # Calls of the parent's threads do not go on here; fds whose close waited for
+                # one are left open, as after any close() that follows a fork. The wake fd is
+                # the parent's (one eventfd shared by both): a close here must not wake the
+                # parent's calls.
                 self._slock = threading.Lock()
-                self._sentinels = 0
+                self._users = 0
                 self._deferred = None
+                self._close_wake()
                 self._poller = self._bpoller = None  # may be marked busy by a parent thread
                 self._async_owner = 0
                 self._gen = _fork_gen
@@ -323,484 +485,74 @@ class Connection:
             self._renew_locks_after_fork()
         if not self._wlock.acquire(False):
             if self._async_owner == threading.get_ident():
-                raise F.blocking_send_under_async_send()
+                raise blocking_send_under_async_send()
             self._wlock.acquire()
+
+    def _write_locked(self, fd: int, views: list[memoryview]) -> None:
+        """Write all of ``views`` to ``fd``; the caller holds the write lock. A full fd is
+        waited for in a poll() with the wake fd, so a close() wakes the writer."""
+        while True:
+            self._woken()
+            try:
+                _writev(fd, views, self._nowait_writes)
+                return
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                self._nowait_writes = False  # no non-blocking writes here: blocking ones
+                continue
+            self._woken()
+            poller = select.poll()
+            poller.register(fd, select.POLLOUT)
+            wake = self._wake_fd(-1.0)
+            if wake >= 0:
+                poller.register(wake, select.POLLIN)
+            poller.poll()
 
     def _write_parts(self, parts: list[Any]) -> None:
         views = [memoryview(p).cast("B") for p in parts]
-        self._lock_write()
+        self._enter()
         try:
-            fd = self._wfd
-            if fd < 0:
-                raise OSError("handle is closed")
-            _writev_all(fd, views)
+            self._lock_write()
+            try:
+                self._write_locked(self._wfd, views)
+            finally:
+                self._wlock.release()
         finally:
-            self._wlock.release()
+            self._leave()
 
     def _write_segments(self, segments: list[Any]) -> None:
-        """Write ``[pipe_parts, bulk_payload, pipe_parts, ...]`` (see ``F.dumps_bulk``) under
-        one hold of the write lock: each BULK header reaches the pipe before its payload
+        """Write ``[pipe_parts, bulk_payload, pipe_parts, ...]`` (see ``_objects.dumps_bulk``)
+        under one hold of the write lock: each BULK header reaches the pipe before its payload
         reaches the bulk fd."""
-        self._lock_write()
+        self._enter()
         try:
-            for i, seg in enumerate(segments):
-                fd = self._bwfd if i & 1 else self._wfd
-                if fd < 0:
-                    raise OSError("handle is closed")
-                views = [memoryview(p).cast("B") for p in (seg if not i & 1 else [seg])]
-                _writev_all(fd, views)
+            self._lock_write()
+            try:
+                for i, seg in enumerate(segments):
+                    views = [memoryview(p).cast("B") for p in (seg if not i & 1 else [seg])]
+                    self._write_locked(self._bwfd if i & 1 else self._wfd, views)
+            finally:
+                self._wlock.release()
         finally:
-            self._wlock.release()
+            self._leave()
 
     def send_bytes(self, buf: Any, offset: int = 0, size: int | None = None) -> None:
-        """Send the bytes of ``buf[offset:offset+size]`` (a bytes-like object) as one frame."""
-        self._check_closed()
         self._check_writable()
         m = memoryview(buf)
         if m.itemsize > 1:
             m = m.cast("B")
-        size = F.check_send_args(m.nbytes, offset, size)
-        if size >= F.BULK_MIN and self._bwfd >= 0:
+        size = check_send_args(m.nbytes, offset, size)
+        if size >= BULK_MIN and self._bwfd >= 0:
             payload = m[offset : offset + size]
-            self._write_segments([[F.header(F.KIND_BULK, size)], payload, []])
+            self._write_segments([[header(KIND_BULK, size)], payload, []])
             return
-        self._write_parts([F.header(F.KIND_DATA, size), m[offset : offset + size]])
-
-    def send(self, obj: Any) -> None:
-        """Send a picklable object (pickle protocol 5; buffers of 64 KiB or more out of band)."""
-        self._check_closed()
-        self._check_writable()
-        if self._bwfd >= 0:
-            segments = F.dumps_bulk(obj, F.BULK_MIN)
-            if len(segments) > 1:
-                self._write_segments(segments)
-                return
-            self._write_parts(segments[0])
-            return
-        self._write_parts(F.dumps(obj))
-
-    def send_exception(self, exc: BaseException) -> None:
-        """Send ``exc`` as an error frame: the reader's ``recv`` or ``recv_bytes`` raises it."""
-        from .remote import dumps_exception
-
-        self._check_closed()
-        self._check_writable()
-        F.check_exception(exc)
-        payload = dumps_exception(exc)
-        self._write_parts([F.header(F.KIND_ERROR, len(payload)), payload])
-
-    # -- reading: the state machine ----------------------------------------------------------
-
-    def _poll_once(self, deadline: float | None, bulk: bool = False) -> bool:
-        """Wait until the fd (the bulk fd when ``bulk``) is readable: True if so, False if
-        the deadline passed. Raises _Dead when the watched writer died and the fd has nothing
-        left to read."""
-        live = self._liveness
-        fd = self._bfd if bulk else self._fd
-        poller = self._bpoller if bulk else self._poller
-        if poller is None:
-            poller = select.poll()
-            poller.register(fd, _POLLIN)
-            if live is not None and live.fd is not None:
-                poller.register(live.fd, select.POLLIN)
-            if bulk:
-                self._bpoller = poller
-            else:
-                self._poller = poller
-        while True:
-            wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            if self._dead:
-                wait = 0.0
-            elif live is not None and live.fd is None:
-                wait = _LIVENESS_SLICE if wait is None else min(wait, _LIVENESS_SLICE)
-            if wait is not None and 0.0 < wait < _PRECISE_BELOW and fd < _FD_SETSIZE:
-                # poll() takes whole milliseconds, rounded up: a short deadline would be
-                # missed by up to one. select() takes microseconds.
-                watch = [fd] if live is None or live.fd is None else [fd, live.fd]
-                if max(watch) < _FD_SETSIZE:
-                    ready = [(r, 0) for r in select.select(watch, [], [], wait)[0]]
-                else:
-                    ready = poller.poll(wait * 1000.0)
-            else:
-                ready = poller.poll(None if wait is None else wait * 1000.0)
-            if any(rfd == fd for rfd, _ in ready):
-                return True
-            if live is not None and not self._dead and (ready or live.fd is None):
-                if live.poll_dead():
-                    self._dead = True
-                    continue  # drain what the writer wrote before dying
-            if self._dead:
-                raise _Dead
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-
-    def _read_into(
-        self, view: memoryview | None, deadline: float | None, want: int = 0, bulk: bool = False
-    ) -> Any:
-        """One read(): into ``view`` (the byte count, 0 at end of file), or when ``view`` is
-        None, up to ``want`` bytes (bytes, empty at end of file). Raises _Expired on the
-        deadline and WriterDied when the watched writer died with nothing left to read.
-        ``bulk`` reads the bulk fd instead of the pipe."""
-        fd = self._bfd if bulk else self._fd
-        while True:
-            if deadline is not None or self._liveness is not None:
-                if not bulk:
-                    # Try a read first when the last poll found data already there: a
-                    # reader behind its writer then makes one syscall per read.
-                    if self._nfd == -1:
-                        self._nfd = _reopen_nonblocking(fd)
-                    if self._nfd >= 0 and not self._poll_first:
-                        try:
-                            if view is None:
-                                return os.read(self._nfd, want)
-                            return os.readv(self._nfd, [view])
-                        except BlockingIOError:
-                            pass
-                    started = time.monotonic()
-                try:
-                    if not self._poll_once(deadline, bulk):
-                        raise _Expired
-                except _Dead:
-                    lost, expected = self._lost()
-                    raise F.writer_died(self._liveness, lost, expected) from None
-                if not bulk:
-                    self._poll_first = time.monotonic() - started > _POLL_WAITED
-            try:
-                if view is None:
-                    return os.read(fd, want)
-                return os.readv(fd, [view])
-            except BlockingIOError:
-                continue
-
-    def _fill(self, deadline: float | None, want: int) -> None:
-        """Read up to ``want`` more bytes into the buffer; with read-ahead, up to a chunk."""
-        if self._bstart:
-            del self._buf[: self._bstart]
-            self._bstart = 0
-        if self._read_ahead or want > _READ_CHUNK:
-            want = _READ_CHUNK
-        data = self._read_into(None, deadline, want)
-        if not data:
-            self._at_eof()
-        self._buf += data
-
-    def _lost(self) -> tuple[int, int | None]:
-        avail = len(self._buf) - self._bstart
-        if self._pkind < 0:
-            lost, expected = avail, None
-        else:
-            lost, expected = F.HEADER_SIZE + self._pgot + avail, F.HEADER_SIZE + self._plen
-            if self._pbulk:  # a DEAD sentinel waits in the pipe, not in this payload
-                return lost, expected
-        return max(lost - self._sentinel_seen(), 0), expected
-
-    def _sentinel_seen(self) -> int:
-        peer = self._peer() if self._peer is not None else None
-        return peer._sentinel_sent if peer is not None else 0
-
-    def _writer_is_dead(self) -> bool:
-        live = self._liveness
-        if live is None:
-            return False
-        if self._dead:
-            return True
-        end = time.monotonic() + _DEATH_GRACE
-        while True:
-            if live.poll_dead():
-                self._dead = True
-                return True
-            if time.monotonic() >= end:
-                return False
-            if live.fd is not None:
-                select.select([live.fd], [], [], max(end - time.monotonic(), 0.0))
-            else:
-                time.sleep(0.002)
-
-    def _at_eof(self) -> None:
-        avail = len(self._buf) - self._bstart
-        in_frame = self._pkind >= 0 or avail > 0
-        if self._writer_is_dead():
-            lost, expected = self._lost()
-            raise F.writer_died(self._liveness, lost, expected)
-        if in_frame:
-            lost, expected = self._lost()
-            raise F.truncated(lost, expected if expected is not None else F.HEADER_SIZE)
-        raise EOFError
-
-    def _consume(self, n: int) -> bytes:
-        s = self._bstart
-        data = bytes(self._buf[s : s + n])
-        self._bstart = s + n
-        self._consumed += n
-        return data
-
-    def _break(self, exc: BaseException) -> BaseException:
-        self._broken = exc
-        return exc
-
-    def _read_header(self, deadline: float | None) -> None:
-        while True:
-            avail = len(self._buf) - self._bstart
-            if avail >= 2:
-                s = self._bstart
-                check = bytes(self._buf[s : s + 2])
-                kind = F.KIND_BY_CHECK.get(check)
-                if kind is None:
-                    raise self._break(F.bad_check(check, self._consumed, "at a frame boundary"))
-                if kind == F.KIND_TIMEOUT:
-                    self._consume(2)
-                    raise F.sentinel_timeout()
-                if kind == F.KIND_DEAD and avail >= F.DEAD_SIZE:
-                    data = self._consume(F.DEAD_SIZE)
-                    # Only a watched writer's death is remembered: without a watch there is
-                    # nothing to report it again with, and a later read is an ordinary read.
-                    self._dead = self._liveness is not None
-                    raise F.dead_error(F.dead_status(data[2:]), self._liveness)
-                if kind != F.KIND_DEAD and avail >= F.HEADER_SIZE:
-                    second = bytes(self._buf[s + 10 : s + 12])
-                    if second != check:
-                        raise self._break(F.mismatched_checks(check, second, self._consumed))
-                    (length,) = F.LENGTH.unpack_from(self._buf, s + 2)
-                    if length > self._cap:
-                        raise self._break(F.too_large(length, self._max_size, self._consumed))
-                    if kind == F.KIND_BULK and self._bfd < 0:
-                        raise self._break(F.no_bulk_channel(length, self._consumed))
-                    self._pbulk = kind == F.KIND_BULK
-                    if self._pbulk:
-                        # a data frame at a message boundary, a buffer inside an object
-                        kind = F.KIND_DATA if self._object is None else F.KIND_BUFFER
-                    self._consume(F.HEADER_SIZE)
-                    self._pkind, self._plen, self._pgot = kind, length, 0
-                    return
-            self._fill(deadline, F.HEADER_SIZE - avail)
-
-    def _pump(self, deadline: float | None) -> None:
-        """Fill the pending frame's destination until it is complete."""
-        n = self._plen
-        if self._pbulk:
-            self._pump_bulk(deadline)
-            return
-        while self._pgot < n:
-            got = self._pgot
-            avail = len(self._buf) - self._bstart
-            if avail:
-                take = min(avail, n - got)
-                if not self._pdiscard:
-                    s = self._bstart
-                    self._pdest[got : got + take] = self._buf[s : s + take]
-                self._bstart += take
-                self._consumed += take
-                self._pgot = got + take
-            elif not self._pdiscard and (n - got >= _DIRECT_MIN or not self._read_ahead):
-                k = self._read_into(memoryview(self._pdest)[got:n], deadline)
-                if k == 0:
-                    self._at_eof()
-                self._pgot = got + k
-                self._consumed += k
-            else:
-                self._fill(deadline, n - got)
-
-    def _pump_bulk(self, deadline: float | None) -> None:
-        """Read the pending frame's payload from the bulk fd, straight into its destination."""
-        n = self._plen
-        while self._pgot < n:
-            got = self._pgot
-            if self._pdiscard:
-                k = len(self._read_into(None, deadline, min(n - got, _READ_CHUNK), True))
-            else:
-                k = self._read_into(memoryview(self._pdest)[got:n], deadline, bulk=True)
-            if k == 0:
-                self._at_eof()
-            self._pgot = got + k
-
-    def _read_frame(
-        self,
-        deadline: float | None,
-        maxlength: int | None = None,
-        into: memoryview | None = None,
-        mutable: bool = False,
-    ) -> tuple[int, Any]:
-        """Read one whole frame: ``(kind, payload)``. The payload is bytes (a bytearray when
-        ``mutable``), or the byte count when it was read into ``into``."""
-        if self._broken is not None:
-            raise F.broken(self._broken)
-        if self._pkind < 0:
-            self._read_header(deadline)
-            n = self._plen
-            self._pexternal = self._pdiscard = False
-            if maxlength is not None and n > maxlength and self._pkind == F.KIND_DATA:
-                self._pdiscard = True
-                self._pdest = maxlength
-            elif into is not None and self._pkind == F.KIND_DATA and n <= into.nbytes:
-                self._pdest, self._pexternal = into, True
-            else:
-                try:
-                    self._pdest = bytearray(n)
-                except MemoryError:
-                    self._pkind, self._pbulk = -1, False
-                    offset = self._consumed - F.HEADER_SIZE
-                    raise self._break(F.unallocatable(n, offset)) from None
-        try:
-            self._pump(deadline)
-        except BaseException:
-            if self._pexternal:  # keep what arrived; the caller's buffer is theirs again
-                own = bytearray(self._plen)
-                own[: self._pgot] = self._pdest[: self._pgot]
-                self._pdest, self._pexternal = own, False
-            raise
-        kind, dest, n = self._pkind, self._pdest, self._plen
-        self._pkind, self._pdest, self._pbulk = -1, None, False
-        if self._pdiscard:
-            raise MessageTooLong(n, dest)
-        if self._pexternal:
-            return kind, n
-        if into is not None and kind == F.KIND_DATA and n <= into.nbytes:
-            into[:n] = dest
-            return kind, n
-        return kind, (dest if mutable else bytes(dest))
-
-    def _locked(self, timeout: float | None, read: Callable[[float | None], Any]) -> Any:
-        """Run ``read(deadline)`` holding the read lock (readers queue, never interleave)."""
-        deadline = _deadline(timeout)
-        if self._gen != _fork_gen:
-            self._renew_locks_after_fork()
-        try:
-            if deadline is None:
-                self._rlock.acquire()
-            elif not self._rlock.acquire(False) and not self._rlock.acquire(
-                timeout=max(deadline - time.monotonic(), 0.0)
-            ):
-                raise _Expired
-            try:
-                return read(deadline)
-            finally:
-                self._rlock.release()
-        except _Expired:
-            raise F.timeout_error(timeout, *self._lost()) from None
-
-    def _read_message(self, deadline: float | None, raw: bool) -> Any:
-        """The next message: bytes (``raw``) or an object. Error frames raise."""
-        if self._object is None:
-            kind, payload = self._read_frame(deadline)
-            if kind == F.KIND_DATA:
-                return payload if raw else F.loads(payload)
-            self._start_object(kind, payload)
-        pickled, table, buffers = self._object
-        while len(buffers) < len(table):
-            length, flags = table[len(buffers)]
-            kind, payload = self._read_frame(deadline, mutable=not flags & F.FLAG_BYTES)
-            if kind != F.KIND_BUFFER or len(payload) != length:
-                raise self._break(F.missing_buffer(kind, len(payload), length))
-            buffers.append(payload)
-        self._object = None
-        obj = F.loads(pickled, buffers)
-        return F.dumps_inband(obj) if raw else obj
-
-    def _start_object(self, kind: int, payload: Any) -> None:
-        if kind == F.KIND_ERROR:
-            F.raise_remote(payload)
-        if kind != F.KIND_OBJECT:
-            raise self._break(F.missing_buffer(kind, len(payload), None))
-        pickled, table = F.parse_object(payload)
-        self._object = (pickled, table, [])
-
-    # -- reading: the public API -------------------------------------------------------------
-
-    def recv_bytes(self, maxlength: int | None = None, *, timeout: float | None = None) -> bytes:
-        """Receive one message as bytes.
-
-        Raises EOFError at end of file (:class:`WriterDied` if the watched writer died),
-        :class:`ReadTimeout` when ``timeout`` seconds pass (nothing is lost), and
-        :class:`MessageTooLong` (an OSError) when the message exceeds ``maxlength``; unlike
-        the stdlib the message is then discarded and the connection stays usable. An error
-        frame raises the exception it carries.
-        """
-        self._check_closed()
-        self._check_readable()
-        if maxlength is None:
-            return self._locked(timeout, lambda d: self._read_message(d, True))  # type: ignore[no-any-return]
-        if maxlength < 0:
-            raise ValueError("negative maxlength")
-
-        def read(deadline: float | None) -> bytes:
-            if self._object is None:
-                kind, payload = self._read_frame(deadline, maxlength)
-                if kind == F.KIND_DATA:
-                    return payload  # type: ignore[no-any-return]
-                self._start_object(kind, payload)
-            data = self._read_message(deadline, True)
-            if len(data) > maxlength:
-                raise MessageTooLong(len(data), maxlength)
-            return data  # type: ignore[no-any-return]
-
-        return self._locked(timeout, read)  # type: ignore[no-any-return]
-
-    def recv_bytes_into(self, buf: Any, offset: int = 0, *, timeout: float | None = None) -> int:
-        """Receive one message into ``buf`` at byte ``offset``; returns its size in bytes.
-
-        Raises ``BufferTooShort`` (carrying the whole message as ``args[0]``) if it does not
-        fit; the connection stays usable.
-        """
-        self._check_closed()
-        self._check_readable()
-        with memoryview(buf) as m:
-            nbytes = m.nbytes
-            if offset < 0:
-                raise ValueError("negative offset")
-            if offset > nbytes:
-                raise ValueError("offset too large")
-            flat = m.cast("B") if m.ndim != 1 or m.format != "B" else m
-            if flat.readonly:
-                raise TypeError("recv_bytes_into() argument must be a writable buffer")
-            into = flat[offset:]
-
-            def read(deadline: float | None) -> Any:
-                if self._object is None:
-                    kind, payload = self._read_frame(deadline, into=into)
-                    if kind == F.KIND_DATA:
-                        return payload
-                    self._start_object(kind, payload)
-                return self._read_message(deadline, True)
-
-            result = self._locked(timeout, read)
-            if isinstance(result, int):
-                return result
-            if len(result) > into.nbytes:
-                raise BufferTooShort(result)
-            into[: len(result)] = result
-            return len(result)
-
-    def recv(self, *, timeout: float | None = None) -> Any:
-        """Receive an object sent by :meth:`send` (or an in-band pickle from a reference
-        writer). An error frame raises the exception it carries."""
-        self._check_closed()
-        self._check_readable()
-        return self._locked(timeout, lambda d: self._read_message(d, False))
-
-    def poll(self, timeout: float | None = 0.0) -> bool:
-        """Whether there is data to read (or end of file), waiting up to ``timeout`` seconds
-        (None: forever)."""
-        self._check_closed()
-        self._check_readable()
-        if len(self._buf) > self._bstart and not self._pbulk:
-            return True
-        try:
-            return self._poll_once(_deadline(timeout), self._pbulk)
-        except _Dead:
-            return True
-
-    def _handles(self) -> tuple[int, int, int, int]:
-        """(read fd, write fd, bulk read fd, bulk write fd); -1 for no bulk fd."""
-        return self._fd, self._wfd, self._bfd, self._bwfd
-
-    @property
-    def read_ahead(self) -> bool:
-        """Whether reads may take more than the current frame from the fd (see the class)."""
-        return self._read_ahead
+        self._write_parts([header(KIND_DATA, size), m[offset : offset + size]])
 
     def _send_segments(self, segments: list[Any]) -> None:
         """Write one message given as ``[pipe_parts, bulk_payload, pipe_parts, ...]``."""
-        self._check_closed()
         self._check_writable()
         if len(segments) > 1:
             self._write_segments(segments)
@@ -822,85 +574,428 @@ class Connection:
         self._wlock.release()
 
     def _write_nowait(self, parts: list[Any], bulk: bool) -> int:
-        """One writev() of ``parts`` to the pipe (the bulk fd when ``bulk``) that never blocks:
-        the bytes written, 0 when the fd is full, -1 when this system has no non-blocking
-        write. The caller holds the write lock."""
-        self._check_closed()
+        """Write ``parts`` to the pipe (the bulk fd when ``bulk``) without ever blocking: the
+        bytes written, 0 when the fd is full, -1 when this system has no non-blocking write.
+        The caller holds the write lock."""
         self._check_writable()
         fd = self._bwfd if bulk else self._wfd
-        if fd < 0:
-            raise OSError("handle is closed")
         if _RWF_NOWAIT is None:
             return -1
+        self._enter()
         try:
-            return os.pwritev(fd, parts[:_IOV_MAX], -1, _RWF_NOWAIT)
-        except (BlockingIOError, InterruptedError):
-            return 0
+            return _writev(fd, list(parts[:_IOV_MAX]), nowait=True)
+        except BlockingIOError as exc:
+            return exc.characters_written
         except OSError as exc:
             if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
                 return -1
             raise
+        finally:
+            self._leave()
 
-    @property
-    def _pending_bulk_fd(self) -> int | None:
-        """The bulk fd while a frame's bulk payload is partly read, else None."""
-        return self._bfd if self._pbulk and self._fd >= 0 else None
+    # -- reading: the state machine ----------------------------------------------------------
 
-    @property
-    def _liveness_fd(self) -> int | None:
-        return None if self._liveness is None else self._liveness.fd
+    def _poll_once(self, deadline: float, bulk: bool = False) -> bool:
+        """Wait until the fd (the bulk fd when ``bulk``) is readable: True if so, False if
+        the deadline passed. Raises _Dead when the watched writer died and the fd has nothing
+        left to read, and OSError when another thread closes the connection."""
+        live = self._liveness
+        fd = self._bfd if bulk else self._fd
+        while True:
+            self._woken()
+            wait = None if deadline < 0 else max(deadline - time.monotonic(), 0.0)
+            if self._dead:
+                wait = 0.0
+            elif live is not None and live.fd is None:
+                wait = _LIVENESS_SLICE if wait is None else min(wait, _LIVENESS_SLICE)
+            wake = self._wake_fd(-1.0 if wait is None else time.monotonic() + wait)
+            watch = [fd] if live is None or live.fd is None else [fd, live.fd]
+            if wake >= 0:
+                watch.append(wake)
+            if wait is not None and 0.0 < wait < _PRECISE_BELOW and max(watch) < _FD_SETSIZE:
+                # poll() takes whole milliseconds, rounded up: a short deadline would be
+                # missed by up to one. select() takes microseconds.
+                ready = select.select(watch, [], [], wait)[0]
+            else:
+                poller = self._bpoller if bulk else self._poller
+                if poller is None:
+                    poller = select.poll()
+                    for f in watch:
+                        poller.register(f, _POLLIN if f == fd else select.POLLIN)
+                    if bulk:
+                        self._bpoller = poller
+                    else:
+                        self._poller = poller
+                ready = [r for r, _ in poller.poll(None if wait is None else wait * 1000.0)]
+            if wake >= 0 and wake in ready:
+                self._woken()  # only close() wakes; anything else is drained and ignored
+                try:
+                    os.read(wake, 8)
+                except OSError:
+                    pass
+                continue
+            if fd in ready:
+                return True
+            if live is not None and not self._dead and (ready or live.fd is None):
+                if live.poll_dead():
+                    self._dead = True
+                    continue  # drain what the writer wrote before dying
+            if self._dead:
+                raise _Dead
+            if deadline >= 0 and time.monotonic() >= deadline:
+                return False
 
-    def _has_buffered(self) -> bool:
-        return self._fd >= 0 and len(self._buf) > self._bstart
+    def _read_into(
+        self, view: memoryview | None, deadline: float, want: int = 0, bulk: bool = False
+    ) -> Any:
+        """One read(): into ``view`` (the byte count, 0 at end of file), or when ``view`` is
+        None, up to ``want`` bytes (bytes, empty at end of file). Raises _Expired on the
+        deadline, WriterDied when the watched writer died with nothing left to read, and
+        OSError when another thread closes the connection. ``bulk`` reads the bulk fd instead
+        of the pipe. The waiting is in _poll_once, where a close() wakes it (a fd without a
+        private non-blocking description is read once a wait found it readable); only a pipe
+        read without a deadline or a watch waits in read(), woken by _wake_pipe_reader."""
+        fd = self._bfd if bulk else self._fd
+        ready = False  # a wait just found fd readable
+        if deadline < 0 and not bulk and self._is_pipe and self._liveness is None:
+            # No deadline, nobody to watch: wait in read() itself (see _wake_pipe_reader).
+            while True:
+                with self._slock:
+                    self._woken()
+                    self._blocked_reader = True
+                try:
+                    data = os.read(fd, want) if view is None else os.readv(fd, [view])
+                except BlockingIOError:
+                    break  # someone made the description non-blocking: wait in poll() below
+                finally:
+                    self._blocked_reader = False
+                self._woken()  # closed meanwhile: what the read took (the wake) is dropped
+                return data
+        while True:
+            self._woken()
+            if not bulk and self._nfd == -1:
+                self._nfd = _reopen_nonblocking(fd)
+            nfd = -2 if bulk else self._nfd
+            # Try a read first when the last poll found data already there: a reader behind
+            # its writer then makes one syscall per read.
+            if ready or (nfd >= 0 and not self._poll_first):
+                rfd = nfd if nfd >= 0 else fd
+                try:
+                    if view is None:
+                        return os.read(rfd, want)
+                    return os.readv(rfd, [view])
+                except BlockingIOError:
+                    pass  # nothing after all (another reader of the pipe took it)
+            started = time.monotonic()
+            try:
+                if not self._poll_once(deadline, bulk):
+                    raise _Expired
+            except _Dead:
+                lost, expected = self._lost()
+                raise self._liveness.error(lost_bytes=lost, expected_bytes=expected) from None
+            ready = True
+            if not bulk:
+                self._poll_first = time.monotonic() - started > _POLL_WAITED
 
-    # -- pickling to a child process ---------------------------------------------------------
+    def _fill(self, deadline: float, want: int) -> None:
+        """Read up to ``want`` more bytes into the buffer; with read-ahead, up to a chunk."""
+        if self._bstart:
+            del self._buf[: self._bstart]
+            self._bstart = 0
+        if self._read_ahead or want > _READ_CHUNK:
+            want = _READ_CHUNK
+        data = self._read_into(None, deadline, want)
+        if not data:
+            self._at_eof(deadline)
+        self._buf += data
 
-    def __reduce__(self) -> Any:
-        from .connection import _reduce_connection
+    def _lost(self) -> tuple[int, int | None]:
+        """``(bytes of the frame in progress that arrived, its size with header)``; the size
+        is None between frames (then the bytes are those of the next header)."""
+        avail = len(self._buf) - self._bstart
+        if self._pkind < 0:
+            lost, expected = avail, None
+        else:
+            lost, expected = HEADER_SIZE + self._pgot + avail, HEADER_SIZE + self._plen
+            if self._pbulk:  # a DEAD sentinel waits in the pipe, not in this payload
+                return lost, expected
+        peer = self._peer() if self._peer is not None else None
+        seen = peer._sentinel_sent if peer is not None else 0
+        return max(lost - seen, 0), expected
 
-        return _reduce_connection(self)
+    def _writer_is_dead(self, deadline: float) -> bool:
+        """At end of file: whether the watched writer died. A writer's end of the pipe closes
+        before its death shows (an interpreter closes its fds on the way out), so this waits
+        for the death until a grace window, opened by the first end of file seen, closes. A
+        read whose deadline comes first raises _Expired: a later read decides, so the same
+        exit always gives the same error."""
+        live = self._liveness
+        if live is None:
+            return False
+        if self._dead:
+            return True
+        if self._eof_until < 0:
+            self._eof_until = time.monotonic() + _DEATH_GRACE
+        end = self._eof_until
+        expire = 0.0 <= deadline < end
+        if expire:
+            end = deadline
+        while True:
+            if live.poll_dead():
+                self._dead = True
+                return True
+            left = end - time.monotonic()
+            if left <= 0:
+                if expire:
+                    raise _Expired
+                return False
+            self._woken()
+            if live.fd is None:  # no pidfd: look again soon
+                time.sleep(min(_LIVENESS_SLICE, left))
+                continue
+            wake = self._wake_fd(end)
+            select.select([live.fd] if wake < 0 else [live.fd, wake], [], [], left)
 
-    # -- asyncio -----------------------------------------------------------------------------
+    def _at_eof(self, deadline: float) -> None:
+        avail = len(self._buf) - self._bstart
+        in_frame = self._pkind >= 0 or avail > 0
+        if self._writer_is_dead(deadline):
+            lost, expected = self._lost()
+            raise self._liveness.error(lost_bytes=lost, expected_bytes=expected)
+        if in_frame:
+            lost, expected = self._lost()
+            raise truncated(lost, expected if expected is not None else HEADER_SIZE)
+        raise EOFError
 
-    async def recv_bytes_async(
-        self, maxlength: int | None = None, *, timeout: float | None = None
-    ) -> bytes:
-        """``recv_bytes`` on the running event loop's reader callbacks (no thread)."""
-        from ._aio import recv_async
+    def _consume(self, n: int) -> bytes:
+        s = self._bstart
+        data = bytes(self._buf[s : s + n])
+        self._bstart = s + n
+        self._consumed += n
+        return data
 
-        return await recv_async(self, lambda t: self.recv_bytes(maxlength, timeout=t), timeout)
+    def _break(self, exc: BaseException) -> BaseException:
+        """Mark the stream broken by ``exc`` (every later read raises it); returns ``exc``."""
+        self._broken = exc
+        return exc
 
-    async def recv_async(self, *, timeout: float | None = None) -> Any:
-        """``recv`` on the running event loop's reader callbacks (no thread)."""
-        from ._aio import recv_async
+    def _read_header(self, deadline: float) -> None:
+        while True:
+            s = self._bstart
+            status, kind, value, size = decode_header(self._buf, s, self._cap)
+            if status == OK:
+                break
+            if status != MORE:
+                head = bytes(self._buf[s : s + HEADER_SIZE])
+                raise self._break(bad_header(status, head, value, self._max_size, self._consumed))
+            # The kind unknown yet, ask for a whole header: one read takes most frames' header.
+            self._fill(deadline, (HEADER_SIZE if kind < 0 else size) - (len(self._buf) - s))
+        if kind == KIND_TIMEOUT:
+            self._consume(size)
+            raise sentinel_timeout()
+        if kind == KIND_DEAD:
+            self._consume(size)
+            # Only a watched writer's death is remembered: without a watch there is nothing to
+            # report it again with, and a later read is an ordinary read.
+            self._dead = self._liveness is not None
+            raise self._dead_sentinel(value)
+        if kind == KIND_BULK and self._bfd < 0:
+            raise self._break(no_bulk_channel(value, self._consumed))
+        self._pbulk = kind == KIND_BULK
+        if self._pbulk:
+            # a data frame at a message boundary, a buffer inside an object
+            kind = KIND_DATA if self._object is None else KIND_BUFFER
+        self._consume(size)
+        self._pkind, self._plen, self._pgot = kind, value, 0
 
-        return await recv_async(self, lambda t: self.recv(timeout=t), timeout)
+    def _pump(self, deadline: float) -> None:
+        """Fill the pending frame's destination until it is complete."""
+        n = self._plen
+        if self._pbulk:
+            self._pump_bulk(deadline)
+            return
+        while self._pgot < n:
+            got = self._pgot
+            avail = len(self._buf) - self._bstart
+            if avail:
+                take = min(avail, n - got)
+                if not self._pdiscard:
+                    s = self._bstart
+                    self._pdest[got : got + take] = self._buf[s : s + take]
+                self._bstart += take
+                self._consumed += take
+                self._pgot = got + take
+            elif not self._pdiscard and (n - got >= _DIRECT_MIN or not self._read_ahead):
+                k = self._read_into(memoryview(self._pdest)[got:n], deadline)
+                if k == 0:
+                    self._at_eof(deadline)
+                self._pgot = got + k
+                self._consumed += k
+            else:
+                self._fill(deadline, n - got)
 
-    async def send_bytes_async(self, buf: Any, offset: int = 0, size: int | None = None) -> None:
-        """``send_bytes`` on the running event loop's writer callbacks: a full pipe suspends
-        the coroutine, never the loop, and no thread is used. A cancelled send finishes its
-        frame in the background, so the stream never holds half a frame."""
-        from ._aio import send_bytes_async
+    def _pump_bulk(self, deadline: float) -> None:
+        """Read the pending frame's payload from the bulk fd, straight into its destination."""
+        n = self._plen
+        while self._pgot < n:
+            got = self._pgot
+            if self._pdiscard:
+                k = len(self._read_into(None, deadline, min(n - got, _READ_CHUNK), True))
+            else:
+                k = self._read_into(memoryview(self._pdest)[got:n], deadline, bulk=True)
+            if k == 0:
+                self._at_eof(deadline)
+            self._pgot = got + k
 
-        await send_bytes_async(self, buf, offset, size)
+    def _frame(
+        self, deadline: float, maxlength: int, into: memoryview | None, mutable: bool
+    ) -> tuple[int, Any]:
+        """Read one whole frame: ``(kind, payload)``. The payload is bytes (a bytearray when
+        ``mutable``), or the byte count when it was read into ``into``. A data frame over
+        ``maxlength`` (when >= 0) is read and discarded: MessageTooLong."""
+        if self._broken is not None:
+            raise broken(self._broken)
+        if self._pkind < 0:
+            self._read_header(deadline)
+            n = self._plen
+            self._pexternal = self._pdiscard = False
+            if 0 <= maxlength < n and self._pkind == KIND_DATA:
+                self._pdiscard = True
+                self._pdest = maxlength
+            elif into is not None and self._pkind == KIND_DATA and n <= into.nbytes:
+                self._pdest, self._pexternal = into, True
+            else:
+                try:
+                    self._pdest = bytearray(n)
+                except MemoryError:
+                    self._pkind, self._pbulk = -1, False
+                    offset = self._consumed - HEADER_SIZE
+                    raise self._break(unallocatable(n, offset)) from None
+        try:
+            self._pump(deadline)
+        except BaseException:
+            if self._pexternal:  # keep what arrived; the caller's buffer is theirs again
+                own = bytearray(self._plen)
+                own[: self._pgot] = self._pdest[: self._pgot]
+                self._pdest, self._pexternal = own, False
+            raise
+        kind, dest, n = self._pkind, self._pdest, self._plen
+        self._pkind, self._pdest, self._pbulk = -1, None, False
+        if self._pdiscard:
+            raise MessageTooLong(n, dest)
+        if self._pexternal:
+            return kind, n
+        if into is not None and kind == KIND_DATA and n <= into.nbytes:
+            into[:n] = dest
+            return kind, n
+        return kind, (dest if mutable else bytes(dest))
 
-    async def send_async(self, obj: Any) -> None:
-        """``send`` on the running event loop's writer callbacks (see
-        :meth:`send_bytes_async`)."""
-        from ._aio import send_object_async
+    def _read_frame(self, deadline: float, mutable: bool) -> tuple[int, Any]:
+        """The next frame, ``(kind, payload)``, for a message hook that holds the read lock
+        (the out-of-band buffers of an object: a bytearray when ``mutable``)."""
+        return self._frame(deadline, -1, None, mutable)
 
-        await send_object_async(self, obj)
+    def _lock_read(self, deadline: float) -> None:
+        """Begin a read: take the read lock (readers queue, never interleave) before
+        ``deadline``; end it with _unlock_read."""
+        self._enter()
+        if deadline < 0:
+            self._rlock.acquire()
+        elif not self._rlock.acquire(False) and not self._rlock.acquire(
+            timeout=max(deadline - time.monotonic(), 0.0)
+        ):
+            self._leave()
+            raise _Expired
+        if self._fd < 0:  # closed while this call waited for the reader before it
+            self._unlock_read()
+            raise closed_while_waiting()
 
+    def _unlock_read(self) -> None:
+        self._rlock.release()
+        self._leave()
 
-def _writev_all(fd: int, views: list[memoryview]) -> None:
-    """Write every byte of ``views`` to ``fd`` (short writes continue where they stopped)."""
-    while views:
-        n = os.writev(fd, views[:_IOV_MAX])
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
+    # -- reading: the public calls -----------------------------------------------------------
 
+    def recv_bytes(self, maxlength: int | None = None, *, timeout: float | None = None) -> bytes:
+        self._check_readable()
+        maxl = -1
+        if maxlength is not None:
+            if maxlength < 0:
+                raise ValueError("negative maxlength")
+            maxl = maxlength
+        deadline = _deadline(timeout)
+        try:
+            self._lock_read(deadline)
+            try:
+                kind, payload = -1, None
+                if self._object is None:
+                    kind, payload = self._frame(deadline, maxl, None, False)
+                    if kind == KIND_DATA:
+                        return payload  # type: ignore[no-any-return]
+                return self._message(kind, payload, deadline, True, maxl)  # type: ignore[no-any-return]
+            finally:
+                self._unlock_read()
+        except _Expired:
+            raise timeout_error(timeout, *self._lost()) from None
 
-pipe, Pipe = build_api(Connection)
+    def recv_bytes_into(self, buf: Any, offset: int = 0, *, timeout: float | None = None) -> int:
+        self._check_readable()
+        with memoryview(buf) as m:
+            nbytes = m.nbytes
+            if offset < 0:
+                raise ValueError("negative offset")
+            if offset > nbytes:
+                raise ValueError("offset too large")
+            flat = m.cast("B") if m.ndim != 1 or m.format != "B" else m
+            if flat.readonly:
+                raise TypeError("recv_bytes_into() argument must be a writable buffer")
+            into = flat[offset:]
+            deadline = _deadline(timeout)
+            try:
+                self._lock_read(deadline)
+                try:
+                    kind, result = -1, None  # type: tuple[int, Any]
+                    if self._object is None:
+                        kind, result = self._frame(deadline, -1, into, False)
+                    if kind != KIND_DATA:
+                        result = self._message(kind, result, deadline, True, -1)
+                finally:
+                    self._unlock_read()
+            except _Expired:
+                raise timeout_error(timeout, *self._lost()) from None
+            if isinstance(result, int):
+                return result
+            if len(result) > into.nbytes:
+                raise BufferTooShort(result)
+            into[: len(result)] = result
+            return len(result)
+
+    def recv(self, *, timeout: float | None = None) -> Any:
+        self._check_readable()
+        deadline = _deadline(timeout)
+        try:
+            self._lock_read(deadline)
+            try:
+                kind, payload = -1, None
+                if self._object is None:
+                    kind, payload = self._frame(deadline, -1, None, False)
+                    if kind == KIND_DATA:
+                        return pickle.loads(payload)
+                return self._message(kind, payload, deadline, False, -1)
+            finally:
+                self._unlock_read()
+        except _Expired:
+            raise timeout_error(timeout, *self._lost()) from None
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        self._check_readable()
+        if len(self._buf) > self._bstart and not self._pbulk:
+            return True
+        deadline = _deadline(timeout)
+        self._enter()
+        try:
+            return self._poll_once(deadline, self._pbulk)
+        except _Dead:
+            return True
+        finally:
+            self._leave()

@@ -54,7 +54,7 @@ def Pipe(duplex: bool = True, *, read_ahead: bool = False, pipes: bool = False) 
     ``multiprocessing.reduction.send_handle`` works over it); ``pipes=True`` makes it two
     one-way pipes instead, each with a bulk channel: twice the small-message rate, 8 fds.
     """
-    return _impl.core.pipe(duplex, read_ahead=read_ahead, pipes=pipes)  # type: ignore[no-any-return]
+    return _impl.core.pipe(duplex, read_ahead=read_ahead, pipes=pipes)
 
 
 def _fileno(obj: Any) -> int:
@@ -67,29 +67,38 @@ def wait(object_list: Iterable[Any], timeout: float | None = None) -> list[Any]:
     Like ``multiprocessing.connection.wait``: the objects are Connections, sockets, fds or
     anything with ``fileno()`` (a Process ``sentinel`` is an fd). A framepipe Connection is
     ready when it has buffered data, when its fd is readable, or when the writer it watches
-    has died (the next read raises :class:`framepipe.WriterDied`).
+    has died (the next read raises :class:`framepipe.WriterDied`). After end of file from a
+    watched writer, it is ready once the writer's death shows, or when the grace for it ends.
     """
     objects = list(object_list)
-    ready = [o for o in objects if getattr(o, "_has_buffered", None) and o._has_buffered()]
-    if ready:
-        return ready
-    poller = select.poll()
-    owners: dict[int, list[Any]] = {}
-    for obj in objects:
-        bulk = getattr(obj, "_pending_bulk_fd", None)  # mid-payload: the bulk fd
-        fds = [_fileno(obj) if bulk is None else bulk]
-        liveness_fd = getattr(obj, "_liveness_fd", None)
-        if liveness_fd is not None:
-            fds.append(liveness_fd)
-        for fd in fds:
-            if fd not in owners:
-                poller.register(fd, select.POLLIN | select.POLLPRI)
-                owners[fd] = []
-            owners[fd].append(obj)
     deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
     while True:
-        wait_ms = None if deadline is None else max(deadline - time.monotonic(), 0.0) * 1000.0
-        events = poller.poll(wait_ms)
+        ready = [o for o in objects if _ready_now(o)]
+        if ready:
+            return ready
+        poller = select.poll()
+        owners: dict[int, list[Any]] = {}
+        soonest = None  # the first end of a grace after end of file
+        for obj in objects:
+            eof_wait = getattr(obj, "_eof_wait", None)
+            live = getattr(obj, "_liveness_fd", None)
+            if eof_wait is not None:  # the fd is at end of file: the death is what comes
+                soonest = eof_wait if soonest is None else min(soonest, eof_wait)
+                fds = [_fileno(obj)] if live is None else [live]
+            else:
+                bulk = getattr(obj, "_pending_bulk_fd", None)  # mid-payload: the bulk fd
+                fds = [_fileno(obj) if bulk is None else bulk]
+                if live is not None:
+                    fds.append(live)
+            for fd in fds:
+                if fd not in owners:
+                    poller.register(fd, select.POLLIN | select.POLLPRI)
+                    owners[fd] = []
+                owners[fd].append(obj)
+        wait_s = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        if soonest is not None:
+            wait_s = soonest if wait_s is None else min(wait_s, soonest)
+        events = poller.poll(None if wait_s is None else wait_s * 1000.0)
         if events:
             found: list[Any] = []
             for fd, _ in events:
@@ -99,6 +108,15 @@ def wait(object_list: Iterable[Any], timeout: float | None = None) -> list[Any]:
             return [o for o in objects if any(o is f for f in found)]
         if deadline is not None and time.monotonic() >= deadline:
             return []
+
+
+def _ready_now(obj: Any) -> bool:
+    """A framepipe Connection whose next read returns at once without its fd: bytes it read
+    ahead, or an end of file whose grace for the writer's death is over."""
+    has_buffered = getattr(obj, "_has_buffered", None)
+    if has_buffered is not None and has_buffered():
+        return True
+    return getattr(obj, "_eof_wait", None) == 0.0
 
 
 # -- Listener and Client ---------------------------------------------------------------------
@@ -252,51 +270,3 @@ def Client(address: Any, family: str | None = None, authkey: bytes | None = None
             conn.close()
             raise
     return conn
-
-
-# -- passing a Connection to another process ------------------------------------------------
-
-
-def _reduce_connection(conn: Any) -> Any:
-    """Pickle support (multiprocessing's ForkingPickler): the fds travel as ``DupFd``."""
-    from multiprocessing import reduction
-
-    if conn.closed:
-        raise OSError("cannot pass a closed Connection to another process")
-    if conn._has_buffered():
-        raise ValueError(
-            "cannot pass this Connection to another process: it holds bytes it has read ahead "
-            "but not yet returned, which the other process would never see; receive the "
-            "pending messages first"
-        )
-    rfd, wfd, bfd, bwfd = conn._handles()
-    impl = "c" if type(conn).__module__ == "framepipe._core" else "python"
-    dup_r = reduction.DupFd(rfd)
-    dup_w = None if wfd == rfd else reduction.DupFd(wfd)
-    # The bulk channel: one fd (read, written, or both on one socket) or a read and a write fd.
-    bulk = bfd if bfd >= 0 else bwfd
-    dup_b = None if bulk < 0 else reduction.DupFd(bulk)
-    dup_bw = None if bfd < 0 or bwfd < 0 or bwfd == bfd else reduction.DupFd(bwfd)
-    options = {"max_size": conn.max_size, "read_ahead": conn.read_ahead}
-    return _rebuild_connection, (
-        impl, dup_r, dup_w, conn.readable, conn.writable, options, dup_b, dup_bw
-    )
-
-
-def _rebuild_connection(
-    impl: str,
-    dup_r: Any,
-    dup_w: Any,
-    readable: bool,
-    writable: bool,
-    options: dict[str, Any],
-    dup_b: Any = None,
-    dup_bw: Any = None,
-) -> Any:
-    core = _impl.load(impl)
-    rfd = dup_r.detach()
-    wfd = None if dup_w is None else dup_w.detach()
-    bfd = None if dup_b is None else dup_b.detach()
-    bwfd = None if dup_bw is None else dup_bw.detach()
-    return core.Connection(rfd, readable, writable, write_handle=wfd, bulk_handle=bfd,
-                           bulk_write_handle=bwfd, **options)

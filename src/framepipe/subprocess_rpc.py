@@ -43,8 +43,8 @@ import threading
 import types
 from typing import Any, NoReturn
 
-from . import _frames as F
 from . import _impl
+from ._pipes import USE_DEFAULT
 from .errors import ReadTimeout, WriterDied
 from .remote import RemoteError, RemoteTraceback, _chain_end, dumps_exception, format_exception_text
 from .remote import revive as _revive_payload
@@ -124,9 +124,9 @@ def _pipe_class(base: type) -> type:
         :meth:`set_writer_pid`) watches the writer: its death ends a read at once.
         """
 
-        def read(self, timeout: float | None = F.USE_DEFAULT) -> bytes:
+        def read(self, timeout: float | None = USE_DEFAULT) -> bytes:
             """The next message, with the reference's errors (see the module)."""
-            if timeout is F.USE_DEFAULT:
+            if timeout is USE_DEFAULT:
                 timeout = self.timeout
             try:
                 return super().read(timeout)  # type: ignore[no-any-return]

@@ -1,0 +1,135 @@
+"""The errors both engines raise about the stream, built in one place so that the compiled
+engine and its pure-Python twin say the same thing in the same situation."""
+
+from __future__ import annotations
+
+from ._wire import BAD_CHECK, CHECK_BY_KIND, FRAME_CAP, MISMATCH
+from .errors import FrameError, ReadTimeout
+
+
+def bad_check(seen: bytes, offset: int, where: str) -> FrameError:
+    return FrameError(
+        f"bad check bytes {seen.hex(' ')} {where} at stream offset {offset:,} (expected 00 00 "
+        "or a known sentinel); the stream is out of sync and this connection is now broken: "
+        "was the other end written by something other than a framepipe writer, or by two "
+        "unsynchronised writers?"
+    )
+
+
+def mismatched_checks(first: bytes, second: bytes, offset: int) -> FrameError:
+    return FrameError(
+        f"frame header at stream offset {offset:,} opens with {first.hex(' ')} but its second "
+        f"check bytes are {second.hex(' ')}; the stream is out of sync and this connection is "
+        "now broken"
+    )
+
+
+def too_large(length: int, max_size: int | None, offset: int) -> FrameError:
+    if max_size is None or max_size > FRAME_CAP:
+        limit = f"the frame cap of {FRAME_CAP:,} (2**62)"
+    else:
+        limit = f"this connection's max_size of {max_size:,}"
+    return FrameError(
+        f"frame at stream offset {offset:,} announces {length:,} bytes, over {limit}; nothing "
+        "was allocated and the connection is now broken (raise max_size if such frames are "
+        "expected)"
+    )
+
+
+def bad_header(
+    status: int, head: bytes, length: int, max_size: int | None, offset: int
+) -> FrameError:
+    """The error for what ``decode_header``/``fp_header_decode`` refused with ``status``:
+    ``head`` holds the bytes at the frame boundary, ``length`` the length over the cap."""
+    if status == BAD_CHECK:
+        return bad_check(head[:2], offset, "at a frame boundary")
+    if status == MISMATCH:
+        return mismatched_checks(head[:2], head[10:12], offset)
+    return too_large(length, max_size, offset)
+
+
+def unallocatable(length: int, offset: int) -> FrameError:
+    return FrameError(
+        f"frame at stream offset {offset:,} announces {length:,} bytes, more than this process "
+        "could allocate (MemoryError); the connection is now broken (pass max_size= to refuse "
+        "such frames before allocating)"
+    )
+
+
+def no_bulk_channel(length: int, offset: int) -> FrameError:
+    return FrameError(
+        f"a bulk frame of {length:,} bytes arrived at stream offset {offset:,} but this "
+        "connection has no bulk channel to read its payload from; this connection is now "
+        "broken (make both ends with framepipe's pipe(), or pass bulk_handle=)"
+    )
+
+
+def truncated(got: int, expected: int) -> FrameError:
+    return FrameError(
+        f"got end of file during message: the writer closed the connection after {got:,} of "
+        f"the {expected:,} bytes of a frame (header included)"
+    )
+
+
+def broken(reason: BaseException) -> FrameError:
+    return FrameError(f"connection is broken by an earlier protocol error: {reason}")
+
+
+def missing_buffer(kind: int, got: int, expected: int | None) -> FrameError:
+    """A frame of ``kind`` arrived where a message (``expected`` None) or an object's
+    out-of-band buffer of ``expected`` bytes was due."""
+    seen = CHECK_BY_KIND.get(kind, b"??").hex(" ")
+    if expected is None:
+        return FrameError(
+            f"a frame of kind {seen} ({got:,} bytes) arrived where a message was expected; the "
+            "stream is out of sync and this connection is now broken"
+        )
+    return FrameError(
+        f"an object's out-of-band buffer of {expected:,} bytes was expected but a frame of kind "
+        f"{seen} ({got:,} bytes) arrived; this connection is now broken"
+    )
+
+
+def timeout_error(timeout: float | None, lost: int = 0, expected: int | None = None) -> ReadTimeout:
+    """The read deadline passed; ``lost`` and ``expected`` are what the connection's
+    ``_lost()`` says of the frame in progress (``expected`` None: between frames)."""
+    if expected is not None:
+        state = (
+            f"{lost:,} of the {expected:,} bytes of a frame (header included) had arrived; "
+            "they are kept and the next read returns the frame whole"
+        )
+    elif lost:
+        state = (
+            f"{lost:,} bytes of the next frame's header had arrived; they are kept and the "
+            "next read returns the frame whole"
+        )
+    else:
+        state = "between frames, no byte of the next frame had arrived; nothing was lost"
+    return ReadTimeout(f"timed out after {timeout} s: {state}")
+
+
+def sentinel_timeout() -> ReadTimeout:
+    exc = ReadTimeout("the writer sent a TIMEOUT sentinel: its read deadline expired")
+    exc.sentinel = True
+    return exc
+
+
+def closed() -> OSError:
+    """What a call on a closed connection raises (the stdlib's words)."""
+    return OSError("handle is closed")
+
+
+def closed_while_waiting() -> OSError:
+    """What a read, poll or write under way in one thread raises when another thread closes
+    the connection."""
+    return OSError(
+        "handle is closed: another thread closed this connection while this call was using it"
+    )
+
+
+def blocking_send_under_async_send() -> RuntimeError:
+    return RuntimeError(
+        "an async send on this thread's event loop is in the middle of a frame on this "
+        "connection, so a blocking send here would wait for it forever; await the async send "
+        "first, or send with send_bytes_async()/send_async() here too"
+    )
