@@ -67,8 +67,9 @@ __all__ = ["DataLoader", "WorkerInfo", "get_worker_info", "default_collate"]
 FETCH, RESET, CLOSE, CREDIT = 0, 1, 2, 3
 # Replies, worker to parent: (OK, batch id, data), (FAIL, batch id, exception blob, where),
 # (END, batch id) for an iterable dataset that is exhausted, (INIT_FAILED, exception blob),
-# (RESET_DONE,), (PACE, slow) when its batches turn slow or fast to load.
-OK, FAIL, END, INIT_FAILED, RESET_DONE, PACE = 0, 1, 2, 3, 4, 5
+# (RESET_DONE,), (PACE, slow) when its batches turn slow or fast to load, and
+# (MANY, reply, reply, ...): replies written in one frame.
+OK, FAIL, END, INIT_FAILED, RESET_DONE, PACE, MANY = 0, 1, 2, 3, 4, 5, 6
 _ANSWERS = frozenset((OK, FAIL, END))
 
 _CLOSE = pickle.dumps((CLOSE,), protocol=5)
@@ -255,6 +256,7 @@ _PICKLE_HEAD = b"".join((
     b"\x93(\x8a\x08",  # STACK_GLOBAL, MARK, LONG1 of 8 bytes (the batch id)
 ))
 _PICKLE_TAIL = b"tR."  # TUPLE, REDUCE, STOP
+_MANY_HEAD = b"\x80\x05(K" + bytes([MANY])  # PROTO 5, MARK, BININT1 MANY; then the replies
 _BID = struct.Struct("<q")
 _BYTEARRAY8 = struct.Struct("<BQ")
 _meta_cache: dict[tuple[Any, tuple[int, ...]], bytes] = {}
@@ -349,13 +351,19 @@ def _send_failure(conn: Any, bid: int, exc: BaseException, where: str) -> None:
     conn.send((FAIL, bid, dumps_exception(exc), where))
 
 
-def _answer(conn: Any, fetcher: _Fetcher, wire: _shm.Wire, bid: int, indices: Any) -> None:
+def _answer(conn: Any, fetcher: _Fetcher, wire: _shm.Wire, bid: int, indices: Any,
+            pending: list[bytes]) -> None:
+    """Load batch ``bid`` and answer it. A small array's reply (see :data:`INLINE_MAX`) is
+    added to ``pending``, to go out with the replies around it in one frame (:func:`_flush`);
+    any other reply is written at once, after what is pending."""
     try:
         data = fetcher.fetch(indices)
     except StopIteration:
+        _flush(conn, pending)
         conn.send((END, bid))
         return
     except BaseException as exc:  # noqa: BLE001 - raised in the parent
+        _flush(conn, pending)
         _send_failure(conn, bid, exc, fetcher.where)
         return
     try:
@@ -363,8 +371,9 @@ def _answer(conn: Any, fetcher: _Fetcher, wire: _shm.Wire, bid: int, indices: An
     except Exception:  # noqa: BLE001 - an array this path cannot read goes the usual way
         inline = None
     if inline is not None:
-        conn.send_bytes(inline)
+        pending.append(inline)
         return
+    _flush(conn, pending)
     wire.used = []
     try:
         data = wire.convert(data)
@@ -379,6 +388,16 @@ def _answer(conn: Any, fetcher: _Fetcher, wire: _shm.Wire, bid: int, indices: An
         err.__cause__ = exc
         wire.give_back(wire.used)  # the parent never saw these arrays
         _send_failure(conn, bid, err, "the batch")
+
+
+def _flush(conn: Any, pending: list[bytes]) -> None:
+    """Write the replies in ``pending``: one as it is, several as one frame that unpickles to
+    ``(MANY, reply, ...)`` (each reply's pickle without its PROTO and STOP)."""
+    if len(pending) == 1:
+        conn.send_bytes(pending[0])
+    elif pending:
+        conn.send_bytes(b"".join((_MANY_HEAD, *(memoryview(p)[2:-1] for p in pending), b"t.")))
+    pending.clear()
 
 
 def loader_loop(ctx: ChildContext) -> None:
@@ -414,14 +433,18 @@ def loader_loop(ctx: ChildContext) -> None:
     queue: collections.deque[tuple[int, Any]] = collections.deque()  # (batch id, indices)
     credit = 0
     pace, slow = 0.0, False  # seconds a batch takes (a moving average), and whether that is slow
+    pending: list[bytes] = []
     try:
         while True:
             if credit and queue:
-                credit -= 1
-                bid, indices = queue.popleft()
-                start = clock()
-                _answer(conn, fetcher, wire, bid, indices)
-                pace += (clock() - start - pace) * 0.125
+                # Fast batches: every one there is credit for, then their replies in one frame
+                for _ in range(1 if slow else min(credit, len(queue))):
+                    credit -= 1
+                    bid, indices = queue.popleft()
+                    start = clock()
+                    _answer(conn, fetcher, wire, bid, indices, pending)
+                    pace += (clock() - start - pace) * 0.125
+                _flush(conn, pending)
                 if slow != (pace > (FAST_BATCH if slow else SLOW_BATCH)):
                     slow = not slow
                     conn.send((PACE, slow))
@@ -457,7 +480,8 @@ def loader_loop(ctx: ChildContext) -> None:
 class _Slot(_shm.Receiver):
     """The parent's view of one worker."""
 
-    __slots__ = ("id", "proc", "conn", "held", "credit", "owed", "group", "exhausted")
+    __slots__ = ("id", "proc", "conn", "held", "backlog", "credit", "owed", "group",
+                 "exhausted")
 
     def __init__(self, wid: int, proc: WorkerProcess, fdsock: socket.socket | None) -> None:
         super().__init__(fdsock)
@@ -466,6 +490,7 @@ class _Slot(_shm.Receiver):
         self.conn = proc.conn
         # batches given to the worker and not answered yet, in order: (batch id, indices)
         self.held: collections.deque[tuple[int, Any]] = collections.deque()
+        self.backlog: collections.deque[Any] = collections.deque()  # replies read, not taken
         self.credit = 0  # batches it may load and send before it needs more credit
         self.owed = 0  # batches taken whose credit is not handed back yet
         self.group = 1  # credits go back when this many are owed
@@ -594,6 +619,7 @@ class _Workers:
             while self.read(slot, timeout)[0] != RESET_DONE:
                 pass
             slot.held.clear()
+            slot.backlog.clear()
             slot.credit = slot.owed = 0
             slot.exhausted = False
 
@@ -606,25 +632,32 @@ class _Workers:
             self.settle()  # it cannot answer without credit
         first = WAIT_SLICE if timeout is None else min(WAIT_SLICE, timeout)
         deadline = None
+        backlog = slot.backlog
         while True:
-            try:
-                _shm.set_receiving(slot)
+            if backlog:
+                msg = backlog.popleft()
+            else:
                 try:
-                    msg = conn.recv(timeout=first)
-                finally:
-                    _shm.set_receiving(None)
-            except ReadTimeout:
-                # A long wait: from now on wait on every worker's stderr too (a worker
-                # blocked writing to a full stderr pipe would never answer).
-                if deadline is None:
-                    deadline = time.monotonic() - first + (
-                        math.inf if timeout is None else timeout)
-                self._wait_long([slot], deadline, timeout)
-                continue
-            except WriterDied as died:
-                raise self._crashed(slot, died) from None
-            except (EOFError, OSError) as exc:
-                raise self._crashed(slot, None, f"its channel failed: {exc}") from None
+                    _shm.set_receiving(slot)
+                    try:
+                        msg = conn.recv(timeout=first)
+                    finally:
+                        _shm.set_receiving(None)
+                except ReadTimeout:
+                    # A long wait: from now on wait on every worker's stderr too (a worker
+                    # blocked writing to a full stderr pipe would never answer).
+                    if deadline is None:
+                        deadline = time.monotonic() - first + (
+                            math.inf if timeout is None else timeout)
+                    self._wait_long([slot], deadline, timeout)
+                    continue
+                except WriterDied as died:
+                    raise self._crashed(slot, died) from None
+                except (EOFError, OSError) as exc:
+                    raise self._crashed(slot, None, f"its channel failed: {exc}") from None
+                if msg[0] == MANY:
+                    backlog.extend(msg[2:])
+                    msg = msg[1]
             kind = msg[0]
             if kind in _ANSWERS:  # the answer to the oldest batch it holds
                 slot.credit -= 1
@@ -657,7 +690,7 @@ class _Workers:
         """A worker whose channel has data, among those that owe an answer (``in_order=False``)."""
         busy = [s for s in self.slots if s.held and s.credit > 0]
         for slot in busy:
-            if slot.conn.poll(0):
+            if slot.backlog or slot.conn.poll(0):
                 return slot
         self.settle()
         busy = [s for s in self.slots if s.held and s.credit > 0]
