@@ -412,6 +412,26 @@ def test_exception_with_two_argument_constructor(engine):
         assert list(it) == list(range(8, 20))  # the loader goes on after the error
 
 
+def refuse_to_collate(items):
+    raise ValueError(f"cannot collate {len(items)} items")
+
+
+def test_an_exception_in_a_batch_names_the_index_or_the_collate(engine):
+    with DataLoader(Raising(), batch_size=4, timeout=GUARD) as loader:
+        it = iter(loader)
+        assert next(it).tolist() == [0, 1, 2, 3]
+        with pytest.raises(BadRecord) as info:
+            next(it)
+        assert any("while loading index 7" in note for note in info.value.__notes__)
+        assert next(it).tolist() == [8, 9, 10, 11]
+    with DataLoader(list(range(8)), batch_size=4, collate_fn=refuse_to_collate,
+                    timeout=GUARD) as loader:
+        with pytest.raises(ValueError, match="cannot collate 4 items") as info:
+            list(loader)
+    assert any("while loading collate_fn of indices [0, 1, 2, 3]" in note
+               for note in info.value.__notes__)
+
+
 def test_hung_getitem_raises_task_timeout_with_the_stack(engine):
     loader = DataLoader(Hanging(), timeout=1.0)
     pids = []

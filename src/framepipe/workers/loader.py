@@ -125,6 +125,10 @@ def default_collate(batch: Sequence[Any]) -> Any:
     elem = batch[0]
     np = sys.modules.get("numpy")
     if np is not None and isinstance(elem, np.ndarray):
+        nd, shape, dtype = np.ndarray, elem.shape, elem.dtype
+        if dtype.kind != "O" and all(
+                type(a) is nd and a.dtype is dtype and a.shape == shape for a in batch):
+            return np.array(batch)  # what np.stack gives here, in half the time
         return np.stack(batch)
     if _shm._is_torch_tensor(elem):
         return sys.modules["torch"].stack(list(batch))
@@ -202,11 +206,15 @@ class _Fetcher:
                 self._stage = "collate_one"
                 item = self.collate(item)
             return item
-        self._stage = "index"
-        items = []
-        for i in indices:
-            self._at = i
-            items.append(dataset[i])
+        items: list[Any] = []
+        append = items.append
+        i = None
+        try:
+            for i in indices:
+                append(dataset[i])
+        except BaseException:
+            self._stage, self._at = "index", i
+            raise
         self._stage, self._at = "collate", indices
         return (self.collate or default_collate)(items)
 
