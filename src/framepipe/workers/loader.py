@@ -5,27 +5,34 @@
 ``in_order``, ``timeout``, ``worker_init_fn``, ``persistent_workers``, ``drop_last``) and needs
 no torch. How it works:
 
-- Every worker has its own duplex channel (:class:`~framepipe.workers._process.WorkerProcess`):
-  the parent sends it the indices of ``prefetch_factor`` batches in one message and it answers
-  each with its batch. No queue is shared by the workers, so a crash costs what that worker
-  held and nothing else.
+- Every worker has its own duplex channel (:class:`~framepipe.workers._process.WorkerProcess`).
+  No queue is shared by the workers, so a crash costs what that worker held and nothing else.
 - The parent samples (the sampler runs in the parent, as under torch, so a
-  ``DistributedSampler`` plugs in unchanged) and keeps at most ``prefetch_factor *
-  num_workers`` batches requested and not yet handed to the caller: that bounds the memory of
-  the parent. Batches go to the workers in turn, so batch k is always loaded by the same
-  worker and a seed reproduces an epoch.
-- Results travel with ``Connection.send`` (pickle protocol 5): arrays under 16 KiB inside the
-  pickle, from 16 KiB out of band on the connection's bulk socketpair (one kernel copy each
-  way), from :data:`SHM_MIN` (1 MiB) in a per-worker pool of memfds that the parent maps and
-  hands back when the array is freed (no copy in the parent). Torch tensors travel as their
-  NumPy view and are rebuilt with ``torch.from_numpy`` (no copy).
-- In order (the default), the parent reads the worker that holds the next batch when it has
-  data, and otherwise waits on every worker at once, moving whatever arrives into a reorder
-  buffer (so a worker whose result is ready is never held up behind a slow one).
-  ``in_order=False`` yields whatever arrives first.
+  ``DistributedSampler`` plugs in unchanged) and gives each worker its batches ahead of time,
+  :data:`CHUNK` to a message. What a worker may load is decided by credits: it holds
+  ``prefetch_factor`` of them, spends one per batch it loads, and gets it back when the caller
+  takes that batch. So at most ``prefetch_factor * num_workers`` batches are loaded (or being
+  loaded) and not yet taken, however far ahead the indices went: that bounds the parent's
+  memory. Credits come back one at a time while a worker's batches are slow to load (it must
+  never wait), and in groups of ``prefetch_factor`` while they are fast (a credit costs a
+  write and a wake-up, which is most of what a fast batch costs); the worker reports which.
+- In order (the default), a map-style epoch gives the workers ``prefetch_factor`` batches in
+  a row each, in turn (iterable datasets: one each, torch's order), so batch k is always
+  loaded by the same worker and a seed reproduces an epoch; the parent reads each batch from
+  the worker that holds it, and what the other workers loaded waits in their channels (there
+  is no reorder buffer to fill). ``in_order=False`` gives each worker a new chunk when it runs
+  low and yields whatever any worker has ready.
+- Results: a batch that is one NumPy array under :data:`INLINE_MAX` (64 KiB) is written as a
+  pickle built directly (:func:`_inline_array`), and a worker with credit for several such
+  batches writes them in one frame. Anything else travels with ``Connection.send`` (pickle
+  protocol 5): arrays from 64 KiB out of band on the connection's bulk socketpair (one kernel
+  copy each way), from :data:`SHM_MIN` (1 MiB) in a per-worker pool of memfds that the parent
+  maps and hands back when the array is freed (no copy in the parent). Torch tensors travel
+  as their NumPy view and are rebuilt with ``torch.from_numpy`` (no copy).
 - Failures: a dead worker is seen at once (the channel is watched: :class:`framepipe.WriterDied`
   after every batch it finished) and raises :class:`WorkerCrashed` naming the worker, its pid,
-  exit code or signal, the batches and indices it held, the OOM hint and its stderr tail. An
+  exit code or signal, the batch it was loading and the others it held (``err.batches``) and
+  those queued for it (``err.queued``), the OOM hint and its stderr tail. An
   exception in the dataset or ``collate_fn`` is raised in the parent as its own type, with the
   worker's traceback and a note naming the index. ``timeout`` raises :class:`TaskTimeout` with
   the stuck worker's stack. Workers stop when the epoch ends (unless persistent), when the
