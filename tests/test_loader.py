@@ -15,9 +15,12 @@ import os
 import pickle
 import random
 import signal
+import threading
 import time
+import types
 
 import pytest
+from _helpers import Background
 
 from framepipe import _impl
 from framepipe.workers import (
@@ -621,6 +624,46 @@ def test_early_break_with_batches_queued_stops_the_workers(engine, in_order):
     start = time.monotonic()
     assert all(gone(pid) for pid in pids)
     assert time.monotonic() - start < 3.0
+
+
+def test_a_message_larger_than_any_buffer_never_blocks_the_parent(engine):
+    """A worker may be blocked writing to the parent while the parent writes to it: a message
+    to a worker that cannot fit its pipe goes through a sender thread."""
+    from framepipe import connection
+
+    parent, child = connection.Pipe(True, read_ahead=True, pipes=True)
+    slot = types.SimpleNamespace(outbox=None, lock=threading.Lock(), conn=parent, id=0)
+    big = b"\x80" + bytes(16 << 20)  # more than the pipe and the bulk socket hold
+    posting = Background(lambda: [loader_module._post(slot, m) for m in (big, b"3", b"5")])
+    posting.thread.join(5.0)
+    assert not posting.thread.is_alive(), "the parent waited for a reader"
+    assert child.recv_bytes(timeout=GUARD) == big  # in order, whole
+    assert child.recv_bytes(timeout=GUARD) == b"3"
+    assert child.recv_bytes(timeout=GUARD) == b"5"
+    deadline = time.monotonic() + GUARD
+    while slot.outbox is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert slot.outbox is None  # the sender thread is done; small messages go straight out
+    loader_module._post(slot, b"7")
+    assert slot.outbox is None and child.recv_bytes(timeout=GUARD) == b"7"
+    parent.close()
+    child.close()
+
+
+class Scalars:
+    def __len__(self) -> int:
+        return 10**7
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def test_batches_of_many_indices(engine):
+    n = 20_000  # a batch's indices alone exceed the size of one message to a worker
+    batches = [list(range(k * n, (k + 1) * n)) for k in range(12)]
+    with DataLoader(Scalars(), batch_sampler=batches, timeout=GUARD) as loader:
+        got = [(int(b[0]), len(b), int(b[-1])) for b in loader]
+    assert got == [(k * n, n, (k + 1) * n - 1) for k in range(12)]
 
 
 def test_deleting_the_loader_stops_persistent_workers():

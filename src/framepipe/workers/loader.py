@@ -53,6 +53,7 @@ import random
 import socket
 import struct
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -82,6 +83,8 @@ _ANSWERS = frozenset((OK, FAIL, END))
 _CLOSE = pickle.dumps((CLOSE,), protocol=5)
 _RESET = pickle.dumps((RESET,), protocol=5)
 CHUNK = 16  # batches given to a worker in one message (at least prefetch_factor)
+CHUNK_INDICES = 4096  # and fewer indices than this, where batches are large
+POST_MAX = 32 * 1024  # bytes: a larger message to a worker goes through a sender thread
 # A worker whose batches take longer than SLOW_BATCH seconds to load and send (on average)
 # gets its credits back one at a time, so it never idles; below FAST_BATCH, in groups of
 # prefetch_factor, so it wakes once per group.
@@ -496,7 +499,7 @@ class _Slot(_shm.Receiver):
     """The parent's view of one worker."""
 
     __slots__ = ("id", "proc", "conn", "held", "backlog", "credit", "owed", "group",
-                 "exhausted")
+                 "exhausted", "outbox", "lock")
 
     def __init__(self, wid: int, proc: WorkerProcess, fdsock: socket.socket | None) -> None:
         super().__init__(fdsock)
@@ -510,6 +513,9 @@ class _Slot(_shm.Receiver):
         self.owed = 0  # batches taken whose credit is not handed back yet
         self.group = 1  # credits go back when this many are owed
         self.exhausted = False  # its part of an iterable dataset has ended
+        # messages waiting for a sender thread (None: no thread; see _Workers.post)
+        self.outbox: collections.deque[bytes] | None = None
+        self.lock = threading.Lock()
         register_parent_side(self)  # a worker forked later closes our memfds and socket
 
 
@@ -524,6 +530,41 @@ def _stop_all_at_exit() -> None:
 
 
 _CREDITS = [b"%d" % k for k in range(256)]
+
+
+def _post(slot: _Slot, data: bytes) -> None:
+    """Send ``data`` to ``slot``'s worker without ever waiting on it for long.
+
+    A worker reads its channel between batches, and may itself be blocked writing a batch
+    to us: a message larger than the pipe's buffer would then wait for a reader that waits
+    for us. Such a message (and every one after it, until it is out) goes through a sender
+    thread of its own, while the caller goes on reading."""
+    if slot.outbox is None and len(data) <= POST_MAX:
+        try:
+            slot.conn.send_bytes(data)
+        except (OSError, ValueError):
+            pass  # the worker is gone: reading its channel reports how
+        return
+    with slot.lock:
+        if slot.outbox is not None:
+            slot.outbox.append(data)
+            return
+        slot.outbox = collections.deque([data])
+    threading.Thread(target=_send_outbox, args=(slot,), daemon=True,
+                     name=f"DataLoader-sender-{slot.id}").start()
+
+
+def _send_outbox(slot: _Slot) -> None:
+    while True:
+        with slot.lock:
+            if not slot.outbox:
+                slot.outbox = None
+                return
+            data = slot.outbox.popleft()
+        try:
+            slot.conn.send_bytes(data)
+        except (OSError, ValueError):
+            pass  # the worker is gone: reading its channel reports how
 
 
 class _Workers:
@@ -587,24 +628,16 @@ class _Workers:
         """Give ``slot``'s worker batches ``bids`` (``requests``: their indices) to load once
         it has credit, in one message."""
         slot.held.extend(zip(bids, requests))
-        try:
-            slot.conn.send_bytes(pickle.dumps(
-                (FETCH, bids, requests, slot.take_returned()), protocol=5))
-        except (OSError, ValueError):
-            pass  # the worker is gone: reading its channel reports how
+        _post(slot, pickle.dumps((FETCH, bids, requests, slot.take_returned()), protocol=5))
 
     def grant(self, slot: _Slot, n: int) -> None:
         """Hand ``n`` credits to ``slot``'s worker (with the memfds freed since the last
         message, if any)."""
         slot.credit += n
-        try:
-            if slot.returned:
-                slot.conn.send_bytes(pickle.dumps((CREDIT, n, slot.take_returned()),
-                                                  protocol=5))
-            else:
-                slot.conn.send_bytes(_CREDITS[n] if n < 256 else b"%d" % n)
-        except (OSError, ValueError):
-            pass  # the worker is gone: reading its channel reports how
+        if slot.returned:
+            _post(slot, pickle.dumps((CREDIT, n, slot.take_returned()), protocol=5))
+        else:
+            _post(slot, _CREDITS[n] if n < 256 else b"%d" % n)
 
     def give_back(self, slot: _Slot) -> None:
         """The caller took one of ``slot``'s batches: its credit goes back, in groups."""
@@ -628,8 +661,7 @@ class _Workers:
         batches it loaded before that are read and dropped, and iterable datasets start
         over."""
         for slot in self.slots:
-            with contextlib.suppress(OSError, ValueError):
-                slot.conn.send_bytes(_RESET)
+            _post(slot, _RESET)
         for slot in self.slots:
             while self.read(slot, timeout)[0] != RESET_DONE:
                 pass
@@ -1078,12 +1110,26 @@ class _Epoch:
         self._chunk = -(-max(CHUNK, prefetch) // block) * block
         self._low = prefetch + self._chunk // 2  # a worker holding fewer batches gets more
         self._low_all = self._low * len(workers.slots)
+        self._prefetch = prefetch
         self._supply()
         for slot in workers.slots:
             workers.grant(slot, prefetch)
 
     def __iter__(self) -> _Epoch:
         return self
+
+    def _take(self, batches: int, floor: int, max_indices: int) -> list[Any]:
+        """Up to ``batches`` requests from the sampler, fewer (but at least ``floor``) where
+        they hold more than ``max_indices`` indices between them."""
+        requests: list[Any] = []
+        indices = 0
+        for request in self._requests:
+            requests.append(request)
+            indices += len(request) if type(request) is list else 1
+            if len(requests) >= batches or (indices >= max_indices and len(requests) >= floor):
+                return requests
+        self._sampling = False
+        return requests
 
     def _supply(self) -> None:
         """Give the workers more batches: in order, a chunk to each in turn (one round);
@@ -1096,23 +1142,22 @@ class _Epoch:
         if not self._in_order:
             for slot in active:
                 if len(slot.held) < self._low and self._sampling:
-                    requests = list(itertools.islice(self._requests, self._chunk))
-                    if len(requests) < self._chunk:
-                        self._sampling = False
+                    requests = self._take(self._chunk, 1, CHUNK_INDICES)
+                    self._low = self._prefetch + max(1, len(requests) // 2)
                     if requests:
                         first = workers.next_bid
                         workers.next_bid += len(requests)
                         workers.assign(slot, list(range(first, workers.next_bid)), requests)
             return
         k = len(active)
-        requests = list(itertools.islice(self._requests, k * self._chunk))
-        if len(requests) < k * self._chunk:
-            self._sampling = False
+        block = self._block
+        requests = self._take(k * self._chunk, k * block, k * CHUNK_INDICES)
+        # the next round is given once half of this one is taken (the workers never run dry)
+        self._low_all = k * self._prefetch + len(requests) // 2
         if not requests:
             return
         first = workers.next_bid
         workers.next_bid += len(requests)
-        block = self._block
         owners = [active[(j // block) % k] for j in range(len(requests))]
         for slot in active:
             mine = [j for j in range(len(requests)) if owners[j] is slot]
