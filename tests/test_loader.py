@@ -632,7 +632,8 @@ def test_a_message_larger_than_any_buffer_never_blocks_the_parent(engine):
     from framepipe import connection
 
     parent, child = connection.Pipe(True, read_ahead=True, pipes=True)
-    slot = types.SimpleNamespace(outbox=None, lock=threading.Lock(), conn=parent, id=0)
+    slot = types.SimpleNamespace(outbox=None, lock=threading.Lock(), sender=None, conn=parent,
+                                 id=0)
     big = b"\x80" + bytes(16 << 20)  # more than the pipe and the bulk socket hold
     posting = Background(lambda: [loader_module._post(slot, m) for m in (big, b"3", b"5")])
     posting.thread.join(5.0)
@@ -648,6 +649,32 @@ def test_a_message_larger_than_any_buffer_never_blocks_the_parent(engine):
     assert slot.outbox is None and child.recv_bytes(timeout=GUARD) == b"7"
     parent.close()
     child.close()
+
+
+class Sleepy:
+    """Items from 2 on take 5 s each."""
+
+    def __len__(self) -> int:
+        return 100
+
+    def __getitem__(self, i: int) -> int:
+        if i >= 2:
+            time.sleep(5)
+        return i
+
+
+def test_close_while_a_message_is_still_going_out_to_a_busy_worker(engine):
+    loader = DataLoader(Sleepy(), timeout=GUARD)
+    it = iter(loader)
+    assert [next(it), next(it)] == [0, 1]  # worker 0's first two: its credits go back
+    pids = loader.worker_pids()
+    time.sleep(0.2)  # worker 0 now loads item 4 for 5 s, and reads nothing meanwhile
+    loader_module._post(it.workers.slots[0], b"9" * (16 << 20))
+    assert it.workers.slots[0].outbox is not None
+    start = time.monotonic()
+    loader.close()
+    assert time.monotonic() - start < 3.0
+    assert all(gone(pid) for pid in pids)
 
 
 class Scalars:

@@ -499,7 +499,7 @@ class _Slot(_shm.Receiver):
     """The parent's view of one worker."""
 
     __slots__ = ("id", "proc", "conn", "held", "backlog", "credit", "owed", "group",
-                 "exhausted", "outbox", "lock")
+                 "exhausted", "outbox", "lock", "sender")
 
     def __init__(self, wid: int, proc: WorkerProcess, fdsock: socket.socket | None) -> None:
         super().__init__(fdsock)
@@ -516,6 +516,7 @@ class _Slot(_shm.Receiver):
         # messages waiting for a sender thread (None: no thread; see _Workers.post)
         self.outbox: collections.deque[bytes] | None = None
         self.lock = threading.Lock()
+        self.sender: threading.Thread | None = None
         register_parent_side(self)  # a worker forked later closes our memfds and socket
 
 
@@ -550,8 +551,9 @@ def _post(slot: _Slot, data: bytes) -> None:
             slot.outbox.append(data)
             return
         slot.outbox = collections.deque([data])
-    threading.Thread(target=_send_outbox, args=(slot,), daemon=True,
-                     name=f"DataLoader-sender-{slot.id}").start()
+        slot.sender = threading.Thread(target=_send_outbox, args=(slot,), daemon=True,
+                                       name=f"DataLoader-sender-{slot.id}")
+    slot.sender.start()
 
 
 def _send_outbox(slot: _Slot) -> None:
@@ -833,6 +835,14 @@ class _Workers:
         self.closed = True
         _live.discard(self)
         for slot in self.slots:
+            sender = slot.sender
+            if slot.outbox is not None and sender is not None:
+                # its channel is jammed (a message still going out): no close request can
+                # follow it; the worker is killed, and the sender's write fails at once
+                slot.proc.kill()
+                sender.join(STOP_GRACE)
+                if sender.is_alive():
+                    continue  # its channel is closed once the worker is reaped
             with contextlib.suppress(OSError, ValueError):
                 slot.conn.send_bytes(_CLOSE)
             # a worker blocked writing a batch to us gets EPIPE and exits
