@@ -220,9 +220,10 @@ class Counted:
     """Item i is a small array of i; ``started`` (shared memory) counts the items the workers
     began to load."""
 
-    def __init__(self, n: int, started) -> None:
+    def __init__(self, n: int, started, spin: float = 0.0) -> None:
         self.n = n
         self.started = started
+        self.spin = spin
 
     def __len__(self) -> int:
         return self.n
@@ -230,6 +231,9 @@ class Counted:
     def __getitem__(self, i: int):
         with self.started.get_lock():
             self.started.value += 1
+        end = time.perf_counter() + self.spin
+        while time.perf_counter() < end:
+            pass
         return np.full(16, i, dtype=np.int64)
 
 
@@ -292,6 +296,34 @@ def test_order_kept_for_any_number_of_workers_and_prefetch(engine, workers, pref
     with DataLoader(UnevenArrays(3000), num_workers=workers, prefetch_factor=prefetch,
                     timeout=GUARD) as loader:
         assert [int(a[0]) for a in loader] == list(range(3000))
+
+
+class Phases:
+    """Items 0-299 load at once, 300-599 take 0.2 ms each, 600-899 load at once again."""
+
+    def __len__(self) -> int:
+        return 900
+
+    def __getitem__(self, i: int):
+        if 300 <= i < 600:
+            end = time.perf_counter() + 2e-4
+            while time.perf_counter() < end:
+                pass
+        return np.full(8, i, dtype=np.int32)
+
+
+def test_order_kept_while_batches_turn_slow_and_fast_again(engine):
+    """Credits go back in groups while batches are fast, one at a time while they are slow."""
+    with DataLoader(Phases(), timeout=GUARD) as loader:
+        it = iter(loader)
+        got, groups = [], []
+        for item in it:
+            got.append(int(item[0]))
+            groups.append(it.workers.slots[0].group)
+    assert got == list(range(900))
+    assert groups[250] == loader.prefetch_factor  # fast
+    assert 1 in groups[300:600]  # slow: the worker said so
+    assert groups[-1] == loader.prefetch_factor  # fast again
 
 
 def test_unordered_batches_deliver_every_index_exactly_once(engine):
@@ -531,6 +563,12 @@ def test_iterable_shards_of_different_lengths_come_in_turn(engine):
     assert got == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)] + [(1, j) for j in range(3, 20)]
 
 
+def test_unordered_iterable_shards_of_different_lengths(engine):
+    with DataLoader(UnevenShards(), in_order=False, batch_size=2, timeout=GUARD) as loader:
+        got = [tuple(int(v) for v in pair) for batch in loader for pair in zip(*batch)]
+    assert sorted(got) == sorted([(0, j) for j in range(3)] + [(1, j) for j in range(20)])
+
+
 def test_persistent_workers_across_three_epochs():
     loader = DataLoader(Whose(), persistent_workers=True, timeout=GUARD)
     try:
@@ -591,12 +629,15 @@ def test_early_break_leaves_no_process_behind(engine):
     assert time.monotonic() - start < 3.0
 
 
-@pytest.mark.parametrize("workers, prefetch, in_order",
-                         [(2, 2, True), (3, 1, True), (1, 4, True), (2, 3, False)])
-def test_items_loaded_and_not_taken_never_exceed_the_window(engine, workers, prefetch, in_order):
+@pytest.mark.parametrize("workers, prefetch, in_order, spin",
+                         [(2, 2, True, 0.0), (3, 1, True, 0.0), (1, 4, True, 0.0),
+                          (2, 3, False, 0.0), (2, 2, True, 1e-4), (2, 4, False, 1e-4)])
+def test_items_loaded_and_not_taken_never_exceed_the_window(engine, workers, prefetch, in_order,
+                                                            spin):
+    """Fast items (credits go back in groups) and slow ones (one at a time) alike."""
     started = multiprocessing.Value("q", 0)
-    loader = DataLoader(Counted(800, started), num_workers=workers, prefetch_factor=prefetch,
-                        in_order=in_order, timeout=GUARD)
+    loader = DataLoader(Counted(800, started, spin), num_workers=workers,
+                        prefetch_factor=prefetch, in_order=in_order, timeout=GUARD)
     taken = most = 0
     seen = []
     with loader:
