@@ -326,6 +326,28 @@ def test_order_kept_while_batches_turn_slow_and_fast_again(engine):
     assert groups[-1] == loader.prefetch_factor  # fast again
 
 
+class WhichWorker:
+    """Item i is (i, the id of the worker that loaded it)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        return i, get_worker_info().id
+
+
+@pytest.mark.parametrize("prefetch, batch_size", [(2, None), (3, 1200)])
+def test_batch_k_is_always_loaded_by_worker_k_div_prefetch_mod_workers(prefetch, batch_size):
+    """Also when batches are large enough to cut the chunks short."""
+    with DataLoader(WhichWorker(90_000 if batch_size else 300), batch_size=batch_size,
+                    num_workers=3, prefetch_factor=prefetch, timeout=GUARD) as loader:
+        owners = [int(b[1][0]) if batch_size else b[1] for b in loader]
+    assert owners == [(k // prefetch) % 3 for k in range(len(owners))]
+
+
 def test_unordered_batches_deliver_every_index_exactly_once(engine):
     with DataLoader(UnevenArrays(2000, spin=0.002), batch_size=7, in_order=False,
                     timeout=GUARD) as loader:

@@ -1128,15 +1128,17 @@ class _Epoch:
     def __iter__(self) -> _Epoch:
         return self
 
-    def _take(self, batches: int, floor: int, max_indices: int) -> list[Any]:
-        """Up to ``batches`` requests from the sampler, fewer (but at least ``floor``) where
-        they hold more than ``max_indices`` indices between them."""
+    def _take(self, batches: int, step: int, max_indices: int) -> list[Any]:
+        """Up to ``batches`` requests from the sampler, fewer (a multiple of ``step``, so that
+        batch k of an epoch always goes to the same worker) where they hold more than
+        ``max_indices`` indices between them."""
         requests: list[Any] = []
         indices = 0
         for request in self._requests:
             requests.append(request)
             indices += len(request) if type(request) is list else 1
-            if len(requests) >= batches or (indices >= max_indices and len(requests) >= floor):
+            if len(requests) >= batches or (indices >= max_indices and
+                                            len(requests) % step == 0):
                 return requests
         self._sampling = False
         return requests
