@@ -663,6 +663,7 @@ class _Workers:
         batches it loaded before that are read and dropped, and iterable datasets start
         over."""
         for slot in self.slots:
+            slot.owed = 0  # no more credit for batches of the abandoned epoch
             _post(slot, _RESET)
         for slot in self.slots:
             while self.read(slot, timeout)[0] != RESET_DONE:
