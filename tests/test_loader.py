@@ -675,6 +675,28 @@ def test_items_loaded_and_not_taken_never_exceed_the_window(engine, workers, pre
     assert seen == list(range(800)) or not in_order
 
 
+def test_an_abandoned_epoch_on_persistent_workers_loads_nothing_more(engine):
+    started = multiprocessing.Value("q", 0)
+    loader = DataLoader(Counted(1000, started), persistent_workers=True, timeout=GUARD)
+    try:
+        it = iter(loader)
+        first = [int(next(it)[0]) for _ in range(9)]
+        time.sleep(0.2)  # the workers fill the window
+        loaded = started.value
+        assert loaded - 9 <= loader.window
+        again, most = [], 0
+        for k, item in enumerate(loader):  # a new epoch: what the old one loaded is dropped
+            again.append(int(item[0]))
+            if k % 50 == 0:
+                time.sleep(0.02)
+            most = max(most, started.value - loaded - len(again))
+        assert first == list(range(9)) and again == list(range(1000))
+        assert started.value == loaded + 1000  # nothing more of the old epoch was loaded
+        assert most <= loader.window  # and no credit of the old one leaked into the new one
+    finally:
+        loader.close()
+
+
 @pytest.mark.parametrize("in_order", [True, False])
 def test_early_break_with_batches_queued_stops_the_workers(engine, in_order):
     loader = DataLoader(UnevenArrays(100_000), in_order=in_order, timeout=GUARD)
