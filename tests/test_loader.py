@@ -15,6 +15,7 @@ import os
 import pickle
 import random
 import signal
+import stat
 import threading
 import time
 import types
@@ -673,6 +674,38 @@ def test_items_loaded_and_not_taken_never_exceed_the_window(engine, workers, pre
     assert most >= loader.window - workers  # the pauses let them fill the window (or nearly)
     assert sorted(seen) == list(range(800))
     assert seen == list(range(800)) or not in_order
+
+
+@pytest.fixture(params=["eventfd", "pipe"])
+def credits(request, monkeypatch):
+    """Credits on an eventfd, or on the pipe used where there is none (forked workers inherit
+    the choice)."""
+    if request.param == "pipe":
+        monkeypatch.setattr(loader_module, "HAVE_EVENTFD", False)
+    elif not loader_module.HAVE_EVENTFD:
+        pytest.skip("no eventfd here")
+    return request.param
+
+
+def test_credits_keep_the_window_across_epochs_on_either_counter(credits):
+    started = multiprocessing.Value("q", 0)
+    loader = DataLoader(Counted(600, started), persistent_workers=True, timeout=GUARD)
+    taken = most = 0
+    try:
+        for _ in range(2):  # the second epoch starts with a reset of the workers
+            it = iter(loader)
+            fifo = stat.S_ISFIFO(os.fstat(it.workers.slots[0].credits).st_mode)
+            assert fifo == (credits == "pipe")
+            for k, item in enumerate(it):
+                assert int(item[0]) == k
+                taken += 1
+                if k % 60 == 0:
+                    time.sleep(0.02)  # the workers fill the window
+                most = max(most, started.value - taken)
+    finally:
+        loader.close()
+    assert taken == started.value == 1200
+    assert loader.window - 2 <= most <= loader.window
 
 
 def test_an_abandoned_epoch_on_persistent_workers_loads_nothing_more(engine):

@@ -50,6 +50,7 @@ import multiprocessing
 import os
 import pickle
 import random
+import select
 import socket
 import struct
 import sys
@@ -69,10 +70,11 @@ from .errors import TaskTimeout, WorkerError, WorkerStartError
 
 __all__ = ["DataLoader", "WorkerInfo", "get_worker_info", "default_collate"]
 
-# Requests, parent to worker: (FETCH, [batch ids], [indices, ...], returned memfds)
-# gives batches to load later; credits (a frame of ASCII digits, or (CREDIT, n, returned
-# memfds)) allow loading that many; (RESET,) and (CLOSE,).
-FETCH, RESET, CLOSE, CREDIT = 0, 1, 2, 3
+# Requests, parent to worker, on its channel: (FETCH, [batch ids], [indices, ...]) gives
+# batches to load later (read when the worker runs out); (RETURN, [memfds]) hands back memfds
+# whose arrays were freed; (RESET,) and (CLOSE,).
+# Credits, which allow loading that many batches, come on a counter of their own (below).
+FETCH, RESET, CLOSE, RETURN = 0, 1, 2, 3
 # Replies, worker to parent: (OK, batch id, data), (FAIL, batch id, exception blob, where),
 # (END, batch id) for an iterable dataset that is exhausted, (INIT_FAILED, exception blob),
 # (RESET_DONE,), (PACE, slow) when its batches turn slow or fast to load, and
@@ -422,7 +424,7 @@ def loader_loop(ctx: ChildContext) -> None:
     """A loader worker's main loop.
 
     The parent sends the batches to load ahead of time, a chunk at a time (``FETCH``), and
-    separately the right to load them: credits, one per batch, as a frame of ASCII digits.
+    separately the right to load them: credits, one per batch, on the credit counter.
     The worker loads the next batch it was given only while it holds a credit, so batches it
     has loaded and the parent has not yet taken never exceed the credits the parent handed
     out (``prefetch_factor``), whatever the chunk size. It tells the parent when its batches
@@ -448,10 +450,31 @@ def loader_loop(ctx: ChildContext) -> None:
     fdsock = opts["fdsock"]
     wire = _shm.Wire(None if fdsock is None else socket.socket(fileno=fdsock.fd), opts["shm_slots"])
     recv_bytes, loads, clock = conn.recv_bytes, pickle.loads, time.perf_counter
+    credits = opts["credits"].fd
     queue: collections.deque[tuple[int, Any]] = collections.deque()  # (batch id, indices)
     credit = 0
     pace, slow = 0.0, False  # seconds a batch takes (a moving average), and whether that is slow
     pending: list[bytes] = []
+
+    def handle(data: bytes) -> bool:
+        """One message from the parent; False on CLOSE."""
+        nonlocal credit
+        msg = loads(data)
+        op = msg[0]
+        if op == FETCH:
+            queue.extend(zip(msg[1], msg[2]))
+        elif op == RETURN:
+            wire.give_back(msg[1])
+        elif op == RESET:
+            queue.clear()
+            _take_credits(credits, block=False)  # none come until the parent hears RESET_DONE
+            credit = 0
+            fetcher.reset()
+            conn.send((RESET_DONE,))
+        else:
+            return False
+        return True
+
     try:
         while True:
             if credit and queue:
@@ -467,25 +490,16 @@ def loader_loop(ctx: ChildContext) -> None:
                     slow = not slow
                     conn.send((PACE, slow))
                 continue
-            data = recv_bytes()
-            if data[0] != 0x80:  # not a pickle: credits
-                credit += int(data)
+            if not queue:  # nothing to load before the parent sends more
+                if not handle(recv_bytes()):
+                    return
                 continue
-            msg = loads(data)
-            op = msg[0]
-            if op == FETCH:
-                queue.extend(zip(msg[1], msg[2]))
-                wire.give_back(msg[3])
-            elif op == CREDIT:
-                credit += msg[1]
-                wire.give_back(msg[2])
-            elif op == RESET:
-                queue.clear()
-                credit = 0
-                fetcher.reset()
-                conn.send((RESET_DONE,))
-            else:
-                return
+            n, attention = _take_credits(credits)
+            credit += n
+            if attention:
+                while conn.poll(0):
+                    if not handle(recv_bytes()):
+                        return
     except (EOFError, BrokenPipeError, ConnectionError):
         return  # the parent closed the channel
 
@@ -498,14 +512,16 @@ def loader_loop(ctx: ChildContext) -> None:
 class _Slot(_shm.Receiver):
     """The parent's view of one worker."""
 
-    __slots__ = ("id", "proc", "conn", "held", "backlog", "credit", "owed", "group",
+    __slots__ = ("id", "proc", "conn", "credits", "held", "backlog", "credit", "owed", "group",
                  "exhausted", "outbox", "lock", "sender")
 
-    def __init__(self, wid: int, proc: WorkerProcess, fdsock: socket.socket | None) -> None:
+    def __init__(self, wid: int, proc: WorkerProcess, fdsock: socket.socket | None,
+                 credits: int) -> None:
         super().__init__(fdsock)
         self.id = wid
         self.proc = proc
         self.conn = proc.conn
+        self.credits = credits  # the parent's end of the worker's credit counter
         # batches given to the worker and not answered yet, in order: (batch id, indices)
         self.held: collections.deque[tuple[int, Any]] = collections.deque()
         self.backlog: collections.deque[Any] = collections.deque()  # replies read, not taken
@@ -513,11 +529,24 @@ class _Slot(_shm.Receiver):
         self.owed = 0  # batches taken whose credit is not handed back yet
         self.group = 1  # credits go back when this many are owed
         self.exhausted = False  # its part of an iterable dataset has ended
-        # messages waiting for a sender thread (None: no thread; see _Workers.post)
+        # messages waiting for a sender thread (None: no thread; see _post)
         self.outbox: collections.deque[bytes] | None = None
         self.lock = threading.Lock()
         self.sender: threading.Thread | None = None
         register_parent_side(self)  # a worker forked later closes our memfds and socket
+
+    def close_fds(self) -> None:
+        super().close_fds()
+        fd, self.credits = self.credits, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def attention(self, message: bytes | None = None) -> None:
+        """Make the worker read its channel (after ``message``, posted there)."""
+        if message is not None:
+            _post(self, message)
+        _add_credits(self.credits, ATTENTION)
 
 
 _live: weakref.WeakSet[_Workers] = weakref.WeakSet()
@@ -530,7 +559,52 @@ def _stop_all_at_exit() -> None:
             workers.close(grace=0.2)
 
 
-_CREDITS = [b"%d" % k for k in range(256)]
+# -- credits: an eventfd (a pipe where there is none) -------------------------------------------
+#
+# A credit is added to a counter the worker blocks on, not written to its channel: one 8-byte
+# write for the parent, one read for the worker that takes every credit granted so far, no
+# framing and no parsing; and its wake-up is a plain one, where a pipe's is a "sync" wake-up,
+# which invites the scheduler to run the worker on the CPU of the parent, which goes on
+# working. The counter also carries ATTENTION, added when the worker must read its channel
+# (a reset, a close, memfds handed back).
+
+HAVE_EVENTFD = hasattr(os, "eventfd")
+ATTENTION = 1 << 32
+
+
+def _credit_fds() -> tuple[int, int]:
+    """``(worker's end, parent's end)`` of a new credit counter."""
+    if HAVE_EVENTFD:
+        fd = os.eventfd(0, os.EFD_CLOEXEC)  # type: ignore[attr-defined]
+        return fd, fd
+    r, w = os.pipe()
+    return r, w
+
+
+def _add_credits(fd: int, n: int) -> None:
+    try:
+        if HAVE_EVENTFD:
+            os.eventfd_write(fd, n)  # type: ignore[attr-defined]
+        else:
+            os.write(fd, b"+" * (n % ATTENTION) + (b"!" if n >= ATTENTION else b""))
+    except OSError:
+        pass  # the worker is gone: reading its channel reports how
+
+
+def _take_credits(fd: int, block: bool = True) -> tuple[int, bool]:
+    """``(credits, attention)`` added since the last call (waiting for some when ``block``)."""
+    if not block:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(0):
+            return 0, False
+    if HAVE_EVENTFD:
+        value = os.eventfd_read(fd)  # type: ignore[attr-defined]
+        return value % ATTENTION, value >= ATTENTION
+    data = os.read(fd, 65536)
+    if not data:
+        raise EOFError("the parent closed the credit pipe")
+    return data.count(b"+"), b"!" in data
 
 
 def _post(slot: _Slot, data: bytes) -> None:
@@ -611,14 +685,21 @@ class _Workers:
                 if _shm.HAVE_MEMFD:
                     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                 fdsock = None if theirs is None else _FdHandle(theirs.fileno())
+                worker_end, parent_end = _credit_fds()
                 proc = WorkerProcess(ctx, f"DataLoader-worker-{wid}", loader_loop,
-                                     options={**common, "worker_id": wid, "fdsock": fdsock})
+                                     options={**common, "worker_id": wid, "fdsock": fdsock,
+                                              "credits": _FdHandle(worker_end)})
                 try:
                     proc.start()
+                except BaseException:
+                    os.close(parent_end)
+                    raise
                 finally:
                     if theirs is not None:
                         theirs.close()
-                self.slots.append(_Slot(wid, proc, mine))
+                    if worker_end != parent_end:
+                        os.close(worker_end)
+                self.slots.append(_Slot(wid, proc, mine, parent_end))
                 self.slots[-1].group = self.prefetch
         except BaseException:
             self.close(grace=0.0)
@@ -630,16 +711,16 @@ class _Workers:
         """Give ``slot``'s worker batches ``bids`` (``requests``: their indices) to load once
         it has credit, in one message."""
         slot.held.extend(zip(bids, requests))
-        _post(slot, pickle.dumps((FETCH, bids, requests, slot.take_returned()), protocol=5))
+        _post(slot, pickle.dumps((FETCH, bids, requests), protocol=5))
 
     def grant(self, slot: _Slot, n: int) -> None:
         """Hand ``n`` credits to ``slot``'s worker (with the memfds freed since the last
         message, if any)."""
         slot.credit += n
         if slot.returned:
-            _post(slot, pickle.dumps((CREDIT, n, slot.take_returned()), protocol=5))
-        else:
-            _post(slot, _CREDITS[n] if n < 256 else b"%d" % n)
+            _post(slot, pickle.dumps((RETURN, slot.take_returned()), protocol=5))
+            n += ATTENTION
+        _add_credits(slot.credits, n)
 
     def give_back(self, slot: _Slot) -> None:
         """The caller took one of ``slot``'s batches: its credit goes back, in groups."""
@@ -664,7 +745,7 @@ class _Workers:
         over."""
         for slot in self.slots:
             slot.owed = 0  # no more credit for batches of the abandoned epoch
-            _post(slot, _RESET)
+            slot.attention(_RESET)
         for slot in self.slots:
             while self.read(slot, timeout)[0] != RESET_DONE:
                 pass
@@ -846,6 +927,7 @@ class _Workers:
                     continue  # its channel is closed once the worker is reaped
             with contextlib.suppress(OSError, ValueError):
                 slot.conn.send_bytes(_CLOSE)
+            _add_credits(slot.credits, ATTENTION)  # a worker waiting for credit reads it
             # a worker blocked writing a batch to us gets EPIPE and exits
             with contextlib.suppress(OSError, ValueError):
                 slot.conn.close()
@@ -1098,10 +1180,10 @@ class _Epoch:
 
     Batches are given to the workers a chunk at a time (``CHUNK``), ahead of when they are
     loaded; credits decide when they are loaded. In order, the batches go to the workers in
-    turn (batch k of a map-style epoch to worker ``k % num_workers``), and the parent reads
-    each batch from the worker that holds it: no reorder buffer, and the batches the other
-    workers loaded wait in their own channels. ``in_order=False`` gives each worker a new
-    chunk when it runs low and takes whatever any worker has ready.
+    turn (batch k of a map-style epoch to worker ``(k // prefetch_factor) % num_workers``), and
+    the parent reads each batch from the worker that holds it: no reorder buffer, and the
+    batches the other workers loaded wait in their own channels. ``in_order=False`` gives each
+    worker a new chunk when it runs low and takes whatever any worker has ready.
     """
 
     def __init__(self, loader: DataLoader, workers: _Workers, requests: Iterator[Any]) -> None:
