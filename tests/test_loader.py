@@ -12,11 +12,16 @@ import collections
 import itertools
 import multiprocessing
 import os
+import pickle
 import random
 import signal
+import stat
+import threading
 import time
+import types
 
 import pytest
+from _helpers import Background
 
 from framepipe import _impl
 from framepipe.workers import (
@@ -194,6 +199,83 @@ def failing_init(worker_id: int) -> None:
     raise RuntimeError(f"no config for worker {worker_id}")
 
 
+class UnevenArrays:
+    """Item i is a 4 KiB float32 array filled with i; every 7th item spins a while."""
+
+    def __init__(self, n: int, spin: float = 0.0005) -> None:
+        self.n = n
+        self.spin = spin
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if i % 7 == 0:
+            end = time.perf_counter() + self.spin * (1 + i % 3)
+            while time.perf_counter() < end:
+                pass
+        return np.full(1024, i, dtype=np.float32)
+
+
+class Counted:
+    """Item i is a small array of i; ``started`` (shared memory) counts the items the workers
+    began to load."""
+
+    def __init__(self, n: int, started, spin: float = 0.0) -> None:
+        self.n = n
+        self.started = started
+        self.spin = spin
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        with self.started.get_lock():
+            self.started.value += 1
+        end = time.perf_counter() + self.spin
+        while time.perf_counter() < end:
+            pass
+        return np.full(16, i, dtype=np.int64)
+
+
+class KillAt:
+    """Item ``at`` kills its worker with SIGKILL, after a line on stderr."""
+
+    def __init__(self, n: int, at: int) -> None:
+        self.n = n
+        self.at = at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.at:
+            os.write(2, f"loading item {i}, then dying\n".encode())
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+
+class Chatty:
+    """Item 2 writes 300 KiB to stderr (more than a pipe holds) before it returns."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> int:
+        if i == 2:
+            os.write(2, b"x" * (300 * 1024) + b"\nchatty item 2 done\n")
+        return i
+
+
+class UnevenShards:
+    """An iterable dataset: worker 0 has 3 items, the others 20 each."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        for j in range(3 if info.id == 0 else 20):
+            yield info.id, j
+
+
 # -- order, exactly once ---------------------------------------------------------------------
 
 
@@ -208,6 +290,71 @@ def test_unordered_delivers_every_index_exactly_once(engine):
         got = list(loader)
     assert sorted(got) == list(range(3000))
     assert got != list(range(3000)), "slow items should have been overtaken"
+
+
+@pytest.mark.parametrize("workers, prefetch", [(3, 1), (2, 3), (1, 2)])
+def test_order_kept_for_any_number_of_workers_and_prefetch(engine, workers, prefetch):
+    with DataLoader(UnevenArrays(3000), num_workers=workers, prefetch_factor=prefetch,
+                    timeout=GUARD) as loader:
+        assert [int(a[0]) for a in loader] == list(range(3000))
+
+
+class Phases:
+    """Items 0-299 load at once, 300-599 take 0.2 ms each, 600-899 load at once again."""
+
+    def __len__(self) -> int:
+        return 900
+
+    def __getitem__(self, i: int):
+        if 300 <= i < 600:
+            end = time.perf_counter() + 2e-4
+            while time.perf_counter() < end:
+                pass
+        return np.full(8, i, dtype=np.int32)
+
+
+def test_order_kept_while_batches_turn_slow_and_fast_again(engine):
+    """Credits go back in groups while batches are fast, one at a time while they are slow."""
+    with DataLoader(Phases(), timeout=GUARD) as loader:
+        it = iter(loader)
+        got, groups = [], []
+        for item in it:
+            got.append(int(item[0]))
+            groups.append(it.workers.slots[0].group)
+    assert got == list(range(900))
+    assert groups[250] == loader.prefetch_factor  # fast
+    assert 1 in groups[300:600]  # slow: the worker said so
+    assert groups[-1] == loader.prefetch_factor  # fast again
+
+
+class WhichWorker:
+    """Item i is (i, the id of the worker that loaded it)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        return i, get_worker_info().id
+
+
+@pytest.mark.parametrize("prefetch, batch_size", [(2, None), (3, 1200)])
+def test_batch_k_is_always_loaded_by_worker_k_div_prefetch_mod_workers(prefetch, batch_size):
+    """Also when batches are large enough to cut the chunks short."""
+    with DataLoader(WhichWorker(90_000 if batch_size else 300), batch_size=batch_size,
+                    num_workers=3, prefetch_factor=prefetch, timeout=GUARD) as loader:
+        owners = [int(b[1][0]) if batch_size else b[1] for b in loader]
+    assert owners == [(k // prefetch) % 3 for k in range(len(owners))]
+
+
+def test_unordered_batches_deliver_every_index_exactly_once(engine):
+    with DataLoader(UnevenArrays(2000, spin=0.002), batch_size=7, in_order=False,
+                    timeout=GUARD) as loader:
+        got = [int(v) for batch in loader for v in batch[:, 0]]
+    assert sorted(got) == list(range(2000))
+    assert got != list(range(2000)), "slow items should have been overtaken"
 
 
 def test_batches_collate_and_len():
@@ -323,6 +470,26 @@ def test_exception_with_two_argument_constructor(engine):
         assert list(it) == list(range(8, 20))  # the loader goes on after the error
 
 
+def refuse_to_collate(items):
+    raise ValueError(f"cannot collate {len(items)} items")
+
+
+def test_an_exception_in_a_batch_names_the_index_or_the_collate(engine):
+    with DataLoader(Raising(), batch_size=4, timeout=GUARD) as loader:
+        it = iter(loader)
+        assert next(it).tolist() == [0, 1, 2, 3]
+        with pytest.raises(BadRecord) as info:
+            next(it)
+        assert any("while loading index 7" in note for note in info.value.__notes__)
+        assert next(it).tolist() == [8, 9, 10, 11]
+    with DataLoader(list(range(8)), batch_size=4, collate_fn=refuse_to_collate,
+                    timeout=GUARD) as loader:
+        with pytest.raises(ValueError, match="cannot collate 4 items") as info:
+            list(loader)
+    assert any("while loading collate_fn of indices [0, 1, 2, 3]" in note
+               for note in info.value.__notes__)
+
+
 def test_hung_getitem_raises_task_timeout_with_the_stack(engine):
     loader = DataLoader(Hanging(), timeout=1.0)
     pids = []
@@ -336,6 +503,36 @@ def test_hung_getitem_raises_task_timeout_with_the_stack(engine):
     assert err.stack and "hang_here" in err.stack
     assert "batch 3 (indices 3)" in str(err)
     assert all(gone(pid) for pid in pids)
+
+
+def test_a_crash_mid_chunk_names_the_batch_it_was_loading_and_what_was_queued(engine):
+    loader = DataLoader(KillAt(1000, 37), timeout=GUARD)
+    got = []
+    with pytest.raises(WorkerCrashed) as info:
+        for i in loader:
+            got.append(i)
+    err = info.value
+    text = str(err)
+    assert got == list(range(37))  # everything before the crash, in order
+    assert err.signal_name == "SIGKILL"
+    assert list(err.batches.values())[0] == 37  # the batch it was loading comes first
+    assert "while running batch 37 (indices 37)" in text
+    assert f"DataLoader worker {err.worker_id}" in text and f"pid {err.pid}" in text
+    assert err.queued, "the worker was given batches ahead of its credit"
+    assert all(i > 37 for i in err.queued.values())
+    assert f"{len(err.queued)} more batches were queued for it" in text
+    assert not set(err.queued) & set(err.batches)
+    assert "loading item 37, then dying" in err.stderr_tail
+    assert gone(err.pid)
+    loader.close()
+
+
+def test_a_worker_flooding_its_stderr_is_not_stuck(engine, capfd):
+    start = time.monotonic()
+    with DataLoader(Chatty(), timeout=GUARD) as loader:
+        assert list(loader) == list(range(6))
+    assert time.monotonic() - start < 10
+    assert "chatty item 2 done" in capfd.readouterr().err
 
 
 class Unpicklable:
@@ -383,6 +580,18 @@ def test_iterable_dataset_shards_itself(engine):
     assert get_worker_info() is None
 
 
+def test_iterable_shards_of_different_lengths_come_in_turn(engine):
+    with DataLoader(UnevenShards(), timeout=GUARD) as loader:
+        got = [tuple(item) for item in loader]
+    assert got == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)] + [(1, j) for j in range(3, 20)]
+
+
+def test_unordered_iterable_shards_of_different_lengths(engine):
+    with DataLoader(UnevenShards(), in_order=False, batch_size=2, timeout=GUARD) as loader:
+        got = [tuple(int(v) for v in pair) for batch in loader for pair in zip(*batch)]
+    assert sorted(got) == sorted([(0, j) for j in range(3)] + [(1, j) for j in range(20)])
+
+
 def test_persistent_workers_across_three_epochs():
     loader = DataLoader(Whose(), persistent_workers=True, timeout=GUARD)
     try:
@@ -422,7 +631,7 @@ def test_parent_rss_stays_within_the_prefetch_bound():
         for k, item in enumerate(it):
             assert item.min() == k == item.max()  # touches every page
             peak = max(peak, _rss())
-            most_in_flight = max(most_in_flight, len(it.workers.tasks))
+            most_in_flight = max(most_in_flight, it.workers.in_flight())
             del item
     assert most_in_flight <= loader.window == 4
     # the window, the item held by the loop and one being read, plus slack for the allocator
@@ -443,6 +652,165 @@ def test_early_break_leaves_no_process_behind(engine):
     assert time.monotonic() - start < 3.0
 
 
+@pytest.mark.parametrize("workers, prefetch, in_order, spin",
+                         [(2, 2, True, 0.0), (3, 1, True, 0.0), (1, 4, True, 0.0),
+                          (2, 3, False, 0.0), (2, 2, True, 1e-4), (2, 4, False, 1e-4)])
+def test_items_loaded_and_not_taken_never_exceed_the_window(engine, workers, prefetch, in_order,
+                                                            spin):
+    """Fast items (credits go back in groups) and slow ones (one at a time) alike."""
+    started = multiprocessing.Value("q", 0)
+    loader = DataLoader(Counted(800, started, spin), num_workers=workers,
+                        prefetch_factor=prefetch, in_order=in_order, timeout=GUARD)
+    taken = most = 0
+    seen = []
+    with loader:
+        for k, item in enumerate(loader):
+            taken += 1
+            if k % 40 == 0:
+                time.sleep(0.02)  # the workers run as far ahead as they may
+            most = max(most, started.value - taken)
+            seen.append(int(item[0]))
+    assert most <= loader.window
+    assert most >= loader.window - workers  # the pauses let them fill the window (or nearly)
+    assert sorted(seen) == list(range(800))
+    assert seen == list(range(800)) or not in_order
+
+
+@pytest.fixture(params=["eventfd", "pipe"])
+def credits(request, monkeypatch):
+    """Credits on an eventfd, or on the pipe used where there is none (forked workers inherit
+    the choice)."""
+    if request.param == "pipe":
+        monkeypatch.setattr(loader_module, "HAVE_EVENTFD", False)
+    elif not loader_module.HAVE_EVENTFD:
+        pytest.skip("no eventfd here")
+    return request.param
+
+
+def test_credits_keep_the_window_across_epochs_on_either_counter(credits):
+    started = multiprocessing.Value("q", 0)
+    loader = DataLoader(Counted(600, started), persistent_workers=True, timeout=GUARD)
+    taken = most = 0
+    try:
+        for _ in range(2):  # the second epoch starts with a reset of the workers
+            it = iter(loader)
+            fifo = stat.S_ISFIFO(os.fstat(it.workers.slots[0].credits).st_mode)
+            assert fifo == (credits == "pipe")
+            for k, item in enumerate(it):
+                assert int(item[0]) == k
+                taken += 1
+                if k % 60 == 0:
+                    time.sleep(0.02)  # the workers fill the window
+                most = max(most, started.value - taken)
+    finally:
+        loader.close()
+    assert taken == started.value == 1200
+    assert loader.window - 2 <= most <= loader.window
+
+
+def test_an_abandoned_epoch_on_persistent_workers_loads_nothing_more(engine):
+    started = multiprocessing.Value("q", 0)
+    loader = DataLoader(Counted(1000, started), persistent_workers=True, timeout=GUARD)
+    try:
+        it = iter(loader)
+        first = [int(next(it)[0]) for _ in range(9)]
+        time.sleep(0.2)  # the workers fill the window
+        loaded = started.value
+        assert loaded - 9 <= loader.window
+        again, most = [], 0
+        for k, item in enumerate(loader):  # a new epoch: what the old one loaded is dropped
+            again.append(int(item[0]))
+            if k % 50 == 0:
+                time.sleep(0.02)
+            most = max(most, started.value - loaded - len(again))
+        assert first == list(range(9)) and again == list(range(1000))
+        assert started.value == loaded + 1000  # nothing more of the old epoch was loaded
+        assert most <= loader.window  # and no credit of the old one leaked into the new one
+    finally:
+        loader.close()
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_early_break_with_batches_queued_stops_the_workers(engine, in_order):
+    loader = DataLoader(UnevenArrays(100_000), in_order=in_order, timeout=GUARD)
+    for k, _ in enumerate(loader):
+        if k == 0:
+            pids = loader.worker_pids()
+        if k == 300:
+            break
+    assert len(pids) == 2
+    start = time.monotonic()
+    assert all(gone(pid) for pid in pids)
+    assert time.monotonic() - start < 3.0
+
+
+def test_a_message_larger_than_any_buffer_never_blocks_the_parent(engine):
+    """A worker may be blocked writing to the parent while the parent writes to it: a message
+    to a worker that cannot fit its pipe goes through a sender thread."""
+    from framepipe import connection
+
+    parent, child = connection.Pipe(True, read_ahead=True, pipes=True)
+    slot = types.SimpleNamespace(outbox=None, lock=threading.Lock(), sender=None, conn=parent,
+                                 id=0)
+    big = b"\x80" + bytes(16 << 20)  # more than the pipe and the bulk socket hold
+    posting = Background(lambda: [loader_module._post(slot, m) for m in (big, b"3", b"5")])
+    posting.thread.join(5.0)
+    assert not posting.thread.is_alive(), "the parent waited for a reader"
+    assert child.recv_bytes(timeout=GUARD) == big  # in order, whole
+    assert child.recv_bytes(timeout=GUARD) == b"3"
+    assert child.recv_bytes(timeout=GUARD) == b"5"
+    deadline = time.monotonic() + GUARD
+    while slot.outbox is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert slot.outbox is None  # the sender thread is done; small messages go straight out
+    loader_module._post(slot, b"7")
+    assert slot.outbox is None and child.recv_bytes(timeout=GUARD) == b"7"
+    parent.close()
+    child.close()
+
+
+class Sleepy:
+    """Items from 2 on take 5 s each."""
+
+    def __len__(self) -> int:
+        return 100
+
+    def __getitem__(self, i: int) -> int:
+        if i >= 2:
+            time.sleep(5)
+        return i
+
+
+def test_close_while_a_message_is_still_going_out_to_a_busy_worker(engine):
+    loader = DataLoader(Sleepy(), timeout=GUARD)
+    it = iter(loader)
+    assert [next(it), next(it)] == [0, 1]  # worker 0's first two: its credits go back
+    pids = loader.worker_pids()
+    time.sleep(0.2)  # worker 0 now loads item 4 for 5 s, and reads nothing meanwhile
+    loader_module._post(it.workers.slots[0], b"9" * (16 << 20))
+    assert it.workers.slots[0].outbox is not None
+    start = time.monotonic()
+    loader.close()
+    assert time.monotonic() - start < 3.0
+    assert all(gone(pid) for pid in pids)
+
+
+class Scalars:
+    def __len__(self) -> int:
+        return 10**7
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def test_batches_of_many_indices(engine):
+    n = 20_000  # a batch's indices alone exceed the size of one message to a worker
+    batches = [list(range(k * n, (k + 1) * n)) for k in range(12)]
+    with DataLoader(Scalars(), batch_sampler=batches, timeout=GUARD) as loader:
+        got = [(int(b[0]), len(b), int(b[-1])) for b in loader]
+    assert got == [(k * n, n, (k + 1) * n - 1) for k in range(12)]
+
+
 def test_deleting_the_loader_stops_persistent_workers():
     loader = DataLoader(Big(100, 4096), persistent_workers=True, timeout=GUARD)
     it = iter(loader)
@@ -450,6 +818,68 @@ def test_deleting_the_loader_stops_persistent_workers():
     pids = loader.worker_pids()
     del it, loader
     assert all(gone(pid) for pid in pids)
+
+
+# -- small arrays: a pickle built directly ------------------------------------------------------
+
+
+def _arrays():
+    return [
+        np.arange(1024, dtype=np.float32),
+        np.arange(60, dtype=">i2").reshape(3, 4, 5),
+        np.array([True, False, True]),
+        np.arange(6, dtype=np.complex128).reshape(2, 3) * 1j,
+        np.array(["2026-01-01", "2026-11-24"], dtype="datetime64[s]"),
+        np.array(["ab", "cde"]),
+        np.array([b"x", b"yz"]),
+        np.zeros((0, 3), dtype=np.float64),
+        np.array(7.5),
+        np.arange(loader_module.INLINE_MAX // 8 - 1, dtype=np.float64),
+    ]
+
+
+@pytest.mark.parametrize("array", _arrays(), ids=lambda a: f"{a.dtype.str}{list(a.shape)}")
+def test_small_arrays_travel_as_a_pickle_built_directly(array):
+    blob = loader_module._inline_array(7, array)
+    assert blob is not None
+    kind, bid, back = pickle.loads(blob)
+    assert (kind, bid) == (loader_module.OK, 7)
+    assert back.dtype == array.dtype and back.shape == array.shape
+    assert np.array_equal(back, array)
+    assert back.flags.writeable and back.flags.c_contiguous and back.flags.aligned
+
+
+def test_arrays_the_direct_pickle_leaves_to_pickle():
+    big = np.zeros(loader_module.INLINE_MAX // 8, dtype=np.float64)
+    others = [
+        big,  # from INLINE_MAX on: out of band
+        np.arange(20.0).reshape(4, 5)[:, 1],  # not contiguous
+        np.array([{"a": 1}, None], dtype=object),
+        np.zeros(3, dtype=[("x", "<f4"), ("y", "<i2")]),  # structured: the fields would be lost
+        np.ma.masked_array([1, 2, 3], mask=[0, 1, 0]),  # a subclass
+    ]
+    assert [loader_module._inline_array(1, a) for a in others] == [None] * len(others)
+    assert loader_module._inline_array(1, [1, 2]) is None
+
+
+class AllKinds:
+    def __len__(self) -> int:
+        return 2 * len(_arrays())
+
+    def __getitem__(self, i: int):
+        arrays = _arrays()
+        return arrays[i % len(arrays)]
+
+
+def test_arrays_of_every_kind_arrive_intact_and_writable(engine):
+    with DataLoader(AllKinds(), timeout=GUARD) as loader:
+        got = list(loader)
+    want = _arrays() * 2
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+        assert a.flags.writeable
+    got[0][0] = -1.0  # the caller's own memory
 
 
 # -- the shared-memory pool -------------------------------------------------------------------

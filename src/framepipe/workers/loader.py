@@ -5,27 +5,34 @@
 ``in_order``, ``timeout``, ``worker_init_fn``, ``persistent_workers``, ``drop_last``) and needs
 no torch. How it works:
 
-- Every worker has its own duplex channel (:class:`~framepipe.workers._process.WorkerProcess`):
-  the parent sends it the indices of ``prefetch_factor`` batches in one message and it answers
-  each with its batch. No queue is shared by the workers, so a crash costs what that worker
-  held and nothing else.
+- Every worker has its own duplex channel (:class:`~framepipe.workers._process.WorkerProcess`).
+  No queue is shared by the workers, so a crash costs what that worker held and nothing else.
 - The parent samples (the sampler runs in the parent, as under torch, so a
-  ``DistributedSampler`` plugs in unchanged) and keeps at most ``prefetch_factor *
-  num_workers`` batches requested and not yet handed to the caller: that bounds the memory of
-  the parent. Batches go to the workers in turn, so batch k is always loaded by the same
-  worker and a seed reproduces an epoch.
-- Results travel with ``Connection.send`` (pickle protocol 5): arrays under 16 KiB inside the
-  pickle, from 16 KiB out of band on the connection's bulk socketpair (one kernel copy each
-  way), from :data:`SHM_MIN` (1 MiB) in a per-worker pool of memfds that the parent maps and
-  hands back when the array is freed (no copy in the parent). Torch tensors travel as their
-  NumPy view and are rebuilt with ``torch.from_numpy`` (no copy).
-- In order (the default), the parent reads the worker that holds the next batch when it has
-  data, and otherwise waits on every worker at once, moving whatever arrives into a reorder
-  buffer (so a worker whose result is ready is never held up behind a slow one).
-  ``in_order=False`` yields whatever arrives first.
+  ``DistributedSampler`` plugs in unchanged) and gives each worker its batches ahead of time,
+  :data:`CHUNK` to a message. What a worker may load is decided by credits: it holds
+  ``prefetch_factor`` of them, spends one per batch it loads, and gets it back when the caller
+  takes that batch. So at most ``prefetch_factor * num_workers`` batches are loaded (or being
+  loaded) and not yet taken, however far ahead the indices went: that bounds the parent's
+  memory. Credits come back one at a time while a worker's batches are slow to load (it must
+  never wait), and in groups of ``prefetch_factor`` while they are fast (a credit costs a
+  write and a wake-up, which is most of what a fast batch costs); the worker reports which.
+- In order (the default), a map-style epoch gives the workers ``prefetch_factor`` batches in
+  a row each, in turn (iterable datasets: one each, torch's order), so batch k is always
+  loaded by the same worker and a seed reproduces an epoch; the parent reads each batch from
+  the worker that holds it, and what the other workers loaded waits in their channels (there
+  is no reorder buffer to fill). ``in_order=False`` gives each worker a new chunk when it runs
+  low and yields whatever any worker has ready.
+- Results: a batch that is one NumPy array under :data:`INLINE_MAX` (64 KiB) is written as a
+  pickle built directly (:func:`_inline_array`), and a worker with credit for several such
+  batches writes them in one frame. Anything else travels with ``Connection.send`` (pickle
+  protocol 5): arrays from 64 KiB out of band on the connection's bulk socketpair (one kernel
+  copy each way), from :data:`SHM_MIN` (1 MiB) in a per-worker pool of memfds that the parent
+  maps and hands back when the array is freed (no copy in the parent). Torch tensors travel
+  as their NumPy view and are rebuilt with ``torch.from_numpy`` (no copy).
 - Failures: a dead worker is seen at once (the channel is watched: :class:`framepipe.WriterDied`
   after every batch it finished) and raises :class:`WorkerCrashed` naming the worker, its pid,
-  exit code or signal, the batches and indices it held, the OOM hint and its stderr tail. An
+  exit code or signal, the batch it was loading and the others it held (``err.batches``) and
+  those queued for it (``err.queued``), the OOM hint and its stderr tail. An
   exception in the dataset or ``collate_fn`` is raised in the parent as its own type, with the
   worker's traceback and a note naming the index. ``timeout`` raises :class:`TaskTimeout` with
   the stuck worker's stack. Workers stop when the epoch ends (unless persistent), when the
@@ -43,8 +50,11 @@ import multiprocessing
 import os
 import pickle
 import random
+import select
 import socket
+import struct
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -52,7 +62,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import connection as _connection
-from ..errors import WriterDied
+from ..errors import ReadTimeout, WriterDied
 from ..remote import dumps_exception, loads_exception
 from . import _shm
 from ._process import ChildContext, WorkerProcess, _FdHandle, register_parent_side
@@ -60,17 +70,31 @@ from .errors import TaskTimeout, WorkerError, WorkerStartError
 
 __all__ = ["DataLoader", "WorkerInfo", "get_worker_info", "default_collate"]
 
-# Requests, parent to worker: (FETCH, batch id, indices), (RESET,), (CLOSE,).
-FETCH, RESET, CLOSE = 0, 1, 2
-# Replies, worker to parent: (OK, batch id, data), (FAIL, batch id, exception blob),
-# (END, batch id) for an iterable dataset that is exhausted, (INIT_FAILED, exception blob).
-OK, FAIL, END, INIT_FAILED = 0, 1, 2, 3
+# Requests, parent to worker, on its channel: (FETCH, [batch ids], [indices, ...]) gives
+# batches to load later (read when the worker runs out); (RETURN, [memfds]) hands back memfds
+# whose arrays were freed; (RESET,) and (CLOSE,).
+# Credits, which allow loading that many batches, come on a counter of their own (below).
+FETCH, RESET, CLOSE, RETURN = 0, 1, 2, 3
+# Replies, worker to parent: (OK, batch id, data), (FAIL, batch id, exception blob, where),
+# (END, batch id) for an iterable dataset that is exhausted, (INIT_FAILED, exception blob),
+# (RESET_DONE,), (PACE, slow) when its batches turn slow or fast to load, and
+# (MANY, reply, reply, ...): replies written in one frame.
+OK, FAIL, END, INIT_FAILED, RESET_DONE, PACE, MANY = 0, 1, 2, 3, 4, 5, 6
+_ANSWERS = frozenset((OK, FAIL, END))
 
 _CLOSE = pickle.dumps((CLOSE,), protocol=5)
 _RESET = pickle.dumps((RESET,), protocol=5)
+CHUNK = 16  # batches given to a worker in one message (at least prefetch_factor)
+CHUNK_INDICES = 4096  # and fewer indices than this, where batches are large
+POST_MAX = 32 * 1024  # bytes: a larger message to a worker goes through a sender thread
+# A worker whose batches take longer than SLOW_BATCH seconds to load and send (on average)
+# gets its credits back one at a time, so it never idles; below FAST_BATCH, in groups of
+# prefetch_factor, so it wakes once per group.
+SLOW_BATCH, FAST_BATCH = 20e-6, 10e-6
 STACK_WAIT = 0.5  # seconds to wait for a stuck worker's stack
 STOP_GRACE = 1.0  # seconds workers get to exit by themselves before SIGTERM, then SIGKILL
 PUMP_EVERY = 0.02  # seconds between stderr pumps while batches keep arriving
+WAIT_SLICE = 0.25  # seconds: while waiting for a batch, stderr is pumped this often
 RSS_EVERY = 0.1  # seconds between samples of the workers' peak RSS (for the OOM hint)
 
 
@@ -113,6 +137,10 @@ def default_collate(batch: Sequence[Any]) -> Any:
     elem = batch[0]
     np = sys.modules.get("numpy")
     if np is not None and isinstance(elem, np.ndarray):
+        nd, shape, dtype = np.ndarray, elem.shape, elem.dtype
+        if dtype.kind != "O" and all(
+                type(a) is nd and a.dtype is dtype and a.shape == shape for a in batch):
+            return np.array(batch)  # what np.stack gives here, in half the time
         return np.stack(batch)
     if _shm._is_torch_tensor(elem):
         return sys.modules["torch"].stack(list(batch))
@@ -159,7 +187,21 @@ class _Fetcher:
         self.collate = collate_fn
         self.drop_last = drop_last
         self._it: Iterator[Any] | None = None
-        self.where: str = ""  # what was being loaded when an exception was raised
+        # what was being loaded, kept raw and put into words only when an exception needs it
+        self._stage = ""
+        self._at: Any = None
+
+    @property
+    def where(self) -> str:
+        """What was being loaded when an exception was raised."""
+        stage, at = self._stage, self._at
+        if stage == "index":
+            return f"index {at!r}"
+        if stage == "collate_one":
+            return f"collate_fn of index {at!r}"
+        if stage == "collate":
+            return f"collate_fn of indices {_short(at)}"
+        return stage
 
     def reset(self) -> None:
         self._it = None
@@ -170,35 +212,40 @@ class _Fetcher:
             return self._next_iterable()
         dataset = self.dataset
         if self.batch_size is None and not isinstance(indices, list):
-            self.where = f"index {indices!r}"
+            self._stage, self._at = "index", indices
             item = dataset[indices]
             if self.collate is not None:
-                self.where = f"collate_fn of index {indices!r}"
+                self._stage = "collate_one"
                 item = self.collate(item)
             return item
-        items = []
-        for i in indices:
-            self.where = f"index {i!r}"
-            items.append(dataset[i])
-        self.where = f"collate_fn of indices {_short(indices)}"
+        items: list[Any] = []
+        append = items.append
+        i = None
+        try:
+            for i in indices:
+                append(dataset[i])
+        except BaseException:
+            self._stage, self._at = "index", i
+            raise
+        self._stage, self._at = "collate", indices
         return (self.collate or default_collate)(items)
 
     def _next_iterable(self) -> Any:
         if self._it is None:
-            self.where = "iter(dataset)"
+            self._stage = "iter(dataset)"
             self._it = iter(self.dataset)
         it = self._it
-        self.where = "the next item of the dataset"
+        self._stage = "the next item of the dataset"
         if self.batch_size is None:
             item = next(it)
             if self.collate is not None:
-                self.where = "collate_fn"
+                self._stage = "collate_fn"
                 item = self.collate(item)
             return item
         items = list(itertools.islice(it, self.batch_size))
         if not items or (self.drop_last and len(items) < self.batch_size):
             raise StopIteration
-        self.where = "collate_fn"
+        self._stage = "collate_fn"
         return (self.collate or default_collate)(items)
 
 
@@ -211,7 +258,68 @@ def _short(indices: Any, limit: int = 8) -> str:
     return f"[{head}, ... ({len(indices)} in all)]"
 
 
-# -- the wire: torch tensors as NumPy views, large arrays in shared memory -------------------
+# -- the wire: small arrays as a pickle built directly -----------------------------------------
+
+#: A reply that is one NumPy array smaller than this (a plain ``ndarray``, C-contiguous, of a
+#: numeric, bool, datetime, bytes or str dtype) is written as a pickle built here directly:
+#: a call of :func:`_array_reply` with the array's bytes in one BYTEARRAY8 opcode. The parent
+#: reads it with its usual ``recv()``. Building it costs a fraction of NumPy's own pickling
+#: (which looks up its reconstructor and rebuilds the dtype for every array), both to write
+#: and to read. From this size on, the pickle takes arrays out of band (no copy into the
+#: pickle), and from :data:`_shm.SHM_MIN` they go through shared memory.
+INLINE_MAX = 64 * 1024
+_INLINE_KINDS = frozenset("biufcmMSU")
+_PICKLE_HEAD = b"".join((
+    b"\x80\x05",  # PROTO 5
+    b"\x8c", bytes([len(__name__)]), __name__.encode(),  # SHORT_BINUNICODE module
+    b"\x8c\x0c_array_reply",  # SHORT_BINUNICODE name
+    b"\x93(\x8a\x08",  # STACK_GLOBAL, MARK, LONG1 of 8 bytes (the batch id)
+))
+_PICKLE_TAIL = b"tR."  # TUPLE, REDUCE, STOP
+_MANY_HEAD = b"\x80\x05(K" + bytes([MANY])  # PROTO 5, MARK, BININT1 MANY; then the replies
+_BID = struct.Struct("<q")
+_BYTEARRAY8 = struct.Struct("<BQ")
+_meta_cache: dict[tuple[Any, tuple[int, ...]], bytes] = {}
+_dtype_cache: dict[str, Any] = {}
+
+
+def _array_reply(bid: int, dtype: str, shape: tuple[int, ...], data: bytearray) -> Any:
+    """What the parent unpickles from :func:`_inline_array`: the reply ``(OK, bid, array)``,
+    the array writable, over the bytearray the pickle made."""
+    dt = _dtype_cache.get(dtype)
+    if dt is None:
+        import numpy as np
+
+        dt = _dtype_cache[dtype] = np.dtype(dtype)
+    array = sys.modules["numpy"].frombuffer(data, dt)
+    return OK, bid, array.reshape(shape)
+
+
+def _inline_array(bid: int, array: Any) -> bytes | None:
+    """The reply ``(OK, bid, array)`` as a pickle built directly, or None when ``array`` is not
+    one this path takes (see :data:`INLINE_MAX`)."""
+    np = sys.modules.get("numpy")
+    if np is None or type(array) is not np.ndarray or array.nbytes >= INLINE_MAX or \
+            not array.flags.c_contiguous:
+        return None
+    key = (array.dtype, array.shape)
+    meta = _meta_cache.get(key)
+    if meta is None:
+        dtype = array.dtype
+        if dtype.kind not in _INLINE_KINDS or dtype.metadata:
+            return None
+        code = dtype.str.encode()
+        meta = b"".join((b"\x8c", bytes([len(code)]), code, b"(",
+                         *(b"\x8a\x08" + _BID.pack(n) for n in array.shape), b"t"))
+        if len(_meta_cache) >= 64:
+            _meta_cache.clear()
+        _meta_cache[key] = meta
+    if array.dtype.kind in "mM" or not array.nbytes:
+        raw = array.reshape(-1).view(np.uint8)  # datetimes export no buffer of their own
+    else:
+        raw = memoryview(array).cast("B")
+    return b"".join((_PICKLE_HEAD, _BID.pack(bid), meta, _BYTEARRAY8.pack(0x96, array.nbytes),
+                     raw, _PICKLE_TAIL))
 
 
 # -- seeds --------------------------------------------------------------------------------------
@@ -263,15 +371,29 @@ def _send_failure(conn: Any, bid: int, exc: BaseException, where: str) -> None:
     conn.send((FAIL, bid, dumps_exception(exc), where))
 
 
-def _answer(conn: Any, fetcher: _Fetcher, wire: _shm.Wire, bid: int, indices: Any) -> None:
+def _answer(conn: Any, fetcher: _Fetcher, wire: _shm.Wire, bid: int, indices: Any,
+            pending: list[bytes]) -> None:
+    """Load batch ``bid`` and answer it. A small array's reply (see :data:`INLINE_MAX`) is
+    added to ``pending``, to go out with the replies around it in one frame (:func:`_flush`);
+    any other reply is written at once, after what is pending."""
     try:
         data = fetcher.fetch(indices)
     except StopIteration:
+        _flush(conn, pending)
         conn.send((END, bid))
         return
     except BaseException as exc:  # noqa: BLE001 - raised in the parent
+        _flush(conn, pending)
         _send_failure(conn, bid, exc, fetcher.where)
         return
+    try:
+        inline = _inline_array(bid, data)
+    except Exception:  # noqa: BLE001 - an array this path cannot read goes the usual way
+        inline = None
+    if inline is not None:
+        pending.append(inline)
+        return
+    _flush(conn, pending)
     wire.used = []
     try:
         data = wire.convert(data)
@@ -288,8 +410,28 @@ def _answer(conn: Any, fetcher: _Fetcher, wire: _shm.Wire, bid: int, indices: An
         _send_failure(conn, bid, err, "the batch")
 
 
+def _flush(conn: Any, pending: list[bytes]) -> None:
+    """Write the replies in ``pending``: one as it is, several as one frame that unpickles to
+    ``(MANY, reply, ...)`` (each reply's pickle without its PROTO and STOP)."""
+    if len(pending) == 1:
+        conn.send_bytes(pending[0])
+    elif pending:
+        conn.send_bytes(b"".join((_MANY_HEAD, *(memoryview(p)[2:-1] for p in pending), b"t.")))
+    pending.clear()
+
+
 def loader_loop(ctx: ChildContext) -> None:
-    """A loader worker's main loop: answer each request in the order it came."""
+    """A loader worker's main loop.
+
+    The parent sends the batches to load ahead of time, a chunk at a time (``FETCH``), and
+    separately the right to load them: credits, one per batch, on the credit counter.
+    The worker loads the next batch it was given only while it holds a credit, so batches it
+    has loaded and the parent has not yet taken never exceed the credits the parent handed
+    out (``prefetch_factor``), whatever the chunk size. It tells the parent when its batches
+    turn slow or fast to load (``PACE``), which decides how the credits come back.
+    ``RESET`` drops what is queued (an abandoned epoch) and is acknowledged after every batch
+    loaded before it.
+    """
     global _worker_info
     opts = ctx.options
     conn = ctx.conn
@@ -307,19 +449,57 @@ def loader_loop(ctx: ChildContext) -> None:
                        opts["drop_last"])
     fdsock = opts["fdsock"]
     wire = _shm.Wire(None if fdsock is None else socket.socket(fileno=fdsock.fd), opts["shm_slots"])
-    recv_bytes, loads = conn.recv_bytes, pickle.loads
+    recv_bytes, loads, clock = conn.recv_bytes, pickle.loads, time.perf_counter
+    credits = opts["credits"].fd
+    queue: collections.deque[tuple[int, Any]] = collections.deque()  # (batch id, indices)
+    credit = 0
+    pace, slow = 0.0, False  # seconds a batch takes (a moving average), and whether that is slow
+    pending: list[bytes] = []
+
+    def handle(data: bytes) -> bool:
+        """One message from the parent; False on CLOSE."""
+        nonlocal credit
+        msg = loads(data)
+        op = msg[0]
+        if op == FETCH:
+            queue.extend(zip(msg[1], msg[2]))
+        elif op == RETURN:
+            wire.give_back(msg[1])
+        elif op == RESET:
+            queue.clear()
+            _take_credits(credits, block=False)  # none come until the parent hears RESET_DONE
+            credit = 0
+            fetcher.reset()
+            conn.send((RESET_DONE,))
+        else:
+            return False
+        return True
+
     try:
         while True:
-            msg = loads(recv_bytes())
-            op = msg[0]
-            if op == FETCH:
-                wire.give_back(msg[3])
-                for bid, indices in enumerate(msg[2], msg[1]):
-                    _answer(conn, fetcher, wire, bid, indices)
-            elif op == RESET:
-                fetcher.reset()
-            else:
-                return
+            if credit and queue:
+                # Fast batches: every one there is credit for, then their replies in one frame
+                for _ in range(1 if slow else min(credit, len(queue))):
+                    credit -= 1
+                    bid, indices = queue.popleft()
+                    start = clock()
+                    _answer(conn, fetcher, wire, bid, indices, pending)
+                    pace += (clock() - start - pace) * 0.125
+                _flush(conn, pending)
+                if slow != (pace > (FAST_BATCH if slow else SLOW_BATCH)):
+                    slow = not slow
+                    conn.send((PACE, slow))
+                continue
+            if not queue:  # nothing to load before the parent sends more
+                if not handle(recv_bytes()):
+                    return
+                continue
+            n, attention = _take_credits(credits)
+            credit += n
+            if attention:
+                while conn.poll(0):
+                    if not handle(recv_bytes()):
+                        return
     except (EOFError, BrokenPipeError, ConnectionError):
         return  # the parent closed the channel
 
@@ -332,16 +512,41 @@ def loader_loop(ctx: ChildContext) -> None:
 class _Slot(_shm.Receiver):
     """The parent's view of one worker."""
 
-    __slots__ = ("id", "proc", "conn", "outstanding", "exhausted")
+    __slots__ = ("id", "proc", "conn", "credits", "held", "backlog", "credit", "owed", "group",
+                 "exhausted", "outbox", "lock", "sender")
 
-    def __init__(self, wid: int, proc: WorkerProcess, fdsock: socket.socket | None) -> None:
+    def __init__(self, wid: int, proc: WorkerProcess, fdsock: socket.socket | None,
+                 credits: int) -> None:
         super().__init__(fdsock)
         self.id = wid
         self.proc = proc
         self.conn = proc.conn
-        self.outstanding: collections.deque[int] = collections.deque()  # batch ids, in order
-        self.exhausted = False
+        self.credits = credits  # the parent's end of the worker's credit counter
+        # batches given to the worker and not answered yet, in order: (batch id, indices)
+        self.held: collections.deque[tuple[int, Any]] = collections.deque()
+        self.backlog: collections.deque[Any] = collections.deque()  # replies read, not taken
+        self.credit = 0  # batches it may load and send before it needs more credit
+        self.owed = 0  # batches taken whose credit is not handed back yet
+        self.group = 1  # credits go back when this many are owed
+        self.exhausted = False  # its part of an iterable dataset has ended
+        # messages waiting for a sender thread (None: no thread; see _post)
+        self.outbox: collections.deque[bytes] | None = None
+        self.lock = threading.Lock()
+        self.sender: threading.Thread | None = None
         register_parent_side(self)  # a worker forked later closes our memfds and socket
+
+    def close_fds(self) -> None:
+        super().close_fds()
+        fd, self.credits = self.credits, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def attention(self, message: bytes | None = None) -> None:
+        """Make the worker read its channel (after ``message``, posted there)."""
+        if message is not None:
+            _post(self, message)
+        _add_credits(self.credits, ATTENTION)
 
 
 _live: weakref.WeakSet[_Workers] = weakref.WeakSet()
@@ -354,21 +559,111 @@ def _stop_all_at_exit() -> None:
             workers.close(grace=0.2)
 
 
+# -- credits: an eventfd (a pipe where there is none) -------------------------------------------
+#
+# A credit is added to a counter the worker blocks on, not written to its channel: one 8-byte
+# write for the parent, one read for the worker that takes every credit granted so far, no
+# framing and no parsing; and its wake-up is a plain one, where a pipe's is a "sync" wake-up,
+# which invites the scheduler to run the worker on the CPU of the parent, which goes on
+# working. The counter also carries ATTENTION, added when the worker must read its channel
+# (a reset, a close, memfds handed back).
+
+HAVE_EVENTFD = hasattr(os, "eventfd")
+ATTENTION = 1 << 32
+
+
+def _credit_fds() -> tuple[int, int]:
+    """``(worker's end, parent's end)`` of a new credit counter."""
+    if HAVE_EVENTFD:
+        fd = os.eventfd(0, os.EFD_CLOEXEC)  # type: ignore[attr-defined]
+        return fd, fd
+    r, w = os.pipe()
+    return r, w
+
+
+def _add_credits(fd: int, n: int) -> None:
+    try:
+        if HAVE_EVENTFD:
+            os.eventfd_write(fd, n)  # type: ignore[attr-defined]
+        else:
+            os.write(fd, b"+" * (n % ATTENTION) + (b"!" if n >= ATTENTION else b""))
+    except OSError:
+        pass  # the worker is gone: reading its channel reports how
+
+
+def _take_credits(fd: int, block: bool = True) -> tuple[int, bool]:
+    """``(credits, attention)`` added since the last call (waiting for some when ``block``)."""
+    if not block:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(0):
+            return 0, False
+    if HAVE_EVENTFD:
+        value = os.eventfd_read(fd)  # type: ignore[attr-defined]
+        return value % ATTENTION, value >= ATTENTION
+    data = os.read(fd, 65536)
+    if not data:
+        raise EOFError("the parent closed the credit pipe")
+    return data.count(b"+"), b"!" in data
+
+
+def _post(slot: _Slot, data: bytes) -> None:
+    """Send ``data`` to ``slot``'s worker without ever waiting on it for long.
+
+    A worker reads its channel between batches, and may itself be blocked writing a batch
+    to us: a message larger than the pipe's buffer would then wait for a reader that waits
+    for us. Such a message (and every one after it, until it is out) goes through a sender
+    thread of its own, while the caller goes on reading."""
+    if slot.outbox is None and len(data) <= POST_MAX:
+        try:
+            slot.conn.send_bytes(data)
+        except (OSError, ValueError):
+            pass  # the worker is gone: reading its channel reports how
+        return
+    with slot.lock:
+        if slot.outbox is not None:
+            slot.outbox.append(data)
+            return
+        slot.outbox = collections.deque([data])
+        slot.sender = threading.Thread(target=_send_outbox, args=(slot,), daemon=True,
+                                       name=f"DataLoader-sender-{slot.id}")
+    slot.sender.start()
+
+
+def _send_outbox(slot: _Slot) -> None:
+    while True:
+        with slot.lock:
+            if not slot.outbox:
+                slot.outbox = None
+                return
+            data = slot.outbox.popleft()
+        try:
+            slot.conn.send_bytes(data)
+        except (OSError, ValueError):
+            pass  # the worker is gone: reading its channel reports how
+
+
 class _Workers:
-    """The worker processes of one loader and everything in flight to and from them."""
+    """The worker processes of one loader and everything in flight to and from them.
+
+    Every worker holds at most ``prefetch_factor`` credits: a batch it has loaded (or is
+    loading) and the caller has not yet taken holds one. A credit goes back to the worker
+    when the caller takes the batch: one at a time while the worker's batches are slow to
+    load (it must never wait for one), in groups of ``prefetch_factor`` while they are fast
+    (one write then wakes it for that many batches, and waking is what a fast batch costs
+    most). Batch ids count up over the workers' life; ``floor`` is the first of the current
+    epoch.
+    """
 
     def __init__(self, loader: DataLoader, base_seed: int) -> None:
         self.base_seed = base_seed
         self.slots: list[_Slot] = []
-        self.tasks: dict[int, tuple[_Slot, Any]] = {}  # batch id -> (worker, indices)
-        self.results: dict[int, Any] = {}  # the reorder buffer: batch id -> reply
+        self.prefetch = loader.prefetch_factor
         self.next_bid = 0
         self.floor = 0  # the first batch id of the current epoch
         self.closed = False
         self.broken: BaseException | None = None
-        self._rr = 0
-        self._last_pump = time.monotonic()
-        self._last_rss = 0.0  # the first batch samples the workers' peak RSS
+        self._last_pump = self._last_rss = 0.0  # the first reply samples the workers' peak RSS
         ctx = multiprocessing.get_context(loader.start_method)
         common = {
             "num_workers": loader.num_workers,
@@ -390,114 +685,129 @@ class _Workers:
                 if _shm.HAVE_MEMFD:
                     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                 fdsock = None if theirs is None else _FdHandle(theirs.fileno())
+                worker_end, parent_end = _credit_fds()
                 proc = WorkerProcess(ctx, f"DataLoader-worker-{wid}", loader_loop,
-                                     options={**common, "worker_id": wid, "fdsock": fdsock})
+                                     options={**common, "worker_id": wid, "fdsock": fdsock,
+                                              "credits": _FdHandle(worker_end)})
                 try:
                     proc.start()
+                except BaseException:
+                    os.close(parent_end)
+                    raise
                 finally:
                     if theirs is not None:
                         theirs.close()
-                self.slots.append(_Slot(wid, proc, mine))
+                    if worker_end != parent_end:
+                        os.close(worker_end)
+                self.slots.append(_Slot(wid, proc, mine, parent_end))
+                self.slots[-1].group = self.prefetch
         except BaseException:
             self.close(grace=0.0)
             raise
 
     # -- requests --
 
-    def next_in_turn(self) -> _Slot | None:
-        """The worker whose turn it is (round robin over the active ones), or None."""
-        n = len(self.slots)
-        for k in range(n):
-            slot = self.slots[(self._rr + k) % n]
-            if not slot.exhausted:
-                self._rr = (self._rr + k) % n
-                return slot
-        return None
+    def assign(self, slot: _Slot, bids: list[int], requests: list[Any]) -> None:
+        """Give ``slot``'s worker batches ``bids`` (``requests``: their indices) to load once
+        it has credit, in one message."""
+        slot.held.extend(zip(bids, requests))
+        _post(slot, pickle.dumps((FETCH, bids, requests), protocol=5))
 
-    def send(self, slot: _Slot, requests: list[Any]) -> list[int]:
-        """Send batches to ``slot``'s worker in one message; their batch ids."""
-        first = self.next_bid
-        bids = list(range(first, first + len(requests)))
-        self.next_bid += len(requests)
-        for bid, indices in zip(bids, requests):
-            self.tasks[bid] = (slot, indices)
-        slot.outstanding.extend(bids)
-        self._rr = (self._rr + 1) % len(self.slots)
-        try:
-            returned = slot.take_returned()
-            slot.conn.send_bytes(pickle.dumps((FETCH, first, requests, returned), protocol=5))
-        except (OSError, ValueError):
-            pass  # the worker is gone: reading its channel reports how
-        return bids
+    def grant(self, slot: _Slot, n: int) -> None:
+        """Hand ``n`` credits to ``slot``'s worker (with the memfds freed since the last
+        message, if any)."""
+        slot.credit += n
+        if slot.returned:
+            _post(slot, pickle.dumps((RETURN, slot.take_returned()), protocol=5))
+            n += ATTENTION
+        _add_credits(slot.credits, n)
+
+    def give_back(self, slot: _Slot) -> None:
+        """The caller took one of ``slot``'s batches: its credit goes back, in groups."""
+        owed = slot.owed + 1
+        if owed >= slot.group:
+            slot.owed = 0
+            self.grant(slot, owed)
+        else:
+            slot.owed = owed
+
+    def settle(self) -> None:
+        """Hand back every credit still owed (before waiting: a worker must never wait for a
+        credit the parent keeps)."""
+        for slot in self.slots:
+            if slot.owed and not slot.exhausted:
+                n, slot.owed = slot.owed, 0
+                self.grant(slot, n)
 
     def reset(self, timeout: float | None) -> None:
-        """A new epoch on persistent workers: the batches of an abandoned epoch are awaited
-        and dropped, and iterable datasets start over."""
-        for bid in sorted(self.tasks):
-            self.take(bid, timeout)
-        self.tasks.clear()
-        self.results.clear()
-        self._rr = 0  # batch k of every epoch goes to the same worker
+        """A new epoch on persistent workers: each worker drops what it was given, the
+        batches it loaded before that are read and dropped, and iterable datasets start
+        over."""
         for slot in self.slots:
+            slot.owed = 0  # no more credit for batches of the abandoned epoch
+            slot.attention(_RESET)
+        for slot in self.slots:
+            while self.read(slot, timeout)[0] != RESET_DONE:
+                pass
+            slot.held.clear()
+            slot.backlog.clear()
+            slot.credit = slot.owed = 0
             slot.exhausted = False
-            with contextlib.suppress(OSError, ValueError):
-                slot.conn.send_bytes(_RESET)
 
     # -- replies --
 
-    def take(self, bid: int | None, timeout: float | None) -> tuple[int, Any]:
-        """The reply to batch ``bid`` (None: whichever comes first): ``(bid, reply)``."""
-        if bid is not None:
-            reply = self.results.pop(bid, None)
-            if reply is not None:
-                return bid, reply
-            slot = self.tasks[bid][0]
-            if slot.outstanding and slot.outstanding[0] == bid and slot.conn.poll(0):
-                got, reply = self._recv(slot)
-                if got == bid:
-                    self._housekeeping()
-                    return got, reply
-                self.results[got] = reply
-        elif self.results:
-            got = next(iter(self.results))
-            return got, self.results.pop(got)
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def read(self, slot: _Slot, timeout: float | None) -> Any:
+        """The next reply from ``slot``'s worker (waiting up to ``timeout`` seconds)."""
+        conn = slot.conn
+        if slot.credit <= 0:
+            self.settle()  # it cannot answer without credit
+        first = WAIT_SLICE if timeout is None else min(WAIT_SLICE, timeout)
+        deadline = None
+        backlog = slot.backlog
         while True:
-            busy = [s for s in self.slots if s.outstanding]
-            waits: list[Any] = [s.conn for s in busy]
-            for s in self.slots:
-                fd = s.proc.stderr_fd()
-                if fd is not None:
-                    waits.append(fd)
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = _connection.wait(waits, remaining)
-            if not ready and deadline is not None and time.monotonic() >= deadline:
-                raise self._timeout(bid, timeout)  # type: ignore[arg-type]
-            for s in busy:
-                if any(s.conn is r for r in ready):
-                    while s.outstanding and s.conn.poll(0):
-                        got, reply = self._recv(s)
-                        self.results[got] = reply
-            self._housekeeping(force=True)
-            if bid is None:
-                if self.results:
-                    got = next(iter(self.results))
-                    return got, self.results.pop(got)
-            elif bid in self.results:
-                return bid, self.results.pop(bid)
-
-    def _recv(self, slot: _Slot) -> tuple[int, Any]:
-        while True:
-            try:
-                with _shm.receiving(slot):
-                    msg = slot.conn.recv()
-            except WriterDied as died:
-                raise self._crashed(slot, died) from None
-            except (EOFError, OSError) as exc:
-                raise self._crashed(slot, None, f"its channel failed: {exc}") from None
+            if backlog:
+                msg = backlog.popleft()
+            else:
+                try:
+                    _shm.set_receiving(slot)
+                    try:
+                        msg = conn.recv(timeout=first)
+                    finally:
+                        _shm.set_receiving(None)
+                except ReadTimeout:
+                    # A long wait: from now on wait on every worker's stderr too (a worker
+                    # blocked writing to a full stderr pipe would never answer).
+                    if deadline is None:
+                        deadline = time.monotonic() - first + (
+                            math.inf if timeout is None else timeout)
+                    self._wait_long([slot], deadline, timeout)
+                    continue
+                except WriterDied as died:
+                    raise self._crashed(slot, died) from None
+                except (EOFError, OSError) as exc:
+                    raise self._crashed(slot, None, f"its channel failed: {exc}") from None
+                if msg[0] == MANY:
+                    backlog.extend(msg[2:])
+                    msg = msg[1]
             kind = msg[0]
-            if kind == "ready":
+            if kind in _ANSWERS:  # the answer to the oldest batch it holds
+                slot.credit -= 1
+                bid = slot.held.popleft()[0]
+                if msg[1] != bid:
+                    raise self._fail(WorkerError(
+                        f"DataLoader worker {slot.id} answered batch {msg[1]} while batch "
+                        f"{bid} was due"))
+                now = time.monotonic()
+                if now - self._last_pump > PUMP_EVERY:
+                    self._housekeeping(now)
+                return msg
+            if kind == PACE:
+                slot.group = 1 if msg[1] else self.prefetch
+                if slot.owed >= slot.group:
+                    self.settle()
                 continue
+            if kind == RESET_DONE:
+                return msg
             if kind == INIT_FAILED:
                 cause = loads_exception(msg[1])
                 err = WorkerStartError(
@@ -505,20 +815,43 @@ class _Workers:
                     f"{type(cause).__name__}: {cause}")
                 err.__cause__ = cause
                 raise self._fail(err)
-            bid = msg[1]
-            head = slot.outstanding.popleft()
-            if head != bid:
-                raise self._fail(WorkerError(
-                    f"DataLoader worker {slot.id} answered batch {bid} while batch {head} was due"))
-            return bid, msg
+            # "ready": the worker started
 
-    def _housekeeping(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if force or now - self._last_pump > PUMP_EVERY:
-            self._last_pump = now
-            for slot in self.slots:
-                with contextlib.suppress(OSError):
-                    slot.proc.pump_stderr()
+    def wait_any(self, timeout: float | None) -> _Slot:
+        """A worker whose channel has data, among those that owe an answer (``in_order=False``)."""
+        busy = [s for s in self.slots if s.held and s.credit > 0]
+        for slot in busy:
+            if slot.backlog or slot.conn.poll(0):
+                return slot
+        self.settle()
+        busy = [s for s in self.slots if s.held and s.credit > 0]
+        if not busy:
+            raise self._fail(WorkerError("no DataLoader worker holds a batch to wait for"))
+        deadline = time.monotonic() + (math.inf if timeout is None else timeout)
+        return self._wait_long(busy, deadline, timeout)
+
+    def _wait_long(self, slots: list[_Slot], deadline: float, timeout: float | None) -> _Slot:
+        """Wait until one of ``slots`` has data (or its worker died), moving every worker's
+        stderr as it comes; TaskTimeout at ``deadline``."""
+        self.settle()
+        while True:
+            waits: list[Any] = [s.conn for s in slots]
+            waits += [fd for fd in (s.proc.stderr_fd() for s in self.slots) if fd is not None]
+            remaining = deadline - time.monotonic()
+            ready = _connection.wait(waits, None if remaining == math.inf else max(0.0, remaining))
+            self._housekeeping(time.monotonic())
+            for slot in slots:
+                if any(r is slot.conn for r in ready):
+                    return slot
+            if time.monotonic() >= deadline:
+                stuck = min(slots, key=lambda s: s.held[0][0] if s.held else math.inf)
+                raise self._timeout(stuck, timeout)  # type: ignore[arg-type]
+
+    def _housekeeping(self, now: float) -> None:
+        self._last_pump = now
+        for slot in self.slots:
+            with contextlib.suppress(OSError):
+                slot.proc.pump_stderr()
         if now - self._last_rss > RSS_EVERY:
             self._last_rss = now
             for slot in self.slots:
@@ -532,37 +865,49 @@ class _Workers:
         self.close()
         return exc
 
-    def _batch_text(self, bid: int) -> str:
-        return f"batch {bid - self.floor} (indices {_short(self.tasks[bid][1])})"
+    def _batch_text(self, bid: int, indices: Any) -> str:
+        if bid < self.floor:
+            return f"a batch of an abandoned epoch (indices {_short(indices)})"
+        if indices is None:
+            return f"batch {bid - self.floor}"
+        return f"batch {bid - self.floor} (indices {_short(indices)})"
 
     def _crashed(self, slot: _Slot, died: WriterDied | None,
                  reason: str | None = None) -> BaseException:
-        held = [b for b in slot.outstanding if b in self.tasks]
+        # The worker was loading the oldest batch it held if it had a credit for it; any
+        # later ones it held with credit were still to come, and the rest were queued.
+        held = list(slot.held)
+        loading = held[:max(0, slot.credit)]
         why = f"DataLoader worker {slot.id}"
-        if len(held) > 1:
-            why += "; it also held " + ", ".join(self._batch_text(b) for b in held[1:])
+        if len(loading) > 1:
+            shown = ", ".join(self._batch_text(b, i) for b, i in loading[1:5])
+            more = len(loading) - 5
+            why += f"; it also held {shown}" + (f" and {more} more" if more > 0 else "")
+        queued = len(held) - len(loading)
+        if queued > 0:
+            why += f"; {queued} more batch{'es' if queued > 1 else ''} were queued for it"
         if reason:
             why += f"; {reason}"
-        task = self._batch_text(held[0]) if held else None
+        task = self._batch_text(*loading[0]) if loading else None
         err = slot.proc.crash_error(died, task, None, why)
         err.worker_id = slot.id  # type: ignore[attr-defined]
-        err.batches = {b: self.tasks[b][1] for b in held}  # type: ignore[attr-defined]
+        err.batches = dict(loading)  # type: ignore[attr-defined]
+        err.queued = dict(held[len(loading):])  # type: ignore[attr-defined]
         return self._fail(err)
 
-    def _timeout(self, bid: int | None, timeout: float) -> BaseException:
-        if bid is not None:
-            slot = self.tasks[bid][0]
-        else:
-            busy = [s for s in self.slots if s.outstanding]
-            slot = min(busy, key=lambda s: s.outstanding[0]) if busy else self.slots[0]
-            bid = slot.outstanding[0] if slot.outstanding else None
+    def _timeout(self, slot: _Slot, timeout: float) -> BaseException:
         stack = slot.proc.stack(STACK_WAIT)
-        task = "a batch" if bid is None else self._batch_text(bid)
+        task = self._batch_text(*slot.held[0]) if slot.held else "a batch"
         err = TaskTimeout(slot.proc.name, slot.proc.pid, timeout, task_name=task, stack=stack)
         err.worker_id = slot.id  # type: ignore[attr-defined]
         return self._fail(err)
 
     # -- end --
+
+    def in_flight(self) -> int:
+        """Batches the workers may have loaded (or be loading) that the caller has not taken:
+        never more than ``prefetch_factor * num_workers``."""
+        return sum(s.credit for s in self.slots)
 
     def close(self, grace: float = STOP_GRACE) -> None:
         """Stop every worker (idempotent): a close request, ``grace`` seconds to exit, then
@@ -572,8 +917,17 @@ class _Workers:
         self.closed = True
         _live.discard(self)
         for slot in self.slots:
+            sender = slot.sender
+            if slot.outbox is not None and sender is not None:
+                # its channel is jammed (a message still going out): no close request can
+                # follow it; the worker is killed, and the sender's write fails at once
+                slot.proc.kill()
+                sender.join(STOP_GRACE)
+                if sender.is_alive():
+                    continue  # its channel is closed once the worker is reaped
             with contextlib.suppress(OSError, ValueError):
                 slot.conn.send_bytes(_CLOSE)
+            _add_credits(slot.credits, ATTENTION)  # a worker waiting for credit reads it
             # a worker blocked writing a batch to us gets EPIPE and exits
             with contextlib.suppress(OSError, ValueError):
                 slot.conn.close()
@@ -587,8 +941,7 @@ class _Workers:
             slot.proc.stop(timeout=0.0, grace=0.5)
             slot.proc.close()
             slot.close_fds()
-        self.tasks.clear()
-        self.results.clear()
+            slot.held.clear()
 
     def pids(self) -> list[int]:
         return [s.proc.pid for s in self.slots if s.proc.pid is not None]
@@ -823,7 +1176,15 @@ def _local_epoch(fetcher: _Fetcher, requests: Iterator[Any]) -> Iterator[Any]:
 
 
 class _Epoch:
-    """One pass over the dataset (what ``iter(loader)`` returns)."""
+    """One pass over the dataset (what ``iter(loader)`` returns).
+
+    Batches are given to the workers a chunk at a time (``CHUNK``), ahead of when they are
+    loaded; credits decide when they are loaded. In order, the batches go to the workers in
+    turn (batch k of a map-style epoch to worker ``(k // prefetch_factor) % num_workers``), and
+    the parent reads each batch from the worker that holds it: no reorder buffer, and the
+    batches the other workers loaded wait in their own channels. ``in_order=False`` gives each
+    worker a new chunk when it runs low and takes whatever any worker has ready.
+    """
 
     def __init__(self, loader: DataLoader, workers: _Workers, requests: Iterator[Any]) -> None:
         self.loader = loader
@@ -831,64 +1192,115 @@ class _Epoch:
         self._requests = requests
         self._sampling = True
         workers.floor = workers.next_bid  # older batches belong to an abandoned epoch
-        self._pending: collections.deque[int] = collections.deque()  # our batches, in order
-        self._window = loader.window
-        self._per_worker = loader.prefetch_factor
         self._in_order = loader.in_order
         self._timeout = loader.timeout or None
         self._finished = False
-        self._fill()
+        self._turns: collections.deque[_Slot] = collections.deque()  # in order: whose batch
+        prefetch = loader.prefetch_factor
+        # in order, a map-style epoch gives each worker prefetch_factor batches in a row: the
+        # worker loads them on one group of credits while the others' batches are taken
+        self._block = block = 1 if loader._iterable else prefetch
+        self._chunk = -(-max(CHUNK, prefetch) // block) * block
+        self._low = prefetch + self._chunk // 2  # a worker holding fewer batches gets more
+        self._low_all = self._low * len(workers.slots)
+        self._prefetch = prefetch
+        self._supply()
+        for slot in workers.slots:
+            workers.grant(slot, prefetch)
 
     def __iter__(self) -> _Epoch:
         return self
 
-    def _fill(self) -> None:
-        """Request batches while the window has room: ``prefetch_factor`` at a time in one
-        message, to each worker in turn once it has answered its last ones. A worker wakes
-        once per message, not once per batch, and batch k always goes to worker
-        ``(k // prefetch_factor) % num_workers``, so a seed reproduces the epoch."""
+    def _take(self, batches: int, step: int, max_indices: int) -> list[Any]:
+        """Up to ``batches`` requests from the sampler, fewer (a multiple of ``step``, so that
+        batch k of an epoch always goes to the same worker) where they hold more than
+        ``max_indices`` indices between them."""
+        requests: list[Any] = []
+        indices = 0
+        for request in self._requests:
+            requests.append(request)
+            indices += len(request) if type(request) is list else 1
+            if len(requests) >= batches or (indices >= max_indices and
+                                            len(requests) % step == 0):
+                return requests
+        self._sampling = False
+        return requests
+
+    def _supply(self) -> None:
+        """Give the workers more batches: in order, a chunk to each in turn (one round);
+        otherwise a chunk to each worker that runs low."""
         workers = self.workers
-        if not self._sampling or workers.slots[workers._rr].outstanding:
-            return  # the worker whose turn it is has not answered yet (the common case)
-        per_worker = self._per_worker
-        while self._sampling:
-            slot = workers.next_in_turn()
-            if slot is None:
-                self._sampling = False
-                return
-            if slot.outstanding or self._window - len(workers.tasks) < per_worker:
-                return
-            requests = list(itertools.islice(self._requests, per_worker))
-            if len(requests) < per_worker:
-                self._sampling = False
-            if requests:
-                self._pending.extend(workers.send(slot, requests))
+        active = [s for s in workers.slots if not s.exhausted]
+        if not active:
+            self._sampling = False
+            return
+        if not self._in_order:
+            for slot in active:
+                if len(slot.held) < self._low and self._sampling:
+                    requests = self._take(self._chunk, 1, CHUNK_INDICES)
+                    self._low = self._prefetch + max(1, len(requests) // 2)
+                    if requests:
+                        first = workers.next_bid
+                        workers.next_bid += len(requests)
+                        workers.assign(slot, list(range(first, workers.next_bid)), requests)
+            return
+        k = len(active)
+        block = self._block
+        requests = self._take(k * self._chunk, k * block, k * CHUNK_INDICES)
+        # the next round is given once half of this one is taken (the workers never run dry)
+        self._low_all = k * self._prefetch + len(requests) // 2
+        if not requests:
+            return
+        first = workers.next_bid
+        workers.next_bid += len(requests)
+        owners = [active[(j // block) % k] for j in range(len(requests))]
+        for slot in active:
+            mine = [j for j in range(len(requests)) if owners[j] is slot]
+            if mine:
+                workers.assign(slot, [first + j for j in mine], [requests[j] for j in mine])
+        self._turns.extend(owners)
 
     def __next__(self) -> Any:
+        if self._finished:
+            raise StopIteration
         workers = self.workers
+        if workers.broken is not None:
+            self._finished = True
+            raise StopIteration
+        turns = self._turns
         while True:
-            if self._finished:
-                raise StopIteration
-            if workers.broken is not None:
-                self._finished = True
-                raise StopIteration
-            if not self._pending:
-                self._finish()
-                raise StopIteration
             if self._in_order:
-                bid, reply = workers.take(self._pending.popleft(), self._timeout)
+                if self._sampling and len(turns) < self._low_all:
+                    self._supply()
+                if not turns:
+                    self._finish()
+                    raise StopIteration
+                slot = turns.popleft()
+                if slot.exhausted and slot.credit <= 0:
+                    slot.held.popleft()  # given to a worker whose part of the data ended
+                    continue
             else:
-                bid, reply = workers.take(None, self._timeout)
-                self._pending.remove(bid)
-            slot = workers.tasks.pop(bid)[0]
-            if reply[0] == END:
-                slot.exhausted = True  # this worker's part of an iterable dataset is done
-            self._fill()
+                if self._sampling:
+                    self._supply()
+                if not any(s.held for s in workers.slots):
+                    self._finish()
+                    raise StopIteration
+                slot = workers.wait_any(self._timeout)
+            reply = workers.read(slot, self._timeout)
             kind = reply[0]
             if kind == OK:
+                if not slot.exhausted:
+                    workers.give_back(slot)
                 return reply[2]
-            if kind == FAIL:
-                raise loads_exception(reply[2])
+            if kind == END:
+                slot.exhausted = True  # this worker's part of an iterable dataset is done
+                if not self._in_order:
+                    while len(slot.held) > slot.credit:
+                        slot.held.pop()  # batches it will never be allowed to answer
+                continue
+            if not slot.exhausted:
+                workers.give_back(slot)
+            raise loads_exception(reply[2])
 
     def _finish(self) -> None:
         self._finished = True
@@ -897,7 +1309,7 @@ class _Epoch:
 
     def _abandon(self) -> None:
         """Stop this epoch before its end: non-persistent workers stop now; persistent ones
-        keep running, and the batches still in flight are dropped as they arrive."""
+        keep running, and what they loaded for this epoch is dropped at the next one."""
         if self._finished:
             return
         self._finished = True
