@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterable
 from multiprocessing import AuthenticationError
 from multiprocessing import connection as _mpc
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _impl
 from .errors import BufferTooShort, FrameError
@@ -42,7 +42,12 @@ __all__ = [
     "wait",
 ]
 
-Connection = _impl.core.Connection
+if TYPE_CHECKING:
+    # For type checkers, the class every engine's Connection derives from (with the engine's
+    # methods, from _core.pyi); at run time, the Connection of the engine the switch chose.
+    from ._connection import ConnectionBase as Connection
+else:
+    Connection = _impl.core.Connection
 
 
 def Pipe(duplex: bool = True, *, read_ahead: bool = False, pipes: bool = False) -> tuple[Any, Any]:
