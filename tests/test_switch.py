@@ -428,6 +428,7 @@ LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 DEFERRED = {
     ("_connection", "_aio"): "asyncio loads on a connection's first async call, not at import",
     ("_connection", "_core"): "the TYPE_CHECKING import of the stub",
+    ("connection", "_connection"): "the TYPE_CHECKING import of the type Connection is",
 }
 
 
