@@ -273,17 +273,18 @@ _PICKLE_HEAD = b"".join((
     b"\x80\x05",  # PROTO 5
     b"\x8c", bytes([len(__name__)]), __name__.encode(),  # SHORT_BINUNICODE module
     b"\x8c\x0c_array_reply",  # SHORT_BINUNICODE name
-    b"\x93(\x8a\x08",  # STACK_GLOBAL, MARK, LONG1 of 8 bytes (the batch id)
+    b"\x93(",  # STACK_GLOBAL, MARK; then the dtype, the shape, the bytes and the batch id
 ))
-_PICKLE_TAIL = b"tR."  # TUPLE, REDUCE, STOP
+_PICKLE_TAIL = struct.Struct("<2sq3s")  # LONG1 of 8 bytes (the batch id), TUPLE, REDUCE, STOP
 _MANY_HEAD = b"\x80\x05(K" + bytes([MANY])  # PROTO 5, MARK, BININT1 MANY; then the replies
-_BID = struct.Struct("<q")
+_DIM = struct.Struct("<q")
 _BYTEARRAY8 = struct.Struct("<BQ")
-_meta_cache: dict[tuple[Any, tuple[int, ...]], bytes] = {}
+# (dtype, shape) -> the pickle up to the array's bytes (None: not an array this path takes)
+_prefix_cache: dict[tuple[Any, tuple[int, ...]], bytes | None] = {}
 _dtype_cache: dict[str, Any] = {}
 
 
-def _array_reply(bid: int, dtype: str, shape: tuple[int, ...], data: bytearray) -> Any:
+def _array_reply(dtype: str, shape: tuple[int, ...], data: bytearray, bid: int) -> Any:
     """What the parent unpickles from :func:`_inline_array`: the reply ``(OK, bid, array)``,
     the array writable, over the bytearray the pickle made."""
     dt = _dtype_cache.get(dtype)
@@ -292,7 +293,19 @@ def _array_reply(bid: int, dtype: str, shape: tuple[int, ...], data: bytearray) 
 
         dt = _dtype_cache[dtype] = np.dtype(dtype)
     array = sys.modules["numpy"].frombuffer(data, dt)
-    return OK, bid, array.reshape(shape)
+    return OK, bid, array if len(shape) == 1 else array.reshape(shape)
+
+
+def _inline_prefix(array: Any) -> bytes | None:
+    """The pickle of :func:`_inline_array` up to the array's bytes (the same for every array
+    of this dtype and shape), or None when the dtype cannot travel as its name."""
+    dtype = array.dtype
+    if dtype.kind not in _INLINE_KINDS or dtype.metadata:
+        return None
+    code = dtype.str.encode()
+    return b"".join((_PICKLE_HEAD, b"\x8c", bytes([len(code)]), code, b"(",
+                     *(b"\x8a\x08" + _DIM.pack(n) for n in array.shape), b"t",
+                     _BYTEARRAY8.pack(0x96, array.nbytes)))
 
 
 def _inline_array(bid: int, array: Any) -> bytes | None:
@@ -303,23 +316,19 @@ def _inline_array(bid: int, array: Any) -> bytes | None:
             not array.flags.c_contiguous:
         return None
     key = (array.dtype, array.shape)
-    meta = _meta_cache.get(key)
-    if meta is None:
-        dtype = array.dtype
-        if dtype.kind not in _INLINE_KINDS or dtype.metadata:
-            return None
-        code = dtype.str.encode()
-        meta = b"".join((b"\x8c", bytes([len(code)]), code, b"(",
-                         *(b"\x8a\x08" + _BID.pack(n) for n in array.shape), b"t"))
-        if len(_meta_cache) >= 64:
-            _meta_cache.clear()
-        _meta_cache[key] = meta
+    prefix = _prefix_cache.get(key, b"")
+    if prefix == b"":
+        prefix = _inline_prefix(array)
+        if len(_prefix_cache) >= 64:
+            _prefix_cache.clear()
+        _prefix_cache[key] = prefix
+    if prefix is None:
+        return None
     if array.dtype.kind in "mM" or not array.nbytes:
         raw = array.reshape(-1).view(np.uint8)  # datetimes export no buffer of their own
     else:
         raw = memoryview(array).cast("B")
-    return b"".join((_PICKLE_HEAD, _BID.pack(bid), meta, _BYTEARRAY8.pack(0x96, array.nbytes),
-                     raw, _PICKLE_TAIL))
+    return b"".join((prefix, raw, _PICKLE_TAIL.pack(b"\x8a\x08", bid, b"tR.")))
 
 
 # -- seeds --------------------------------------------------------------------------------------
@@ -479,13 +488,14 @@ def loader_loop(ctx: ChildContext) -> None:
         while True:
             if credit and queue:
                 # Fast batches: every one there is credit for, then their replies in one frame
-                for _ in range(1 if slow else min(credit, len(queue))):
-                    credit -= 1
+                count = 1 if slow else min(credit, len(queue))
+                credit -= count
+                start = clock()
+                for _ in range(count):
                     bid, indices = queue.popleft()
-                    start = clock()
                     _answer(conn, fetcher, wire, bid, indices, pending)
-                    pace += (clock() - start - pace) * 0.125
                 _flush(conn, pending)
+                pace += ((clock() - start) / count - pace) * 0.125
                 if slow != (pace > (FAST_BATCH if slow else SLOW_BATCH)):
                     slow = not slow
                     conn.send((PACE, slow))
