@@ -22,8 +22,13 @@ import framepipe
 def identity(*args):
     """The rank's view of itself: its arguments and group variables."""
     env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "EXTRA")}
-    return {"args": args, "env": env, "pid": os.getpid(), "pgid": os.getpgrp(),
-            "error_file": os.environ.get("TORCHELASTIC_ERROR_FILE")}
+    return {
+        "args": args,
+        "env": env,
+        "pid": os.getpid(),
+        "pgid": os.getpgrp(),
+        "error_file": os.environ.get("TORCHELASTIC_ERROR_FILE"),
+    }
 
 
 def sleep_until(when: float) -> None:
@@ -93,7 +98,7 @@ def big_stderr(nbytes: int) -> int:
         part = chunk[:left]
         view = memoryview(part)
         while view:
-            view = view[os.write(2, view):]
+            view = view[os.write(2, view) :]
         left -= len(part)
     return nbytes
 
@@ -107,7 +112,7 @@ def many_lines(rank: int, count: int) -> int:
         while view:
             part = view[:step]
             while part:
-                part = part[os.write(fd, part):]
+                part = part[os.write(fd, part) :]
             view = view[step:]
     return count
 
@@ -116,8 +121,9 @@ def main(mode: str) -> None:
     from framepipe.workers import Std, WorkerGroup
 
     if mode == "tee":
-        group = WorkerGroup(many_lines, 2, args={0: (0, 3000), 1: (1, 3000)},
-                            tee=Std.ALL, start_method="fork")
+        group = WorkerGroup(
+            many_lines, 2, args={0: (0, 3000), 1: (1, 3000)}, tee=Std.ALL, start_method="fork"
+        )
         with group:
             group.wait()
         return

@@ -52,7 +52,6 @@ def engine(impl, monkeypatch):
     return impl
 
 
-
 def _own_children():
     """This process's descendants, less multiprocessing's own helpers (the forkserver and the
     resource tracker, which outlive a test by design) and zombies."""

@@ -209,8 +209,12 @@ def test_send_objects_from_a_thread(impl):
     r, w = pair(impl, False)
     with r, w:
         arr = np.random.default_rng(0).integers(0, 1 << 30, 4 * MIB, dtype=np.int32)
-        objs = [arr, payload(2 * MIB), bytearray(payload(MIB, 9)),
-                {"a": arr[:1000], "b": [np.zeros(MIB), payload(300_000)], "c": "text"}]
+        objs = [
+            arr,
+            payload(2 * MIB),
+            bytearray(payload(MIB, 9)),
+            {"a": arr[:1000], "b": [np.zeros(MIB), payload(300_000)], "c": "text"},
+        ]
         sender = Background(lambda: [w.send(o) for o in objs])
         got = [r.recv(timeout=WAIT) for _ in objs]
         sender.finish()
@@ -336,7 +340,8 @@ def test_writer_killed_in_the_middle_of_a_bulk_payload(impl, method, close_write
     n = 64 * MIB
     r, w = pair(impl, False)
     proc = multiprocessing.get_context(method).Process(
-        target=child_blocks_in_a_bulk_payload, args=(w, n))
+        target=child_blocks_in_a_bulk_payload, args=(w, n)
+    )
     proc.start()
     try:
         if close_writer:
@@ -379,8 +384,13 @@ def test_bulk_handle_arguments(impl):
         with pytest.raises(ValueError):
             impl.Connection(r, bulk_write_handle=b.fileno(), closefd=False)
         with pytest.raises(ValueError):
-            impl.Connection(r, writable=False, bulk_handle=a.fileno(),
-                            bulk_write_handle=b.fileno(), closefd=False)
+            impl.Connection(
+                r,
+                writable=False,
+                bulk_handle=a.fileno(),
+                bulk_write_handle=b.fileno(),
+                closefd=False,
+            )
         with pytest.raises(ValueError):
             impl.Connection(r, writable=False, bulk_handle=-1, closefd=False)
         c = impl.Connection(r, writable=False, bulk_handle=a.fileno(), closefd=False)

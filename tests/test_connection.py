@@ -27,8 +27,6 @@ def frame(payload: bytes, check: bytes = b"\x00\x00") -> bytes:
     return check + LEN.pack(len(payload)) + check + payload
 
 
-
-
 def outcome(fn):
     """``("ok", result)`` or ``(exception type, message)``."""
     try:

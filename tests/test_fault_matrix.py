@@ -95,8 +95,7 @@ def few_fds():
 
 @pytest.mark.parametrize("duplex", [False, True], ids=["oneway", "duplex"])
 @pytest.mark.parametrize("room", [1, 3, 5, 7])
-def test_fd_exhaustion_is_a_clean_oserror_that_leaks_nothing(impl, fd_count, few_fds, duplex,
-                                                            room):
+def test_fd_exhaustion_is_a_clean_oserror_that_leaks_nothing(impl, fd_count, few_fds, duplex, room):
     # pipe() needs 4 fds (oneway: a pipe and its bulk socketpair) or 2 (duplex: one
     # socketpair): once fewer are free it must fail with EMFILE
     # and close the fds it had already made. (Counting the fds needs one free fd itself.)
@@ -188,8 +187,7 @@ BLOCKING_CALLS = {
 
 @pytest.mark.parametrize("call", BLOCKING_CALLS)
 @pytest.mark.parametrize("where", ["pipe", "socketpair", "bulk-payload", "watched"])
-def test_close_wakes_every_blocked_call_and_releases_the_fds_after_it(impl, fd_count, call,
-                                                                       where):
+def test_close_wakes_every_blocked_call_and_releases_the_fds_after_it(impl, fd_count, call, where):
     # Each way a call can wait for the other end: close() from another thread ends it with
     # OSError, whether it has a deadline or not, and the fds are closed once it has left.
     framepipe.watch.watcher()  # the process's watcher thread keeps fds of its own
@@ -202,8 +200,9 @@ def test_close_wakes_every_blocked_call_and_releases_the_fds_after_it(impl, fd_c
     try:
         if where == "bulk-payload":  # in the middle of a payload on the bulk channel
             bulk = other._handles()[3]
-            os.write(other.fileno(), b"\x06\x06" + (1 << 20).to_bytes(8, sys.byteorder)
-                     + b"\x06\x06")
+            os.write(
+                other.fileno(), b"\x06\x06" + (1 << 20).to_bytes(8, sys.byteorder) + b"\x06\x06"
+            )
             os.write(bulk, b"x" * 1000)
             with pytest.raises(ReadTimeout):
                 conn.recv_bytes(timeout=0.05)
@@ -620,8 +619,7 @@ def _getattr_chain(marker: str) -> bytes:
     # getattr(os, "system")("touch marker"), written as raw pickle opcodes.
     return (
         b"\x80\x05cbuiltins\ngetattr\n(cos\nsystem\nX\x06\x00\x00\x00systemtR"
-        b"(X" + len(f"touch {marker}").to_bytes(4, "little") + f"touch {marker}".encode()
-        + b"tR."
+        b"(X" + len(f"touch {marker}").to_bytes(4, "little") + f"touch {marker}".encode() + b"tR."
     )
 
 

@@ -64,8 +64,13 @@ def run_profile(config, default_examples: int, test) -> None:
     minutes = config.getoption("--fuzz-minutes")
     quiet = list(HealthCheck)
     if not minutes:
-        settings(max_examples=default_examples, deadline=None, derandomize=True,
-                 suppress_health_check=quiet, database=None)(test)()
+        settings(
+            max_examples=default_examples,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=quiet,
+            database=None,
+        )(test)()
         return
     end = time.monotonic() + minutes * 60
     while time.monotonic() < end:
@@ -140,8 +145,10 @@ class Model:
                 return self._short(rest)
             (length,) = LEN.unpack_from(rest, 2)
             discard = maxlength is not None and length > maxlength  # nothing to allocate
-            if rest[10:12] != check or length > self.cap or (
-                length > UNALLOCATABLE and not discard
+            if (
+                rest[10:12] != check
+                or length > self.cap
+                or (length > UNALLOCATABLE and not discard)
             ):
                 self.broken = True
                 return ("error", FrameError)
@@ -347,9 +354,7 @@ DOCUMENTED = (EOFError, FrameError, ReadTimeout, WriterDied, BufferTooShort, Ref
 any_checks = st.sampled_from([bytes([k, k]) for k in range(8)] + [b"\x00\x01", b"\xff\xff"])
 any_pieces = st.one_of(
     st.tuples(any_checks, st.binary(max_size=200)).map(lambda t: header(len(t[1]), t[0]) + t[1]),
-    st.tuples(any_checks, st.sampled_from([0, 7, 8, 24, *HUGE])).map(
-        lambda t: header(t[1], t[0])
-    ),
+    st.tuples(any_checks, st.sampled_from([0, 7, 8, 24, *HUGE])).map(lambda t: header(t[1], t[0])),
     st.binary(min_size=1, max_size=40),
     st.sampled_from([b"\x01\x01", b"\x02\x02" + LEN.pack(9)]),
 )

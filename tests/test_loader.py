@@ -48,8 +48,9 @@ def reaped():
     deadline = time.monotonic() + 5.0
     leftovers = []
     while True:
-        leftovers = [p for p in multiprocessing.active_children()
-                     if p.name.startswith("DataLoader-worker")]
+        leftovers = [
+            p for p in multiprocessing.active_children() if p.name.startswith("DataLoader-worker")
+        ]
         if not leftovers or time.monotonic() > deadline:
             break
         time.sleep(0.02)
@@ -285,8 +286,9 @@ def test_order_kept_over_10000_items_with_uneven_costs(engine):
 
 
 def test_unordered_delivers_every_index_exactly_once(engine):
-    with DataLoader(Uneven(3000, spin=0.002), num_workers=2, in_order=False,
-                    timeout=GUARD) as loader:
+    with DataLoader(
+        Uneven(3000, spin=0.002), num_workers=2, in_order=False, timeout=GUARD
+    ) as loader:
         got = list(loader)
     assert sorted(got) == list(range(3000))
     assert got != list(range(3000)), "slow items should have been overtaken"
@@ -294,8 +296,9 @@ def test_unordered_delivers_every_index_exactly_once(engine):
 
 @pytest.mark.parametrize("workers, prefetch", [(3, 1), (2, 3), (1, 2)])
 def test_order_kept_for_any_number_of_workers_and_prefetch(engine, workers, prefetch):
-    with DataLoader(UnevenArrays(3000), num_workers=workers, prefetch_factor=prefetch,
-                    timeout=GUARD) as loader:
+    with DataLoader(
+        UnevenArrays(3000), num_workers=workers, prefetch_factor=prefetch, timeout=GUARD
+    ) as loader:
         assert [int(a[0]) for a in loader] == list(range(3000))
 
 
@@ -343,15 +346,21 @@ class WhichWorker:
 @pytest.mark.parametrize("prefetch, batch_size", [(2, None), (3, 1200)])
 def test_batch_k_is_always_loaded_by_worker_k_div_prefetch_mod_workers(prefetch, batch_size):
     """Also when batches are large enough to cut the chunks short."""
-    with DataLoader(WhichWorker(90_000 if batch_size else 300), batch_size=batch_size,
-                    num_workers=3, prefetch_factor=prefetch, timeout=GUARD) as loader:
+    with DataLoader(
+        WhichWorker(90_000 if batch_size else 300),
+        batch_size=batch_size,
+        num_workers=3,
+        prefetch_factor=prefetch,
+        timeout=GUARD,
+    ) as loader:
         owners = [int(b[1][0]) if batch_size else b[1] for b in loader]
     assert owners == [(k // prefetch) % 3 for k in range(len(owners))]
 
 
 def test_unordered_batches_deliver_every_index_exactly_once(engine):
-    with DataLoader(UnevenArrays(2000, spin=0.002), batch_size=7, in_order=False,
-                    timeout=GUARD) as loader:
+    with DataLoader(
+        UnevenArrays(2000, spin=0.002), batch_size=7, in_order=False, timeout=GUARD
+    ) as loader:
         got = [int(v) for batch in loader for v in batch[:, 0]]
     assert sorted(got) == list(range(2000))
     assert got != list(range(2000)), "slow items should have been overtaken"
@@ -396,8 +405,9 @@ def test_samplers_are_any_iterable_of_indices():
 
 def test_shuffle_with_a_seed_reproduces_the_epochs():
     def epochs(seed):
-        with DataLoader(list(range(50)), shuffle=True, seed=seed, timeout=GUARD,
-                        persistent_workers=True) as loader:
+        with DataLoader(
+            list(range(50)), shuffle=True, seed=seed, timeout=GUARD, persistent_workers=True
+        ) as loader:
             return [list(loader) for _ in range(2)]
 
     a, b = epochs(11), epochs(11)
@@ -482,12 +492,14 @@ def test_an_exception_in_a_batch_names_the_index_or_the_collate(engine):
             next(it)
         assert any("while loading index 7" in note for note in info.value.__notes__)
         assert next(it).tolist() == [8, 9, 10, 11]
-    with DataLoader(list(range(8)), batch_size=4, collate_fn=refuse_to_collate,
-                    timeout=GUARD) as loader:
+    with DataLoader(
+        list(range(8)), batch_size=4, collate_fn=refuse_to_collate, timeout=GUARD
+    ) as loader:
         with pytest.raises(ValueError, match="cannot collate 4 items") as info:
             list(loader)
-    assert any("while loading collate_fn of indices [0, 1, 2, 3]" in note
-               for note in info.value.__notes__)
+    assert any(
+        "while loading collate_fn of indices [0, 1, 2, 3]" in note for note in info.value.__notes__
+    )
 
 
 def test_hung_getitem_raises_task_timeout_with_the_stack(engine):
@@ -652,15 +664,29 @@ def test_early_break_leaves_no_process_behind(engine):
     assert time.monotonic() - start < 3.0
 
 
-@pytest.mark.parametrize("workers, prefetch, in_order, spin",
-                         [(2, 2, True, 0.0), (3, 1, True, 0.0), (1, 4, True, 0.0),
-                          (2, 3, False, 0.0), (2, 2, True, 1e-4), (2, 4, False, 1e-4)])
-def test_items_loaded_and_not_taken_never_exceed_the_window(engine, workers, prefetch, in_order,
-                                                            spin):
+@pytest.mark.parametrize(
+    "workers, prefetch, in_order, spin",
+    [
+        (2, 2, True, 0.0),
+        (3, 1, True, 0.0),
+        (1, 4, True, 0.0),
+        (2, 3, False, 0.0),
+        (2, 2, True, 1e-4),
+        (2, 4, False, 1e-4),
+    ],
+)
+def test_items_loaded_and_not_taken_never_exceed_the_window(
+    engine, workers, prefetch, in_order, spin
+):
     """Fast items (credits go back in groups) and slow ones (one at a time) alike."""
     started = multiprocessing.Value("q", 0)
-    loader = DataLoader(Counted(800, started, spin), num_workers=workers,
-                        prefetch_factor=prefetch, in_order=in_order, timeout=GUARD)
+    loader = DataLoader(
+        Counted(800, started, spin),
+        num_workers=workers,
+        prefetch_factor=prefetch,
+        in_order=in_order,
+        timeout=GUARD,
+    )
     taken = most = 0
     seen = []
     with loader:
@@ -750,8 +776,7 @@ def test_a_message_larger_than_any_buffer_never_blocks_the_parent(engine):
     from framepipe import connection
 
     parent, child = connection.Pipe(True, read_ahead=True, pipes=True)
-    slot = types.SimpleNamespace(outbox=None, lock=threading.Lock(), sender=None, conn=parent,
-                                 id=0)
+    slot = types.SimpleNamespace(outbox=None, lock=threading.Lock(), sender=None, conn=parent, id=0)
     big = b"\x80" + bytes(16 << 20)  # more than the pipe and the bulk socket hold
     posting = Background(lambda: [loader_module._post(slot, m) for m in (big, b"3", b"5")])
     posting.thread.join(5.0)

@@ -30,7 +30,6 @@ def fd_is_open(fd: int) -> bool:
     return True
 
 
-
 @pytest.fixture
 def pipe(impl):
     p = impl.Pipe(timeout=TIMEOUT)
@@ -181,8 +180,9 @@ def test_partial_frame_survives_a_timeout(impl):
 
 @pytest.fixture
 def sleeper():
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
-                            stdin=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
     try:
         yield proc
     finally:
@@ -219,8 +219,9 @@ def test_writer_death_ends_a_read_that_would_hang(impl):
     )
     src = os.path.dirname(os.path.dirname(os.path.abspath(framepipe.__file__)))
     name = "c" if impl.__name__.endswith("._core") else "python"
-    proc = subprocess.Popen([sys.executable, "-c", code, src, name, str(p.write_fd)],
-                            pass_fds=[p.write_fd])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, src, name, str(p.write_fd)], pass_fds=[p.write_fd]
+    )
     try:
         p.set_writer_pid(proc.pid)
         assert p.read() == b"one frame"
@@ -275,7 +276,6 @@ def test_read_only_and_write_only_pipes(impl):
     finally:
         os.close(r)
         os.close(w)
-
 
 
 def test_close_closes_owned_fds_exactly_once(impl, fd_count):

@@ -146,8 +146,13 @@ def test_connection_used_by_a_subprocess_child(impl, transport):
         r2, w2 = os.pipe()
         parent = impl.Connection(r1, write_handle=w2)
         child_fds = [r2, w1]
-    argv = [sys.executable, os.path.join(HERE, "_children.py"), impl_name(impl), "serve",
-            *map(str, child_fds)]
+    argv = [
+        sys.executable,
+        os.path.join(HERE, "_children.py"),
+        impl_name(impl),
+        "serve",
+        *map(str, child_fds),
+    ]
     proc = subprocess.Popen(argv, pass_fds=child_fds, env=child_env())
     try:
         for fd in child_fds:
@@ -178,8 +183,14 @@ def test_one_way_connection_used_by_a_subprocess_child(impl):
     reader, writer = impl.pipe(duplex=False)
     sizes = [3, 0, 100_000, 4 << 20]
     fd = writer.fileno()
-    argv = [sys.executable, os.path.join(HERE, "_children.py"), impl_name(impl), "frames",
-            str(fd), ",".join(map(str, sizes))]
+    argv = [
+        sys.executable,
+        os.path.join(HERE, "_children.py"),
+        impl_name(impl),
+        "frames",
+        str(fd),
+        ",".join(map(str, sizes)),
+    ]
     proc = subprocess.Popen(argv, pass_fds=[fd], env=child_env())
     try:
         writer.close()
@@ -203,8 +214,11 @@ def test_write_after_the_reader_closed_raises_broken_pipe(impl):
     reader, writer = impl.pipe(duplex=False)
     reader.close()
     try:
-        for send in (lambda: writer.send_bytes(b"x"), lambda: writer.send([1]),
-                     lambda: writer.send(np.zeros(100_000))):
+        for send in (
+            lambda: writer.send_bytes(b"x"),
+            lambda: writer.send([1]),
+            lambda: writer.send(np.zeros(100_000)),
+        ):
             with pytest.raises(BrokenPipeError):
                 send()
     finally:
@@ -247,8 +261,13 @@ def test_large_write_blocked_when_the_reader_closes_raises_broken_pipe(impl):
 def test_writing_to_a_child_that_exited_raises_broken_pipe(impl):
     reader, writer = impl.pipe(duplex=False)
     fd = reader.fileno()
-    argv = [sys.executable, os.path.join(HERE, "_children.py"), impl_name(impl), "read-one",
-            str(fd)]
+    argv = [
+        sys.executable,
+        os.path.join(HERE, "_children.py"),
+        impl_name(impl),
+        "read-one",
+        str(fd),
+    ]
     proc = subprocess.Popen(argv, pass_fds=[fd], env=child_env(), stdout=subprocess.PIPE)
     try:
         reader.close()  # the child holds the only read end
@@ -267,10 +286,16 @@ def test_writing_to_a_child_that_exited_raises_broken_pipe(impl):
 def test_child_writing_to_a_closed_reader_gets_broken_pipe_not_sigpipe(impl):
     reader, writer = impl.pipe(duplex=False)
     fd = writer.fileno()
-    argv = [sys.executable, os.path.join(HERE, "_children.py"), impl_name(impl),
-            "write-until-broken", str(fd)]
-    proc = subprocess.Popen(argv, pass_fds=[fd], env=child_env(), stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE)
+    argv = [
+        sys.executable,
+        os.path.join(HERE, "_children.py"),
+        impl_name(impl),
+        "write-until-broken",
+        str(fd),
+    ]
+    proc = subprocess.Popen(
+        argv, pass_fds=[fd], env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
     try:
         writer.close()
         reader.close()  # no reader is left anywhere

@@ -186,11 +186,16 @@ def test_a_wrong_key_fails_both_ends(impl, tmp_path, family, monkeypatch):
             client.join()
 
 
-@pytest.mark.parametrize("junk", [
-    b"GET / HTTP/1.1\r\n\r\n",
-    b"\0\0" + struct.pack("Q", 1 << 40) + b"\0\0",
-])
-def test_garbage_or_a_huge_length_before_authenticating_is_refused_unread(impl, tmp_path, junk, monkeypatch):
+@pytest.mark.parametrize(
+    "junk",
+    [
+        b"GET / HTTP/1.1\r\n\r\n",
+        b"\0\0" + struct.pack("Q", 1 << 40) + b"\0\0",
+    ],
+)
+def test_garbage_or_a_huge_length_before_authenticating_is_refused_unread(
+    impl, tmp_path, junk, monkeypatch
+):
     monkeypatch.setattr(fpc._impl, "core", impl)
     with fpc.Listener(str(tmp_path / "sock"), authkey=b"secret") as listener:
         with socket.socket(socket.AF_UNIX) as s:
@@ -224,7 +229,9 @@ def test_watch_and_async_reads_on_a_socket_connection(impl, tmp_path, monkeypatc
     with fpc.Listener(str(tmp_path / "sock")) as listener:
         client = Background(fpc.Client, listener.address)
         with listener.accept() as server, client.join() as conn:
-            proc = multiprocessing.get_context("fork").Process(target=_write_after, args=(conn, 0.1))
+            proc = multiprocessing.get_context("fork").Process(
+                target=_write_after, args=(conn, 0.1)
+            )
             try:
                 proc.start()
                 server.watch(proc)
@@ -347,8 +354,9 @@ def test_shutdown_with_open_connections_prints_nothing(impl, tmp_path):
     script.write_text(SHUTDOWN)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     name = "c" if impl.__name__ == "framepipe._core" else "python"
-    out = subprocess.run([sys.executable, str(script), name], capture_output=True, env=env,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(script), name], capture_output=True, env=env, timeout=120
+    )
     assert out.returncode == 0
     assert out.stderr == b"" and out.stdout == b""
 
@@ -371,9 +379,12 @@ def test_closing_a_handle_behind_a_connection_never_closes_the_watchers_fds(impl
         r.watch(proc)
         stray.close()
         del stray
-        pidfds = [fd for fd in os.listdir("/proc/self/fd")
-                  if os.path.exists(f"/proc/self/fd/{fd}")
-                  and os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"]
+        pidfds = [
+            fd
+            for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")
+            and os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
+        ]
         assert pidfds  # still open
         proc.kill()
         with pytest.raises(WriterDied):

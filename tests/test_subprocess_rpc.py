@@ -31,7 +31,6 @@ subprocess_rpc.run_loop(input_handle={inp}, output_pipe=out, load_handle={load})
 """
 
 
-
 def _engine_env(impl):
     """The environment of a child that must run on ``impl``: the pure-Python core is forced
     with FRAMEPIPE_NO_EXTENSIONS, which cannot stand beside FRAMEPIPE_REQUIRE_EXTENSIONS (set in
@@ -42,6 +41,7 @@ def _engine_env(impl):
         env.pop("FRAMEPIPE_REQUIRE_EXTENSIONS", None)
         env["FRAMEPIPE_NO_EXTENSIONS"] = "1"
     return env
+
 
 class Worker:
     """A minimal SubprocessWorker: the reference protocol, run by a parent of our own."""
@@ -56,8 +56,11 @@ class Worker:
         fds = [self.input.read_fd, self.output.write_fd, self.load_pipe.write_fd]
         code = BOOT.format(inp=fds[0], out=fds[1], load=fds[2])
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code], pass_fds=fds, env=env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [sys.executable, "-c", code],
+            pass_fds=fds,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         self.output.set_writer_pid(self.proc.pid)
         self.load_pipe.set_writer_pid(self.proc.pid)
@@ -130,10 +133,13 @@ def test_builtin_exceptions_revive_with_the_child_traceback(worker):
     worker.run("z = 1")  # the worker survives its snippet's exception
 
 
-@pytest.mark.parametrize("snippet, name", [
-    ("raise SystemExit(3)", "SystemExit"),
-    ("raise KeyboardInterrupt", "KeyboardInterrupt"),
-])
+@pytest.mark.parametrize(
+    "snippet, name",
+    [
+        ("raise SystemExit(3)", "SystemExit"),
+        ("raise KeyboardInterrupt", "KeyboardInterrupt"),
+    ],
+)
 def test_system_exit_and_keyboard_interrupt_never_cross_as_themselves(worker, snippet, name):
     with pytest.raises(rpc.UnserializableException) as info:
         worker.run(snippet)
@@ -186,7 +192,11 @@ def test_a_snippet_over_its_timeout_runs_the_callback_and_says_exceeded(timed_wo
 
 @pytest.mark.parametrize("how, code", [("exit", 3), ("kill", 9)])
 def test_a_dying_worker_is_seen_at_once_with_the_reference_message(worker, how, code):
-    snippet = "import os\nos._exit(3)" if how == "exit" else "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)"
+    snippet = (
+        "import os\nos._exit(3)"
+        if how == "exit"
+        else "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)"
+    )
     start = time.monotonic()
     with pytest.raises(OSError, match=rf"^Subprocess terminates with code {code}$") as info:
         worker.run(snippet)
@@ -217,7 +227,8 @@ def test_a_dead_parent_ends_the_worker_loop(impl, tmp_path):
     # The parent of the worker is an intermediate process killed by SIGKILL: the worker must
     # notice at once even though nobody closes anything for it.
     script = tmp_path / "parent.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os, subprocess, sys, time
         from framepipe import subprocess_rpc as rpc
         inp, out, load = rpc.Pipe(), rpc.Pipe(), rpc.Pipe()
@@ -229,7 +240,8 @@ def test_a_dead_parent_ends_the_worker_loop(impl, tmp_path):
         assert out.read(30) == rpc.BOOTSTRAP_INPUT_LOOP_SUCCESS
         print(proc.pid, flush=True)
         time.sleep(60)
-    """))
+    """)
+    )
     env = _engine_env(impl)
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env)
     child = None
@@ -289,11 +301,27 @@ def test_owned_fds_close_through_close_fds_once_and_given_fds_stay_open(impl):
 
 def test_compat_exports_every_reference_name():
     names = [
-        "Pipe", "SerializedException", "UnserializableException", "ChildTraceException",
-        "ExceptionUnpickler", "run_loop", "_run_block", "_log_progress", "hardened_repr",
-        "raise_from", "to_handle", "from_handle", "BOOTSTRAP_IMPORT_SUCCESS",
-        "BOOTSTRAP_INPUT_LOOP_SUCCESS", "WORKER_IMPL_NAMESPACE", "ENCODING", "SUCCESS",
-        "HARD_EXIT", "EMPTY_RESULT", "SUCCESS_BYTES", "IS_WINDOWS",
+        "Pipe",
+        "SerializedException",
+        "UnserializableException",
+        "ChildTraceException",
+        "ExceptionUnpickler",
+        "run_loop",
+        "_run_block",
+        "_log_progress",
+        "hardened_repr",
+        "raise_from",
+        "to_handle",
+        "from_handle",
+        "BOOTSTRAP_IMPORT_SUCCESS",
+        "BOOTSTRAP_INPUT_LOOP_SUCCESS",
+        "WORKER_IMPL_NAMESPACE",
+        "ENCODING",
+        "SUCCESS",
+        "HARD_EXIT",
+        "EMPTY_RESULT",
+        "SUCCESS_BYTES",
+        "IS_WINDOWS",
     ]
     star: dict = {}
     exec("from framepipe.compat import *", star)

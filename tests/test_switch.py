@@ -40,8 +40,15 @@ def run(code: str, path: str = SRC, **env: str) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if not k.startswith("FRAMEPIPE_")}
     full.update(env)
     full["PYTHONPATH"] = path
-    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True,
-                          text=True, timeout=TIMEOUT, cwd=path, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=path,
+        check=False,
+    )
 
 
 def needs_extension() -> None:
@@ -56,7 +63,8 @@ def tree_without_extension(tmp_path):
     """A copy of the package with no compiled core in it: an install without a compiler."""
     dest = tmp_path / "framepipe"
     shutil.copytree(
-        PACKAGE, dest,
+        PACKAGE,
+        dest,
         ignore=shutil.ignore_patterns("_core.*", "_core", "__pycache__", "*.so", "*.pyd"),
     )
     assert not [p for p in os.listdir(dest) if p.startswith("_core")]
@@ -107,8 +115,11 @@ def test_missing_extension_falls_back_to_python(tree_without_extension):
     res = run(REPORT, path=str(tree_without_extension))
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["python", "python", "framepipe._pycore"]
-    res = run("import framepipe; r, w = framepipe.connection.Pipe(False); w.send_bytes(b'ok');"
-              "print(r.recv_bytes(timeout=5).decode())", path=str(tree_without_extension))
+    res = run(
+        "import framepipe; r, w = framepipe.connection.Pipe(False); w.send_bytes(b'ok');"
+        "print(r.recv_bytes(timeout=5).decode())",
+        path=str(tree_without_extension),
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["ok"]
 
@@ -160,8 +171,11 @@ def _stub_signature(fn: ast.FunctionDef) -> inspect.Signature:
     positional = args.posonlyargs + args.args
     defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
     for i, (a, d) in enumerate(zip(positional, defaults)):
-        kind = (inspect.Parameter.POSITIONAL_ONLY if i < len(args.posonlyargs)
-                else inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        kind = (
+            inspect.Parameter.POSITIONAL_ONLY
+            if i < len(args.posonlyargs)
+            else inspect.Parameter.POSITIONAL_OR_KEYWORD
+        )
         default = inspect.Parameter.empty if d is None else ast.literal_eval(d)
         params.append(inspect.Parameter(a.arg, kind, default=default))
     if args.vararg:
@@ -182,10 +196,12 @@ def _stub_class(name: str) -> dict[str, tuple[str, inspect.Signature | None]]:
     out: dict[str, tuple[str, inspect.Signature | None]] = {}
     for node in cls.body:
         if isinstance(node, ast.FunctionDef):
-            is_property = any(isinstance(d, ast.Name) and d.id == "property"
-                              for d in node.decorator_list)
-            out[node.name] = ("property", None) if is_property else (
-                "method", _stub_signature(node))
+            is_property = any(
+                isinstance(d, ast.Name) and d.id == "property" for d in node.decorator_list
+            )
+            out[node.name] = (
+                ("property", None) if is_property else ("method", _stub_signature(node))
+            )
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             out[node.target.id] = ("attribute", None)
     return out
@@ -207,8 +223,10 @@ def engine_core(request):
         return _impl.load(request.param)
     except ImportError as exc:
         if REQUIRE:
-            pytest.fail(f"FRAMEPIPE_REQUIRE_EXTENSIONS is set but the {request.param} engine "
-                        f"does not import: {exc}")
+            pytest.fail(
+                f"FRAMEPIPE_REQUIRE_EXTENSIONS is set but the {request.param} engine "
+                f"does not import: {exc}"
+            )
         pytest.skip(f"the {request.param} engine is not built")
 
 
@@ -227,8 +245,9 @@ def test_engine_names_itself(engine_core):
     assert module.__all__ == ["ENGINE", "Engine"]
 
 
-@pytest.mark.parametrize("member", sorted(n for n, (w, _) in ENGINE_MEMBERS.items()
-                                          if w == "method"))
+@pytest.mark.parametrize(
+    "member", sorted(n for n, (w, _) in ENGINE_MEMBERS.items() if w == "method")
+)
 def test_engine_methods_match_the_stub(engine_core, member):
     fn = getattr(engine_core.Engine, member, None)
     assert fn is not None, f"the {engine_core.ENGINE} engine has no {member}"
@@ -238,8 +257,11 @@ def test_engine_methods_match_the_stub(engine_core, member):
         pytest.fail(f"{engine_core.ENGINE} engine's {member} has no signature: {exc}")
     params = list(actual.parameters.values())
     assert params[0].name == "self"
-    _same_signature(actual.replace(parameters=params[1:]),
-                    _stub_signature_without_self(member), f"Engine.{member}")
+    _same_signature(
+        actual.replace(parameters=params[1:]),
+        _stub_signature_without_self(member),
+        f"Engine.{member}",
+    )
 
 
 def _stub_signature_without_self(member: str) -> inspect.Signature:
@@ -309,8 +331,9 @@ def _assert_same_signature(py_obj, c_obj, what: str) -> None:
     try:
         c_sig = inspect.signature(c_obj)
     except ValueError as exc:
-        pytest.fail(f"the compiled {what} has no signature inspect can read ({exc}); "
-                    f"the twin's is {py_sig}")
+        pytest.fail(
+            f"the compiled {what} has no signature inspect can read ({exc}); the twin's is {py_sig}"
+        )
     py_params = list(py_sig.parameters.values())
     c_params = list(c_sig.parameters.values())
     assert [(p.name, p.kind) for p in c_params] == [(p.name, p.kind) for p in py_params], (
@@ -364,8 +387,7 @@ def _methods(cls: type) -> list[str]:
 
 @pytest.mark.parametrize(
     "cls, method",
-    [(c, m) for c in ("Connection", "Pipe")
-     for m in _methods(getattr(_impl.load("python"), c))],
+    [(c, m) for c in ("Connection", "Pipe") for m in _methods(getattr(_impl.load("python"), c))],
 )
 def test_method_signatures_match(ccore, pycore, cls, method):
     py_cls, c_cls = getattr(pycore, cls), getattr(ccore, cls)
@@ -458,8 +480,10 @@ def _framepipe_imports(name: str) -> list[tuple[str, bool]]:
 def test_imports_point_down(name):
     for mod, at_top in _framepipe_imports(name):
         assert mod in LAYER, f"{name} imports {mod}, which has no place in the layers"
-        assert LAYER[mod] < LAYER[name], f"{name} (layer {LAYER[name]}) imports {mod} " \
+        assert LAYER[mod] < LAYER[name], (
+            f"{name} (layer {LAYER[name]}) imports {mod} "
             f"(layer {LAYER[mod]}): imports point down only"
+        )
         if not at_top:
             assert (name, mod) in DEFERRED, f"{name} imports {mod} inside a function"
 

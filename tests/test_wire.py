@@ -49,8 +49,6 @@ def nothing_left(fd: int) -> bool:
     return not ready
 
 
-
-
 class RawWriter(int):
     """A raw write fd that is closed once, whoever closes it first."""
 
@@ -313,8 +311,21 @@ def test_any_frames_in_any_chunking_read_back_exactly(impl, sizes, chunks, seed)
         (b"\x00\x00" + LEN.pack(101) + b"\x00\x00", ("TOO_LARGE", 0, 101, 12)),
         (b"\x00\x00" + LEN.pack(2**64 - 1) + b"\x00\x00", ("TOO_LARGE", 0, 2**64 - 1, 12)),
     ],
-    ids=["empty", "one-byte", "short-header", "data", "bulk", "timeout", "short-dead", "dead",
-         "unknown-kind", "unequal-checks", "mismatch", "over-cap", "2**64-1"],
+    ids=[
+        "empty",
+        "one-byte",
+        "short-header",
+        "data",
+        "bulk",
+        "timeout",
+        "short-dead",
+        "dead",
+        "unknown-kind",
+        "unequal-checks",
+        "mismatch",
+        "over-cap",
+        "2**64-1",
+    ],
 )
 def test_decode_header(data, want):
     from framepipe import _wire

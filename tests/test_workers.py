@@ -289,8 +289,13 @@ def test_worker_close_escalates_to_sigkill(engine):
 
 
 def test_worker_initializer_env_cwd(engine, tmp_path):
-    with Worker(start_method="spawn", initializer=set_global, initargs=("ready",),
-                env={"FP_TEST_VAR": "42"}, cwd=str(tmp_path)) as w:
+    with Worker(
+        start_method="spawn",
+        initializer=set_global,
+        initargs=("ready",),
+        env={"FP_TEST_VAR": "42"},
+        cwd=str(tmp_path),
+    ) as w:
         assert w.call(get_global) == "ready"
         assert w.call(env, "FP_TEST_VAR") == "42"
         assert w.call(cwd) == str(tmp_path)
@@ -366,8 +371,9 @@ def test_pool_is_an_executor(engine):
         done, not_done = cf.wait(futures, WAIT)
         assert not not_done
         assert [f.result() for f in futures] == [i * i for i in range(100)]
-        assert sorted(f.result() for f in cf.as_completed(futures, WAIT)) == \
-            sorted(i * i for i in range(100))
+        assert sorted(f.result() for f in cf.as_completed(futures, WAIT)) == sorted(
+            i * i for i in range(100)
+        )
         assert list(pool.map(add, range(50), range(50))) == [2 * i for i in range(50)]
         assert list(pool.map(square, range(50), chunksize=7)) == [i * i for i in range(50)]
         assert sorted(pool.imap_unordered(square, range(30))) == [i * i for i in range(30)]
@@ -392,15 +398,16 @@ def test_pool_maps_of_different_functions_at_once_and_what_cannot_be_sent(engine
         def mapper(name, fn, n):
             got[name] = list(pool.map(fn, range(n)))
 
-        threads = [threading.Thread(target=mapper, args=("square", square, 3000)),
-                   threading.Thread(target=mapper, args=("identity", identity, 3000))]
+        threads = [
+            threading.Thread(target=mapper, args=("square", square, 3000)),
+            threading.Thread(target=mapper, args=("identity", identity, 3000)),
+        ]
         for t in threads:
             t.start()
         singles = [pool.submit(add, i, i) for i in range(500)]
         for t in threads:
             t.join(WAIT)
-        assert got == {"square": [i * i for i in range(3000)],
-                       "identity": list(range(3000))}
+        assert got == {"square": [i * i for i in range(3000)], "identity": list(range(3000))}
         assert [f.result(WAIT) for f in singles] == [2 * i for i in range(500)]
         assert list(pool.map(add, range(5), [10] * 5)) == [10, 11, 12, 13, 14]
         # an item that cannot be sent fails alone, in its place
@@ -542,8 +549,7 @@ def test_pool_initializer(engine):
 
 
 def test_pool_worker_dying_while_starting_breaks_it_instead_of_looping(engine):
-    pool = Pool(2, start_method="fork", max_restarts=None, initializer=exit_hard,
-                initargs=(3,))
+    pool = Pool(2, start_method="fork", max_restarts=None, initializer=exit_hard, initargs=(3,))
     try:
         # the pool may break before this submit (forked workers exit at once) or after it
         try:
@@ -727,8 +733,10 @@ def test_results_that_cannot_be_unpickled_fail_only_their_task(engine):
 
     with Pool(2, start_method="fork") as pool:
         # read by the manager: nobody waits in result()
-        futures = [pool.submit(unreadable_result, "import") if i % 10 == 3 else
-                   pool.submit(square, i) for i in range(100)]
+        futures = [
+            pool.submit(unreadable_result, "import") if i % 10 == 3 else pool.submit(square, i)
+            for i in range(100)
+        ]
         _, not_done = cf.wait(futures, WAIT)
         assert not not_done
         for i, fut in enumerate(futures):
@@ -769,8 +777,9 @@ def test_a_caller_interrupted_while_reading_stops_that_worker_only(engine):
             exc = f.exception(WAIT)
             assert isinstance(exc, WorkerError) and "interrupted by KeyboardInterrupt" in str(exc)
         assert _wait_until(lambda: _gone(first))
-        assert [pool.submit(square, i).result(WAIT) for i in range(20)] == \
-            [i * i for i in range(20)]
+        assert [pool.submit(square, i).result(WAIT) for i in range(20)] == [
+            i * i for i in range(20)
+        ]
         assert pool.broken is None
 
 
@@ -784,8 +793,7 @@ def test_without_epoll_answers_all_come_through_the_manager(engine, monkeypatch)
     with Pool(2, start_method="fork", task_timeout=5) as pool:
         assert pool._core._poller is None or pool._core._poller._ep is None
         lends = _spy_lends(pool)
-        assert [pool.submit(add, i, 1).result(WAIT) for i in range(200)] == \
-            list(range(1, 201))
+        assert [pool.submit(add, i, 1).result(WAIT) for i in range(200)] == list(range(1, 201))
         assert list(pool.map(square, range(300))) == [i * i for i in range(300)]
         with pytest.raises(WorkerCrashed):
             pool.submit(kill_self_if, 1, {1}).result(WAIT)

@@ -62,7 +62,9 @@ def test_a_sigkilled_parent_leaves_no_worker(method):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, *sys.path]))
     parent = subprocess.Popen(
         [sys.executable, os.path.join(HERE, "_worker_parent.py"), "hold", method],
-        stdout=subprocess.PIPE, env=env, start_new_session=True,
+        stdout=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
     )
     try:
         pids = json.loads(parent.stdout.readline())
@@ -93,7 +95,10 @@ def test_ctrl_c_stops_every_worker_with_one_traceback():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, *sys.path]))
     parent = subprocess.Popen(
         [sys.executable, os.path.join(HERE, "_worker_parent.py"), "map", "spawn"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
     )
     try:
         pids = json.loads(parent.stdout.readline())
@@ -120,8 +125,10 @@ def _event_fds() -> int:
     n = 0
     for fd in os.listdir("/proc/self/fd"):
         try:
-            n += os.readlink(f"/proc/self/fd/{fd}") in ("anon_inode:[eventfd]",
-                                                         "anon_inode:[eventpoll]")
+            n += os.readlink(f"/proc/self/fd/{fd}") in (
+                "anon_inode:[eventfd]",
+                "anon_inode:[eventpoll]",
+            )
         except OSError:
             pass
     return n
@@ -174,7 +181,8 @@ def _own_memory_cgroup() -> tuple[str, int]:
             d = os.path.join(root, *parts[skip:])
             marker = "memory.oom_control" if version == 1 else "memory.events"
             if os.path.isfile(os.path.join(d, marker)) or (
-                    version == 2 and os.path.isfile(os.path.join(d, "cgroup.subtree_control"))):
+                version == 2 and os.path.isfile(os.path.join(d, "cgroup.subtree_control"))
+            ):
                 if not os.access(d, os.W_OK):
                     pytest.skip(f"the memory cgroup {d} is not writable")
                 return d, version
@@ -229,8 +237,13 @@ def memory_cgroup():
 def test_a_worker_the_oom_killer_takes_is_reported_as_such(engine, memory_cgroup):
     # Each worker moves itself into the cgroup (as a worker started by a job system would be
     # in one of its own), then a task grows until the kernel's OOM killer ends it.
-    with Pool(1, start_method="spawn", initializer=join_cgroup, initargs=(memory_cgroup,),
-              max_restarts=None) as pool:
+    with Pool(
+        1,
+        start_method="spawn",
+        initializer=join_cgroup,
+        initargs=(memory_cgroup,),
+        max_restarts=None,
+    ) as pool:
         first = pool.submit(os.getpid).result(WAIT)
         with open(os.path.join(memory_cgroup, "cgroup.procs")) as f:
             assert str(first) in f.read().split()
@@ -253,8 +266,13 @@ def test_a_worker_the_oom_killer_takes_is_reported_as_such(engine, memory_cgroup
 
 
 def test_a_sigkill_by_hand_is_not_called_the_oom_killer(engine, memory_cgroup):
-    with Pool(1, start_method="fork", initializer=join_cgroup, initargs=(memory_cgroup,),
-              max_restarts=None) as pool:
+    with Pool(
+        1,
+        start_method="fork",
+        initializer=join_cgroup,
+        initargs=(memory_cgroup,),
+        max_restarts=None,
+    ) as pool:
         fut = pool.submit(kill_self_if, 1, {1})
         with pytest.raises(WorkerCrashed) as info:
             fut.result(WAIT)

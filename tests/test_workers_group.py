@@ -67,8 +67,9 @@ def failure_of(group: WorkerGroup) -> GroupFailed:
 
 
 def no_zombie_children() -> list[psutil.Process]:
-    return [c for c in psutil.Process().children(recursive=True)
-            if c.status() == psutil.STATUS_ZOMBIE]
+    return [
+        c for c in psutil.Process().children(recursive=True) if c.status() == psutil.STATUS_ZOMBIE
+    ]
 
 
 @pytest.fixture
@@ -107,7 +108,10 @@ def parents():
         def start(self, mode: str, ready: bool = True) -> tuple[subprocess.Popen, list[int]]:
             proc = subprocess.Popen(
                 [sys.executable, os.path.join(HERE, "_group_children.py"), mode],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env())
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=child_env(),
+            )
             self.append(proc)
             if not ready:
                 return proc, []
@@ -136,16 +140,25 @@ def parents():
 
 @pytest.mark.parametrize("method", METHODS)
 def test_function_ranks_return_values_with_their_environment(engine, groups, method):
-    group = groups.make(kids.identity, 3, args={0: ("a",), 1: ("b", 2)},
-                        envs={2: {"EXTRA": "yes"}}, start_method=method)
+    group = groups.make(
+        kids.identity,
+        3,
+        args={0: ("a",), 1: ("b", 2)},
+        envs={2: {"EXTRA": "yes"}},
+        start_method=method,
+    )
     group.start()
     result = group.wait(TIMEOUT)
     assert isinstance(result, GroupResult)
     values = result.return_values
     assert [values[r]["args"] for r in range(3)] == [("a",), ("b", 2), ()]
     for r in range(3):
-        assert values[r]["env"] == {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "3",
-                                    "EXTRA": "yes" if r == 2 else None}
+        assert values[r]["env"] == {
+            "RANK": str(r),
+            "LOCAL_RANK": str(r),
+            "WORLD_SIZE": "3",
+            "EXTRA": "yes" if r == 2 else None,
+        }
         assert values[r]["pid"] == group.pids[r]
         assert values[r]["pgid"] == values[r]["pid"]  # each rank leads its own process group
         assert values[r]["error_file"] == group.error_files[r]
@@ -154,9 +167,13 @@ def test_function_ranks_return_values_with_their_environment(engine, groups, met
 
 
 def test_command_ranks_return_exit_codes(groups, tmp_path):
-    group = groups.make(["sh", "-c", 'echo "$RANK/$LOCAL_RANK/$WORLD_SIZE/$EXTRA $0 $1"'], 2,
-                        args={0: ("x", "y"), 1: ("z", "w")}, envs={1: {"EXTRA": "e"}},
-                        log_dir=tmp_path)
+    group = groups.make(
+        ["sh", "-c", 'echo "$RANK/$LOCAL_RANK/$WORLD_SIZE/$EXTRA $0 $1"'],
+        2,
+        args={0: ("x", "y"), 1: ("z", "w")},
+        envs={1: {"EXTRA": "e"}},
+        log_dir=tmp_path,
+    )
     with group:
         result = group.wait(TIMEOUT)
     assert result.exitcodes == {0: 0, 1: 0}
@@ -200,9 +217,12 @@ def test_root_cause_is_the_earliest_error_file_not_the_first_death(engine, group
     other's death is seen first: its error file's time still makes it the root cause."""
     t0 = time.time() + 1.0
     second = 1 - first
-    group = groups.make(kids.fail_at, 2, args={first: (t0, first, 1.0),
-                                               second: (t0 + 0.3, second, 0.0)},
-                        start_method="fork")
+    group = groups.make(
+        kids.fail_at,
+        2,
+        args={first: (t0, first, 1.0), second: (t0 + 0.3, second, 0.0)},
+        start_method="fork",
+    )
     err = failure_of(group)
     assert err.root_rank == first
     root = err.root
@@ -220,28 +240,34 @@ def test_root_cause_is_the_earliest_error_file_not_the_first_death(engine, group
     assert 0.05 < err.failures[second].failed_at - root.failed_at < 1.0
     assert err.outcomes[second].ended_at < err.outcomes[first].ended_at
     text = str(err)
-    assert text.startswith(f"worker group 'fail_at' failed: rank {first} (pid {root.pid}) "
-                           f"raised ValueError: rank {first} failed first")
+    assert text.startswith(
+        f"worker group 'fail_at' failed: rank {first} (pid {root.pid}) "
+        f"raised ValueError: rank {first} failed first"
+    )
     assert text.index("root cause:") < text.index("Traceback") < text.index("other ranks:")
-    assert re.search(rf"^  rank {second} \(pid \d+\): also failed: raised ValueError",
-                     text, re.M)
+    assert re.search(rf"^  rank {second} \(pid \d+\): also failed: raised ValueError", text, re.M)
 
 
 @pytest.mark.parametrize("first", [0, 1])
 def test_root_cause_without_error_files_is_the_first_death(engine, groups, first):
     # the second rank would exit 1 s after the first: the group stops it well before
     t0 = time.time() + 1.0
-    group = groups.make(kids.exit_at, 2, args={first: (t0, 3), 1 - first: (t0 + 1.0, 4)},
-                        start_method="fork")
+    group = groups.make(
+        kids.exit_at, 2, args={first: (t0, 3), 1 - first: (t0 + 1.0, 4)}, start_method="fork"
+    )
     err = failure_of(group)
     assert err.root_rank == first
     assert err.root.exitcode == 3 and err.root.error is None
     other = err.outcomes[1 - first]
     assert other.state == "stopped" and other.exitcode == -signal.SIGTERM
-    assert str(err).startswith(f"worker group 'exit_at' failed: rank {first} (pid "
-                               f"{err.root.pid}) exited with code 3")
-    assert re.search(rf"rank {1 - first} \(pid \d+\): stopped by the group; it was killed by "
-                     "SIGTERM", str(err))
+    assert str(err).startswith(
+        f"worker group 'exit_at' failed: rank {first} (pid {err.root.pid}) exited with code 3"
+    )
+    assert re.search(
+        rf"rank {1 - first} \(pid \d+\): stopped by the group; it was killed by "
+        "SIGTERM",
+        str(err),
+    )
 
 
 @pytest.mark.parametrize("first", [0, 1])
@@ -255,9 +281,13 @@ def test_command_root_cause_by_error_file(groups, first, tmp_path):
     )
     t0 = time.time() + 1.0
     second = 1 - first
-    group = groups.make([sys.executable, "-c", script, HERE], 2,
-                        args={first: (t0, first, 0.4), second: (t0 + 0.05, second, 0.0)},
-                        envs=dict.fromkeys(range(2), {"PYTHONPATH": SRC}), log_dir=tmp_path)
+    group = groups.make(
+        [sys.executable, "-c", script, HERE],
+        2,
+        args={first: (t0, first, 0.4), second: (t0 + 0.05, second, 0.0)},
+        envs=dict.fromkeys(range(2), {"PYTHONPATH": SRC}),
+        log_dir=tmp_path,
+    )
     err = failure_of(group)
     assert err.root_rank == first
     assert err.root.exception is None  # commands have no result channel...
@@ -267,27 +297,36 @@ def test_command_root_cause_by_error_file(groups, first, tmp_path):
 
 
 def test_a_rank_killed_by_a_signal_is_reported_with_it(groups):
-    group = groups.make(kids.kill_self, 2, args={0: (signal.SIGKILL,), 1: (0,)},
-                        start_method="fork")
+    group = groups.make(
+        kids.kill_self, 2, args={0: (signal.SIGKILL,), 1: (0,)}, start_method="fork"
+    )
     err = failure_of(group)
     assert err.root_rank == 0 and err.root.signal_name == "SIGKILL"
     assert err.root.exception is None and err.root.error is None
-    assert str(err).startswith(f"worker group 'kill_self' failed: rank 0 (pid {err.root.pid}) "
-                               "was killed by SIGKILL")
+    assert str(err).startswith(
+        f"worker group 'kill_self' failed: rank 0 (pid {err.root.pid}) was killed by SIGKILL"
+    )
     assert err.outcomes[1].state == "stopped"
 
 
 def test_report_shows_the_exception_traceback_and_log_tail(engine, groups, tmp_path):
-    group = groups.make(kids.fail_with_output, 3, args={r: (r,) for r in range(3)},
-                        log_dir=tmp_path, start_method="fork")
+    group = groups.make(
+        kids.fail_with_output,
+        3,
+        args={r: (r,) for r in range(3)},
+        log_dir=tmp_path,
+        start_method="fork",
+    )
     err = failure_of(group)
     assert isinstance(err, WorkerError)
     root = err.root
     assert isinstance(root.exception, KeyError)
     assert root.stderr_tail == "about to fail"  # the traceback is shown once, above
     text = str(err)
-    assert f"last stderr of rank {root.rank} (whole log: {root.stderr_path}):\n  | about to " \
-           "fail" in text
+    assert (
+        f"last stderr of rank {root.rank} (whole log: {root.stderr_path}):\n  | about to "
+        "fail" in text
+    )
     assert "KeyError: 'missing item" in text
     assert len(re.findall(r"^  rank \d \(pid \d+\): ", text, re.M)) == 2
     clone = pickle.loads(pickle.dumps(err))
@@ -304,8 +343,7 @@ def test_a_stop_without_failure_is_reported_as_such(groups):
     failure = group.poll()
     assert isinstance(failure, GroupFailed)
     assert failure.root_rank is None and not failure.failures
-    assert str(failure).startswith("worker group 'sleep_forever' was stopped: close() was "
-                                   "called")
+    assert str(failure).startswith("worker group 'sleep_forever' was stopped: close() was called")
     assert all(o.state == "stopped" for o in failure.outcomes.values())
     with pytest.raises(GroupFailed):
         group.wait()
@@ -316,8 +354,9 @@ def test_a_stop_without_failure_is_reported_as_such(groups):
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_per_rank_log_files_keep_c_level_output(engine, groups, tmp_path, method):
-    group = groups.make(kids.write_outputs, 2, args={0: (0,), 1: (1,)}, log_dir=tmp_path,
-                        start_method=method)
+    group = groups.make(
+        kids.write_outputs, 2, args={0: (0,), 1: (1,)}, log_dir=tmp_path, start_method=method
+    )
     with group:
         assert group.wait(TIMEOUT).return_values == {0: "written", 1: "written"}
     for r in range(2):
@@ -331,8 +370,15 @@ def test_per_rank_log_files_keep_c_level_output(engine, groups, tmp_path, method
 
 
 def test_redirects_and_tee_per_rank(engine, groups, tmp_path, capfd):
-    group = groups.make(kids.write_outputs, 2, args={0: (0,), 1: (1,)}, log_dir=tmp_path,
-                        redirects={0: Std.ERR}, tee={1: Std.OUT}, start_method="fork")
+    group = groups.make(
+        kids.write_outputs,
+        2,
+        args={0: (0,), 1: (1,)},
+        log_dir=tmp_path,
+        redirects={0: Std.ERR},
+        tee={1: Std.OUT},
+        start_method="fork",
+    )
     with group:
         group.wait(TIMEOUT)
     out, err = capfd.readouterr()
@@ -348,8 +394,7 @@ def test_redirects_and_tee_per_rank(engine, groups, tmp_path, capfd):
 
 
 def test_error_file_lands_beside_the_logs(groups, tmp_path):
-    group = groups.make(kids.fail_with_output, 1, args=(0,), log_dir=tmp_path,
-                        start_method="fork")
+    group = groups.make(kids.fail_with_output, 1, args=(0,), log_dir=tmp_path, start_method="fork")
     group.start()
     with pytest.raises(GroupFailed):
         group.wait(TIMEOUT)
@@ -377,10 +422,10 @@ def test_ten_megabytes_on_stderr_do_not_block(engine, groups, tmp_path, capfd):
     size = 10 * 10**6
     start = time.monotonic()
     piped = groups.make(kids.big_stderr, 1, args=(size,), start_method="fork")
-    to_file = groups.make(kids.big_stderr, 1, args=(size,), log_dir=tmp_path,
-                          start_method="fork")
-    teed = groups.make(kids.big_stderr, 1, args=(size,), log_dir=tmp_path / "tee",
-                       tee=Std.ERR, start_method="fork")
+    to_file = groups.make(kids.big_stderr, 1, args=(size,), log_dir=tmp_path, start_method="fork")
+    teed = groups.make(
+        kids.big_stderr, 1, args=(size,), log_dir=tmp_path / "tee", tee=Std.ERR, start_method="fork"
+    )
     for group in (piped, to_file, teed):
         group.start()
     for group in (piped, to_file, teed):
@@ -399,12 +444,18 @@ def test_ten_megabytes_on_stderr_do_not_block(engine, groups, tmp_path, capfd):
 def test_close_escalates_to_sigkill_after_grace(groups, kind, tmp_path):
     marks = [tmp_path / f"ignoring-{r}" for r in range(2)]
     if kind == "function":
-        group = groups.make(kids.ignore_term_and_sleep, 2, args={r: (str(marks[r]),)
-                                                                 for r in range(2)},
-                            start_method="fork")
+        group = groups.make(
+            kids.ignore_term_and_sleep,
+            2,
+            args={r: (str(marks[r]),) for r in range(2)},
+            start_method="fork",
+        )
     else:
-        group = groups.make(["sh", "-c", "trap '' TERM; touch \"$0\"; sleep 600"], 2,
-                            args={r: (str(marks[r]),) for r in range(2)})
+        group = groups.make(
+            ["sh", "-c", "trap '' TERM; touch \"$0\"; sleep 600"],
+            2,
+            args={r: (str(marks[r]),) for r in range(2)},
+        )
     group.start()
     end = time.monotonic() + TIMEOUT
     while not all(m.exists() for m in marks) and time.monotonic() < end:
@@ -422,8 +473,9 @@ def test_close_escalates_to_sigkill_after_grace(groups, kind, tmp_path):
 
 def test_a_failure_stops_the_others_at_once(groups):
     t0 = time.time() + 0.5
-    group = groups.make(kids.exit_at, 3, args={0: (t0, 5), 1: (t0 + 60, 0), 2: (t0 + 60, 0)},
-                        start_method="fork")
+    group = groups.make(
+        kids.exit_at, 3, args={0: (t0, 5), 1: (t0 + 60, 0), 2: (t0 + 60, 0)}, start_method="fork"
+    )
     group.start()
     start = time.monotonic()
     err = failure_of(group)
@@ -466,8 +518,11 @@ def test_parent_sigkilled_leaves_no_worker_alive(parents):
 
 def _run_groups(tmp_path) -> list[int]:
     pids = []
-    for kwargs in ({"start_method": "fork"}, {"start_method": "spawn", "log_dir": tmp_path},
-                   {"start_method": "forkserver"}):
+    for kwargs in (
+        {"start_method": "fork"},
+        {"start_method": "spawn", "log_dir": tmp_path},
+        {"start_method": "forkserver"},
+    ):
         with WorkerGroup(kids.identity, 2, tee=Std.ALL, **kwargs) as group:
             group.wait(TIMEOUT)
         pids += group.pids.values()

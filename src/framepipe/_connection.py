@@ -88,8 +88,17 @@ class ConnectionBase(_EngineBase):
         fd, wfd = check_handles(handle, readable, writable, write_handle)
         bfd, bwfd = check_bulk_handles(bulk_handle, bulk_write_handle, readable, writable)
         check_max_size(max_size)
-        self._open(fd, wfd, bfd, bwfd, bool(readable), bool(writable), max_size, bool(closefd),
-                   bool(read_ahead))
+        self._open(
+            fd,
+            wfd,
+            bfd,
+            bwfd,
+            bool(readable),
+            bool(writable),
+            max_size,
+            bool(closefd),
+            bool(read_ahead),
+        )
 
     # -- state -------------------------------------------------------------------------------
 
@@ -274,7 +283,14 @@ class ConnectionBase(_EngineBase):
         dup_bw = None if bfd < 0 or bwfd < 0 or bwfd == bfd else reduction.DupFd(bwfd)
         options = {"max_size": self._max_size, "read_ahead": self._read_ahead}
         return _rebuild_connection, (
-            self.ENGINE, dup_r, dup_w, self._readable, self._writable, options, dup_b, dup_bw
+            self.ENGINE,
+            dup_r,
+            dup_w,
+            self._readable,
+            self._writable,
+            options,
+            dup_b,
+            dup_bw,
         )
 
 
@@ -293,7 +309,12 @@ def _rebuild_connection(
     bfd = None if dup_b is None else dup_b.detach()
     bwfd = None if dup_bw is None else dup_bw.detach()
     return engine_core(engine).Connection(
-        rfd, readable, writable, write_handle=wfd, bulk_handle=bfd, bulk_write_handle=bwfd,
+        rfd,
+        readable,
+        writable,
+        write_handle=wfd,
+        bulk_handle=bfd,
+        bulk_write_handle=bwfd,
         **options,
     )
 
@@ -341,14 +362,21 @@ class Core(ModuleType):
         self.Connection: type[ConnectionBase] = type(
             "Connection",
             (ConnectionBase, engine),
-            {"__module__": "framepipe.connection", "__doc__": ConnectionBase.__doc__,
-             "__slots__": ("_watch_handle",)},
+            {
+                "__module__": "framepipe.connection",
+                "__doc__": ConnectionBase.__doc__,
+                "__slots__": ("_watch_handle",),
+            },
         )
         self.pipe = _pipes.make_pipe(self.Connection)
         self.Pipe: type[_pipes.Pipe] = type(
-            "Pipe", (_pipes.Pipe,),
-            {"_Connection": self.Connection, "__module__": "framepipe",
-             "__doc__": _pipes.Pipe.__doc__},
+            "Pipe",
+            (_pipes.Pipe,),
+            {
+                "_Connection": self.Connection,
+                "__module__": "framepipe",
+                "__doc__": _pipes.Pipe.__doc__,
+            },
         )
 
     def __repr__(self) -> str:

@@ -17,9 +17,7 @@ ENGINE: str
 class ConnectionHooks(Protocol):
     """What the Connection above the engine provides; the engine calls these."""
 
-    def _message(
-        self, kind: int, payload: Any, deadline: float, raw: bool, maxlength: int
-    ) -> Any:
+    def _message(self, kind: int, payload: Any, deadline: float, raw: bool, maxlength: int) -> Any:
         """The rest of a message that is not one data frame (``kind`` -1: an object's buffers
         are still due), read with ``_read_frame``; called holding the read lock."""
     def _dead_sentinel(self, status: int) -> BaseException:

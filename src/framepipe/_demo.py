@@ -52,11 +52,12 @@ def main(args: argparse.Namespace) -> int:
             print(f"   caught {type(exc).__name__}: {exc}", file=out)
             print(f"   exc.user = {exc.user!r}, exc.limit = {exc.limit}", file=out)
             tb = exc.__cause__
-            print(f"   with the worker's traceback: {type(tb).__name__} "
-                  f"(shown when it is printed)\n", file=out)
+            print(
+                f"   with the worker's traceback: {type(tb).__name__} (shown when it is printed)\n",
+                file=out,
+            )
 
-        print("2. Six resize tasks; the worker running image 3 is SIGKILLed mid-task.\n",
-              file=out)
+        print("2. Six resize tasks; the worker running image 3 is SIGKILLed mid-task.\n", file=out)
         futures = [pool.submit(resize, i) for i in range(6)]
         for fut in futures:
             try:
@@ -64,11 +65,11 @@ def main(args: argparse.Namespace) -> int:
             except WorkerCrashed as exc:
                 text = str(exc).replace("\n", "\n   | ")
                 print(f"   WorkerCrashed: {text}", file=out)
-        print("   (the other five finished; a new worker took the dead one's place)\n",
-              file=out)
+        print("   (the other five finished; a new worker took the dead one's place)\n", file=out)
 
-        print("3. A task hangs; task_timeout=1.0 takes its stack, then stops the worker.\n",
-              file=out)
+        print(
+            "3. A task hangs; task_timeout=1.0 takes its stack, then stops the worker.\n", file=out
+        )
         start = time.monotonic()
         try:
             pool.submit(wait_for_lock).result()

@@ -92,11 +92,21 @@ def make_pipe(Connection: type[Any]) -> Callable[..., tuple[Any, Any]]:
                 fds += (br2, bw2)
                 _pipe_size(w1)
                 _pipe_size(w2)
-                c1 = Connection(r1, write_handle=w2, bulk_handle=br1, bulk_write_handle=bw2,
-                                read_ahead=read_ahead)
+                c1 = Connection(
+                    r1,
+                    write_handle=w2,
+                    bulk_handle=br1,
+                    bulk_write_handle=bw2,
+                    read_ahead=read_ahead,
+                )
                 fds = [r2, w1, br2, bw1]
-                c2 = Connection(r2, write_handle=w1, bulk_handle=br2, bulk_write_handle=bw1,
-                                read_ahead=read_ahead)
+                c2 = Connection(
+                    r2,
+                    write_handle=w1,
+                    bulk_handle=br2,
+                    bulk_write_handle=bw1,
+                    read_ahead=read_ahead,
+                )
             elif duplex:
                 a, b = _stream_pair(both_ways=True)
                 fds += (a, b)
@@ -158,10 +168,16 @@ class Pipe:
         self.timeout = timeout
         self.timeout_callback = timeout_callback
         own = self._owns_pipe
-        self._reader = None if self.read_fd is None else self._Connection(
-            self.read_fd, writable=False, closefd=own)
-        self._writer = None if self.write_fd is None else self._Connection(
-            self.write_fd, readable=False, closefd=own)
+        self._reader = (
+            None
+            if self.read_fd is None
+            else self._Connection(self.read_fd, writable=False, closefd=own)
+        )
+        self._writer = (
+            None
+            if self.write_fd is None
+            else self._Connection(self.write_fd, readable=False, closefd=own)
+        )
         if self._reader is not None and self._writer is not None:
             self._reader._peer = weakref.ref(self._writer)
         self._writer_pid: int | None = None

@@ -139,9 +139,7 @@ def _pipe_class(base: type) -> type:
                     )
                     raise _reference_error(clean, f"Exceeded timeout: {timeout}") from None
                 shown = "unknown" if code is None else abs(code)
-                raise _reference_error(
-                    exc, f"Subprocess terminates with code {shown}"
-                ) from None
+                raise _reference_error(exc, f"Subprocess terminates with code {shown}") from None
             except ReadTimeout as exc:  # the base ran timeout_callback() already
                 raise _reference_error(exc, f"Exceeded timeout: {timeout}") from None
 
@@ -355,9 +353,7 @@ class _InputClosed(BaseException):
     """Internal: the parent is gone (end of file, or its death, on the input pipe)."""
 
 
-def _run_block(
-    *, input_pipe: Any, output_pipe: Any, globals_dict: dict[str, Any]
-) -> None:
+def _run_block(*, input_pipe: Any, output_pipe: Any, globals_dict: dict[str, Any]) -> None:
     """Read one snippet, run it in ``globals_dict`` and write its result: ``SUCCESS_BYTES``,
     or the marshal'd ``dataclasses.asdict`` of a :class:`SerializedException`. Raises
     :class:`_InputClosed` (and writes nothing) when the input ends."""
@@ -469,4 +465,3 @@ def run_loop(
             _run_block(input_pipe=input_pipe, output_pipe=output_pipe, globals_dict=globals_dict)
         except _InputClosed:
             return
-

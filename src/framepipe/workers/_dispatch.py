@@ -147,8 +147,11 @@ def task_loop(ctx: ChildContext) -> None:
     dumps = pickle.dumps
     max_rss = ctx.options.get("max_rss")
     fdsock = ctx.options.get("fdsock")
-    wire = None if fdsock is None else _shm.Wire(socket.socket(fileno=fdsock.fd),
-                                                 ctx.options.get("shm_slots", SHM_SLOTS))
+    wire = (
+        None
+        if fdsock is None
+        else _shm.Wire(socket.socket(fileno=fdsock.fd), ctx.options.get("shm_slots", SHM_SLOTS))
+    )
     perf = time.perf_counter
     inbox: collections.deque[Any] = collections.deque()
     while True:
@@ -436,12 +439,30 @@ class Task:
     """One call. ``payload`` is its pickled message; for an item of a map it is the pickle of
     ``(tid, args)`` only, and ``fn`` the function, sent once per frame (see MAP)."""
 
-    __slots__ = ("tid", "future", "name", "payload", "size", "timeout", "stream", "delivered",
-                 "slot", "running", "fn")
+    __slots__ = (
+        "tid",
+        "future",
+        "name",
+        "payload",
+        "size",
+        "timeout",
+        "stream",
+        "delivered",
+        "slot",
+        "running",
+        "fn",
+    )
 
-    def __init__(self, tid: int, future: concurrent.futures.Future[Any], name: str,
-                 payload: bytes, timeout: float | None, stream: ItemChannel | None,
-                 fn: Any = None) -> None:
+    def __init__(
+        self,
+        tid: int,
+        future: concurrent.futures.Future[Any],
+        name: str,
+        payload: bytes,
+        timeout: float | None,
+        stream: ItemChannel | None,
+        fn: Any = None,
+    ) -> None:
         self.tid = tid
         self.future = future
         self.name = name
@@ -475,8 +496,16 @@ class MapTask(Task):
     def future(self) -> MapTask:  # type: ignore[override]
         return self
 
-    def __init__(self, tid: int, results: MapResults, index: int, name: str, payload: bytes,
-                 timeout: float | None, fn: Any) -> None:
+    def __init__(
+        self,
+        tid: int,
+        results: MapResults,
+        index: int,
+        name: str,
+        payload: bytes,
+        timeout: float | None,
+        fn: Any,
+    ) -> None:
         self.tid = tid
         self.results = results
         self.index = index
@@ -620,8 +649,14 @@ class Core:
         self._n = max_workers
         self._mp = mp_context
         self._proc_kw: dict[str, Any] = dict(
-            initializer=initializer, initargs=tuple(initargs), env=env, cwd=cwd,
-            log_dir=log_dir, tee=tee, options={"max_rss": max_rss})
+            initializer=initializer,
+            initargs=tuple(initargs),
+            env=env,
+            cwd=cwd,
+            log_dir=log_dir,
+            tee=tee,
+            options={"max_rss": max_rss},
+        )
         self._loop = loop
         self.max_restarts = max_restarts
         self.restart_window = restart_window
@@ -679,16 +714,24 @@ class Core:
 
     # -- submitting (any thread) ------------------------------------------------------------
 
-    def submit(self, op: int, fn: Callable[..., Any], args: tuple[Any, ...],
-               kwargs: dict[str, Any], *, timeout: float | None = None,
-               window: int = 0) -> Task:
+    def submit(
+        self,
+        op: int,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        timeout: float | None = None,
+        window: int = 0,
+    ) -> Task:
         future: concurrent.futures.Future[Any] = _Future()
         if LEND:
             future._core = self  # type: ignore[attr-defined]
         tid = next(self._ids)
         stream = ItemChannel() if op == STREAM else None
-        msg = (CALL, tid, fn, args, kwargs) if op == CALL else (
-            STREAM, tid, fn, args, kwargs, window)
+        msg = (
+            (CALL, tid, fn, args, kwargs) if op == CALL else (STREAM, tid, fn, args, kwargs, window)
+        )
         try:
             payload = pickle.dumps(msg, protocol=5)
         except Exception as exc:  # noqa: BLE001 - goes to the future, as in concurrent.futures
@@ -725,7 +768,8 @@ class Core:
         if task is not None:
             self._pending.append(task)
         if self.policy == "actor" and not any(
-                s.stopping is None and not s.dead for s in self._slots):
+            s.stopping is None and not s.dead for s in self._slots
+        ):
             self._dirty = True  # the manager starts a new process for it
             self.wake()
         # A worker with work in hand gets more from the manager, in batches, as its answers
@@ -764,8 +808,9 @@ class Core:
             task.delivered = False  # the worker is gone: its death reschedules it
         return True
 
-    def submit_many(self, fn: Callable[..., Any], items: Iterable[tuple[Any, ...]],
-                    timeout: float | None = None) -> MapResults:
+    def submit_many(
+        self, fn: Callable[..., Any], items: Iterable[tuple[Any, ...]], timeout: float | None = None
+    ) -> MapResults:
         """Queue ``fn(*args)`` for every ``args`` of ``items`` at once (``map``)."""
         items = list(items)
         results = MapResults(len(items))
@@ -863,8 +908,12 @@ class Core:
         while pending and len(batch) < room:
             task = pending[0]
             size = task.size
-            if batch and (size >= BATCH_BYTES or nbytes + size > BATCH_BYTES or
-                          owed + size > PIPE_ROOM or task.fn is not batch[0].fn):
+            if batch and (
+                size >= BATCH_BYTES
+                or nbytes + size > BATCH_BYTES
+                or owed + size > PIPE_ROOM
+                or task.fn is not batch[0].fn
+            ):
                 break
             pending.popleft()
             if not task.running:  # a task rescheduled after a crash is running already
@@ -959,14 +1008,24 @@ class Core:
     def _lend(self, slot: Slot, me: int) -> bool:
         """Take ``slot``'s channel from the manager (its data fd out of the epoll set) for
         thread ``me``."""
-        if slot.dead or slot.lent or len(slot.outstanding) > LEND_DEPTH or \
-                not slot.reader.acquire(False):
+        if (
+            slot.dead
+            or slot.lent
+            or len(slot.outstanding) > LEND_DEPTH
+            or not slot.reader.acquire(False)
+        ):
             return False
         try:
             with self._ep_lock:
                 conn = slot.proc.conn
-                if slot.dead or slot.partial or self._closed_poller() or slot.poke_fd < 0 or \
-                        conn._pending_bulk_fd is not None or conn._liveness_fd is None:
+                if (
+                    slot.dead
+                    or slot.partial
+                    or self._closed_poller()
+                    or slot.poke_fd < 0
+                    or conn._pending_bulk_fd is not None
+                    or conn._liveness_fd is None
+                ):
                     return False
                 slot.lent = me  # from here on, the caller's take_back releases the lock
                 # Its data fd only: the pidfd stays with the manager, which takes it out too if
@@ -1047,15 +1106,19 @@ class Core:
         """A caller's read of ``slot`` was cut short by an exception: no answer of that worker
         can be trusted to match its task any more. Its tasks fail, it is stopped (SIGKILL)
         and replaced."""
-        reason = (f"the thread reading its answers was interrupted by {type(exc).__name__}, "
-                  "so it was stopped")
+        reason = (
+            f"the thread reading its answers was interrupted by {type(exc).__name__}, "
+            "so it was stopped"
+        )
         with self._lock:
             slot.stopping = slot.stopping or "interrupted"
             tasks = list(slot.outstanding)
             slot.outstanding.clear()
             slot.done_bytes = slot.sent_bytes
-        err = WorkerError(f"worker {slot.proc.name!r} (pid {slot.proc.pid}): {reason}; "
-                          "its tasks may or may not have run")
+        err = WorkerError(
+            f"worker {slot.proc.name!r} (pid {slot.proc.pid}): {reason}; "
+            "its tasks may or may not have run"
+        )
         for task in tasks:
             task.fail(err)
         slot.proc.kill()
@@ -1070,8 +1133,11 @@ class Core:
         if _shm.HAVE_MEMFD:
             # large arrays in results travel in memfds the worker passes over this socket
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            kw["options"] = {**kw["options"], "fdsock": _process._FdHandle(theirs.fileno()),
-                             "shm_slots": SHM_SLOTS}
+            kw["options"] = {
+                **kw["options"],
+                "fdsock": _process._FdHandle(theirs.fileno()),
+                "shm_slots": SHM_SLOTS,
+            }
         proc = WorkerProcess(self._mp, f"{self.name}-{index}", self._loop, **kw)
         slot = Slot(proc, index, _shm.Receiver(mine))
         if LEND:
@@ -1106,8 +1172,9 @@ class Core:
                 if self._finished():
                     break
         except BaseException as exc:  # noqa: BLE001 - never leave callers waiting
-            self._break(WorkerError(f"the manager of {self.name} failed: "
-                                    f"{type(exc).__name__}: {exc}"))
+            self._break(
+                WorkerError(f"the manager of {self.name} failed: {type(exc).__name__}: {exc}")
+            )
         finally:
             self._shutdown_workers()
             self.stopped.set_result(None)
@@ -1283,8 +1350,7 @@ class Core:
                 except (EOFError, OSError):
                     raise
                 except BaseException as exc:  # noqa: BLE001 - see _unreadable
-                    if not isinstance(exc, Exception) and \
-                            threading.get_ident() != self._manager_id:
+                    if not isinstance(exc, Exception) and threading.get_ident() != self._manager_id:
                         raise  # a caller's Ctrl-C, perhaps: see _serve
                     answered += self._unreadable(slot, exc)
                 else:
@@ -1324,8 +1390,10 @@ class Core:
         others go on. Returns 1 when that was the task's answer."""
         task = slot.outstanding[0] if slot.outstanding else None
         if task is None:
-            raise WorkerError(f"worker {slot.proc.name} sent a message that could not be "
-                              f"read, with no task due: {type(exc).__name__}: {exc}") from exc
+            raise WorkerError(
+                f"worker {slot.proc.name} sent a message that could not be "
+                f"read, with no task due: {type(exc).__name__}: {exc}"
+            ) from exc
         what = "an item" if task.stream is not None else "the result"
         err = WorkerError(
             f"{what} of {task.name} (task {task.tid}) from worker {slot.proc.name!r} could not "
@@ -1373,8 +1441,9 @@ class Core:
             # the task is still there for the report.
             task = slot.outstanding[0]
             if task.tid != msg[1]:
-                raise WorkerError(f"worker {slot.proc.name} answered task {msg[1]} "
-                                  f"while task {task.tid} was due")
+                raise WorkerError(
+                    f"worker {slot.proc.name} answered task {msg[1]} while task {task.tid} was due"
+                )
             if kind == RESULT:
                 if self._cancelled and task.tid in self._cancelled:
                     self._cancelled.discard(task.tid)
@@ -1440,8 +1509,11 @@ class Core:
         expected = slot.stopping is not None or (slot.retiring and not orphans)
         head = orphans[0] if orphans and orphans[0].delivered else None
         err = slot.proc.crash_error(
-            died, head.name if head else None, head.tid if head else None,
-            reason or slot.crash_reason)
+            died,
+            head.name if head else None,
+            head.tid if head else None,
+            reason or slot.crash_reason,
+        )
         for fut in waiters:
             if not fut.done():
                 fut.set_exception(err)
@@ -1470,11 +1542,13 @@ class Core:
             while self._crash_times and now - self._crash_times[0] > self.restart_window:
                 self._crash_times.popleft()
             if self.max_restarts is not None and len(self._crash_times) > self.max_restarts:
-                self._break(PoolBroken(
-                    f"{self.name}: workers crashed {len(self._crash_times)} times within "
-                    f"{self.restart_window:g} s (max_restarts={self.max_restarts}); giving up",
-                    self.crashes,
-                ))
+                self._break(
+                    PoolBroken(
+                        f"{self.name}: workers crashed {len(self._crash_times)} times within "
+                        f"{self.restart_window:g} s (max_restarts={self.max_restarts}); giving up",
+                        self.crashes,
+                    )
+                )
         if self._pending:
             self.kick()  # the other workers take the orphans now, not after the replacement
         # Reaping and respawning wait for the next turn of the loop, after a short poll that
@@ -1517,8 +1591,11 @@ class Core:
             if slot.stopping is not None or not slot.outstanding:
                 continue
             head = slot.outstanding[0]
-            if head.timeout is not None and head.stream is None and \
-                    now >= slot.head_since + head.timeout:
+            if (
+                head.timeout is not None
+                and head.stream is None
+                and now >= slot.head_since + head.timeout
+            ):
                 self.expire(slot, head, head.timeout, "task")
 
     def expire(self, slot: Slot, task: Task, timeout: float, what: str) -> None:
@@ -1529,8 +1606,17 @@ class Core:
                 return
             slot.stopping = f"{what} timeout"
         stack = slot.proc.stack(STACK_WAIT)
-        task.fail(TaskTimeout(slot.proc.name, slot.proc.pid, timeout, task_name=task.name,
-                              task_id=task.tid, stack=stack, what=what))
+        task.fail(
+            TaskTimeout(
+                slot.proc.name,
+                slot.proc.pid,
+                timeout,
+                task_name=task.name,
+                task_id=task.tid,
+                stack=stack,
+                what=what,
+            )
+        )
         slot.proc.signal_group(signal.SIGTERM)
         slot.kill_at = time.monotonic() + self.kill_grace
         self._timers = True
@@ -1553,8 +1639,12 @@ class Core:
         with self._lock:
             alive = sum(1 for s in self._slots if s.stopping is None and not s.retiring)
             need = self._n - alive
-            if self.policy == "actor" and not self._pending and need > 0 and \
-                    any(s.stopping is None for s in self._slots):
+            if (
+                self.policy == "actor"
+                and not self._pending
+                and need > 0
+                and any(s.stopping is None for s in self._slots)
+            ):
                 need = 0
         for _ in range(max(0, need)):
             try:
@@ -1604,8 +1694,9 @@ class Core:
 
     # -- ending --
 
-    def shutdown(self, wait: bool = True, cancel_futures: bool = False,
-                 timeout: float | None = None) -> None:
+    def shutdown(
+        self, wait: bool = True, cancel_futures: bool = False, timeout: float | None = None
+    ) -> None:
         """Stop taking tasks; the manager ends once every task has finished, or ``timeout``
         seconds from now, whichever comes first (then the workers are stopped as they are)."""
         with self._submit_lock, self._lock:

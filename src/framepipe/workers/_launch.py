@@ -24,8 +24,14 @@ import sys
 import threading
 from typing import NoReturn
 
-__all__ = ["arm_parent_death", "set_pdeathsig", "die_with_group", "parent_gone",
-           "watch_parent", "start_parent_watch"]
+__all__ = [
+    "arm_parent_death",
+    "set_pdeathsig",
+    "die_with_group",
+    "parent_gone",
+    "watch_parent",
+    "start_parent_watch",
+]
 
 _PR_SET_PDEATHSIG = 1
 _RT = getattr(signal, "SIGRTMIN", None)
@@ -143,7 +149,7 @@ def _report(fd: int, text: str) -> None:
     data = text.encode("utf-8", "replace")
     with contextlib.suppress(OSError):
         while data:
-            data = data[os.write(fd, data):]
+            data = data[os.write(fd, data) :]
 
 
 def launch(parent_pid: int, report_fd: int, argv: list[str]) -> NoReturn:

@@ -189,8 +189,12 @@ class ChildContext:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         if sys.platform != "darwin":
             peak *= 1024
-        return {"calls": self.calls, "busy_seconds": self.busy, "peak_rss": peak,
-                "rss": current_rss(os.getpid())}
+        return {
+            "calls": self.calls,
+            "busy_seconds": self.busy,
+            "peak_rss": peak,
+            "rss": current_rss(os.getpid()),
+        }
 
 
 def current_rss(pid: int) -> int | None:
@@ -301,8 +305,17 @@ def _rebind_stream(name: str, fd: int) -> None:
     with contextlib.suppress(OSError, ValueError):
         if stream is not None:
             stream.flush()
-    setattr(sys, name, open(fd, "w", buffering=1, errors="backslashreplace",  # noqa: SIM115
-                            closefd=False))
+    setattr(
+        sys,
+        name,
+        open(
+            fd,
+            "w",
+            buffering=1,
+            errors="backslashreplace",  # noqa: SIM115
+            closefd=False,
+        ),
+    )
 
 
 def child_main(boot: _Boot) -> None:
@@ -381,8 +394,14 @@ class _Stderr:
     """The parent's end of a worker's stderr pipe: a tail for reports, optional log file,
     optional console copy (raw, or line by line with a ``[name]`` prefix)."""
 
-    def __init__(self, fd: int, name: str, log_path: str | None, console: str | None,
-                 console_stream: str = "stderr") -> None:
+    def __init__(
+        self,
+        fd: int,
+        name: str,
+        log_path: str | None,
+        console: str | None,
+        console_stream: str = "stderr",
+    ) -> None:
         self.fd: int | None = fd
         self.name = name
         self.log_path = log_path
@@ -418,13 +437,13 @@ class _Stderr:
             self._partial = lines.pop()
             if lines:
                 prefix = f"[{self.name}] ".encode()
-                _write_console(b"".join(prefix + line + b"\n" for line in lines),
-                               self.console_stream)
+                _write_console(
+                    b"".join(prefix + line + b"\n" for line in lines), self.console_stream
+                )
 
     def _flush_partial(self) -> None:
         if self.console == "prefix" and self._partial:
-            _write_console(f"[{self.name}] ".encode() + self._partial + b"\n",
-                           self.console_stream)
+            _write_console(f"[{self.name}] ".encode() + self._partial + b"\n", self.console_stream)
         self._partial = b""
 
     def tail_text(self, lines: int = TAIL_LINES) -> str:
@@ -458,7 +477,7 @@ def _write_console(data: bytes, stream: str = "stderr") -> None:
         fd = console.fileno() if console is not None else (1 if stream == "stdout" else 2)
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
 
 
 def stack_text(data: bytes, quiet: float | None, expired: bool) -> str | None:
@@ -542,8 +561,11 @@ class WorkerProcess:
             os.makedirs(d, exist_ok=True)
             log_path = os.path.join(d, "stderr.log")
             stdout_path = os.path.join(d, "stdout.log")
-        console = ("prefix" if self._tee else None) if self._log_dir else (
-            "prefix" if self._tee else "raw")
+        console = (
+            ("prefix" if self._tee else None)
+            if self._log_dir
+            else ("prefix" if self._tee else "raw")
+        )
         self.stderr = _Stderr(err_r, self.name, log_path, console)
         boot = _Boot(
             name=self.name,
@@ -741,7 +763,8 @@ class WorkerProcess:
         exitcode = died.exitcode if died is not None else self.exitcode
         oom_killed = self._oom_killed(died, exitcode)
         native = (died.native_traceback if died is not None else None) or (
-            self.stderr.native_traceback() if self.stderr is not None else None)
+            self.stderr.native_traceback() if self.stderr is not None else None
+        )
         tail = self.stderr.tail_text() if self.stderr is not None else ""
         if native and tail:
             # the dump is shown once, as the native traceback
@@ -784,4 +807,3 @@ class WorkerProcess:
                     self.process.close()
         self._closed = True
         _parent_side.discard(self)
-

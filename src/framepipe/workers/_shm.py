@@ -171,8 +171,11 @@ class Wire:
         if np is not None and type(obj) is np.ndarray:
             return self._array(obj)
         if _is_torch_tensor(obj):
-            if obj.device.type == "cpu" and not obj.requires_grad and \
-                    str(obj.layout) == "torch.strided":
+            if (
+                obj.device.type == "cpu"
+                and not obj.requires_grad
+                and str(obj.layout) == "torch.strided"
+            ):
                 return _TensorView(self._array(obj.detach().contiguous().numpy()))
             return obj
         if isinstance(obj, dict):
@@ -184,15 +187,23 @@ class Wire:
         return obj
 
     def _array(self, array: Any) -> Any:
-        if self.fdsock is None or array.nbytes < SHM_MIN or array.dtype.hasobject or \
-                not array.flags.c_contiguous:
+        if (
+            self.fdsock is None
+            or array.nbytes < SHM_MIN
+            or array.dtype.hasobject
+            or not array.flags.c_contiguous
+        ):
             return array
         if self.free:
             sid = self.free.pop()
         elif len(self.memfds) < self.slots:
             sid = len(self.memfds)
-            self.memfds.append(os.memfd_create("framepipe-batch",  # type: ignore[attr-defined]
-                                               os.MFD_CLOEXEC))  # type: ignore[attr-defined]
+            self.memfds.append(
+                os.memfd_create(
+                    "framepipe-batch",  # type: ignore[attr-defined]
+                    os.MFD_CLOEXEC,
+                )
+            )  # type: ignore[attr-defined]
             self.new.append(sid)
         else:
             return array
@@ -207,13 +218,11 @@ class Wire:
         new, self.new = self.new, []
         fds = [self.memfds[sid] for sid in new]
         for i in range(0, len(fds), _MAX_FDS):
-            part = fds[i:i + _MAX_FDS]
+            part = fds[i : i + _MAX_FDS]
             socket.send_fds(self.fdsock, [b"%d" % len(part)], part)  # type: ignore[arg-type]
 
     def give_back(self, sids: list[int]) -> None:
         self.free.extend(sids)
-
-
 
 
 def convert_result(wire: Wire, value: Any) -> Any:

@@ -95,9 +95,7 @@ class WorkerCrashed(WorkerError):
         self.stderr_tail = stderr_tail
         self.log_path = log_path
         self.reason = reason
-        self.signal_name = (
-            signal_name(-exitcode) if exitcode is not None and exitcode < 0 else None
-        )
+        self.signal_name = signal_name(-exitcode) if exitcode is not None and exitcode < 0 else None
         super().__init__(self._message())
 
     def _message(self) -> str:

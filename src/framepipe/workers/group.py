@@ -138,8 +138,9 @@ class RankOutcome:
         if code is None:
             text = "ended (its exit status could not be read)"
         elif code < 0:
-            text = f"was killed by {self.signal_name}" + (" (core dumped)" if self.core_dumped
-                                                         else "")
+            text = f"was killed by {self.signal_name}" + (
+                " (core dumped)" if self.core_dumped else ""
+            )
         else:
             text = f"exited with code {code}"
         if self.oom_killed:
@@ -181,8 +182,9 @@ class GroupFailed(WorkerError):
     its own); ``outcomes`` (every rank); ``reason`` (why the group stopped).
     """
 
-    def __init__(self, name: str, outcomes: dict[int, RankOutcome], root_rank: int | None,
-                 reason: str) -> None:
+    def __init__(
+        self, name: str, outcomes: dict[int, RankOutcome], root_rank: int | None, reason: str
+    ) -> None:
         self.name = name
         self.outcomes = dict(outcomes)
         self.root_rank = root_rank
@@ -200,10 +202,12 @@ class GroupFailed(WorkerError):
             lines = [f"worker group {self.name!r} was stopped: {self.reason}", "", "ranks:"]
             lines += [f"  {_rank_line(o, None)}" for o in self.outcomes.values()]
             return "\n".join(lines)
-        lines = [f"worker group {self.name!r} failed: rank {root.rank} (pid {root.pid}) "
-                 f"{root.what()}", "",
-                 f"root cause: rank {root.rank} (pid {root.pid}) {root.how()}"
-                 + (f" at {_clock(root.failed_at)}" if root.failed_at else "")]
+        lines = [
+            f"worker group {self.name!r} failed: rank {root.rank} (pid {root.pid}) {root.what()}",
+            "",
+            f"root cause: rank {root.rank} (pid {root.pid}) {root.how()}"
+            + (f" at {_clock(root.failed_at)}" if root.failed_at else ""),
+        ]
         if root.error is not None and root.error_file:
             lines.append(f"error file: {root.error_file}")
         tb = root.traceback
@@ -431,8 +435,9 @@ def _close_all_at_exit() -> None:
             group.close(grace=min(group.grace, 5.0))
 
 
-def _per_rank(value: Any, nprocs: int, what: str, default: Any,
-              missing: Any = None) -> dict[int, Any]:
+def _per_rank(
+    value: Any, nprocs: int, what: str, default: Any, missing: Any = None
+) -> dict[int, Any]:
     """``{rank: value}`` from one value for all ranks or a dict (a rank it leaves out gets
     ``missing``, else ``default``); None gives every rank ``default``."""
     if value is None:
@@ -504,15 +509,22 @@ class WorkerGroup:
         self.entrypoint = entrypoint
         self.nprocs = nprocs
         self.start_method = start_method
-        self.name: str = name or (os.path.basename(self._argv[0]) if self.is_command else str(
-            getattr(entrypoint, "__qualname__", "group")))
+        self.name: str = name or (
+            os.path.basename(self._argv[0])
+            if self.is_command
+            else str(getattr(entrypoint, "__qualname__", "group"))
+        )
         self.args = {r: tuple(a) for r, a in _per_rank(args, nprocs, "args", ()).items()}
-        self.envs = {r: {str(k): str(v) for k, v in e.items()}
-                     for r, e in _per_rank(envs, nprocs, "envs", {}).items()}
+        self.envs = {
+            r: {str(k): str(v) for k, v in e.items()}
+            for r, e in _per_rank(envs, nprocs, "envs", {}).items()
+        }
         self.log_dir = os.fspath(log_dir) if log_dir is not None else None
         default = Std.ALL if self.log_dir else Std.NONE
-        self.redirects = {r: Std(v) for r, v in _per_rank(redirects, nprocs, "redirects",
-                                                          default, Std.NONE).items()}
+        self.redirects = {
+            r: Std(v)
+            for r, v in _per_rank(redirects, nprocs, "redirects", default, Std.NONE).items()
+        }
         self.tee = {r: Std(v) for r, v in _per_rank(tee, nprocs, "tee", Std.NONE).items()}
         if not self.log_dir and any(self.redirects.values()):
             raise ValueError("redirects need a log_dir to put the files in")
@@ -575,8 +587,9 @@ class WorkerGroup:
             _live_groups.add(self)
             # The ranks are started from the supervisor thread, which lives as long as they
             # do: PR_SET_PDEATHSIG fires when the *thread* that started a process ends.
-            self._thread = threading.Thread(target=self._supervise, daemon=True,
-                                            name=f"framepipe-group-{self.name}")
+            self._thread = threading.Thread(
+                target=self._supervise, daemon=True, name=f"framepipe-group-{self.name}"
+            )
             self._thread.start()
 
     def _prepare_files(self) -> None:
@@ -597,9 +610,13 @@ class WorkerGroup:
                 r.stderr_path = os.path.join(d, "stderr.log")
 
     def _env(self, rank: int) -> dict[str, str]:
-        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.nprocs),
-               "LOCAL_WORLD_SIZE": str(self.nprocs),
-               ERROR_FILE_ENV: self._ranks[rank].error_file or ""}
+        env = {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(self.nprocs),
+            "LOCAL_WORLD_SIZE": str(self.nprocs),
+            ERROR_FILE_ENV: self._ranks[rank].error_file or "",
+        }
         env.update(self.envs[rank])
         return env
 
@@ -618,8 +635,7 @@ class WorkerGroup:
         read, write = os.pipe()
         os.set_blocking(read, False)
         console = "prefix" if tee else "raw"
-        pipe = _Stderr(read, str(r.rank), path, console,
-                       "stdout" if which is Std.OUT else "stderr")
+        pipe = _Stderr(read, str(r.rank), path, console, "stdout" if which is Std.OUT else "stderr")
         r.pipes.append(pipe)
         if which is Std.ERR:
             r.stderr_pipe = pipe
@@ -647,14 +663,21 @@ class WorkerGroup:
         assert self._ctx is not None
         reader, writer = _connection.Pipe(False)
         r.conn, r.conn_open = reader, True
-        boot = _Boot(rank=r.rank, parent_pid=os.getpid(), fn=self.entrypoint,  # type: ignore[arg-type]
-                     args=self.args[r.rank], env=self._env(r.rank), result=writer,
-                     stdout=None if out_fd is None else _FdHandle(out_fd),
-                     stderr=_FdHandle(err_fd),
-                     line_buffered_stdout=bool(self.tee[r.rank] & Std.OUT))
+        boot = _Boot(
+            rank=r.rank,
+            parent_pid=os.getpid(),
+            fn=self.entrypoint,  # type: ignore[arg-type]
+            args=self.args[r.rank],
+            env=self._env(r.rank),
+            result=writer,
+            stdout=None if out_fd is None else _FdHandle(out_fd),
+            stderr=_FdHandle(err_fd),
+            line_buffered_stdout=bool(self.tee[r.rank] & Std.OUT),
+        )
         try:
-            process = self._ctx.Process(target=_rank_main, args=(boot,),
-                                        name=f"{self.name}-{r.rank}", daemon=False)
+            process = self._ctx.Process(
+                target=_rank_main, args=(boot,), name=f"{self.name}-{r.rank}", daemon=False
+            )
             process.start()
         finally:
             writer.close()
@@ -666,8 +689,17 @@ class WorkerGroup:
     def _launch_command(self, r: _Rank, out_fd: int | None, err_fd: int) -> None:
         report_r, report_w = os.pipe()
         r.report_fd = report_r
-        argv = [sys.executable, "-I", "-S", _launch.__file__, str(os.getpid()),
-                str(report_w), "--", *self._argv, *map(str, self.args[r.rank])]
+        argv = [
+            sys.executable,
+            "-I",
+            "-S",
+            _launch.__file__,
+            str(os.getpid()),
+            str(report_w),
+            "--",
+            *self._argv,
+            *map(str, self.args[r.rank]),
+        ]
         kwargs: dict[str, Any] = {}
         if sys.version_info >= (3, 11):
             kwargs["process_group"] = 0
@@ -676,8 +708,15 @@ class WorkerGroup:
         env = dict(os.environ)
         env.update(self._env(r.rank))
         try:
-            r.process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out_fd,
-                                         stderr=err_fd, pass_fds=(report_w,), **kwargs)
+            r.process = subprocess.Popen(
+                argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out_fd,
+                stderr=err_fd,
+                pass_fds=(report_w,),
+                **kwargs,
+            )
         finally:
             os.close(report_w)
         r.pgid = r.process.pid
@@ -691,14 +730,16 @@ class WorkerGroup:
         while not data.endswith(b"\n"):
             left = deadline - time.monotonic()
             if left <= 0 or not poller.poll(left * 1000):
-                raise WorkerStartError(f"rank {r.rank}: the launcher did not report within "
-                                       f"{_LAUNCH_TIMEOUT:g} s")
+                raise WorkerStartError(
+                    f"rank {r.rank}: the launcher did not report within {_LAUNCH_TIMEOUT:g} s"
+                )
             chunk = os.read(r.report_fd, 4096)
             if not chunk:
                 r.process.wait()
                 raise WorkerStartError(
                     f"rank {r.rank}: the launcher ended (exit status {r.process.returncode}) "
-                    f"before starting {self._argv[0]!r}")
+                    f"before starting {self._argv[0]!r}"
+                )
             data += chunk
         text = data.decode("utf-8", "replace").strip()
         if text.startswith("!"):
@@ -888,18 +929,23 @@ class WorkerGroup:
                 stdouts={r.rank: r.stdout_path for r in self._ranks},
                 stderrs={r.rank: r.stderr_path for r in self._ranks},
             )
-        root = min(failed, key=lambda o: (o.failed_at, o.ended_at or 0.0, o.rank),
-                   default=None)
+        root = min(failed, key=lambda o: (o.failed_at, o.ended_at or 0.0, o.rank), default=None)
         reason = self._stop.reason if self._stop is not None else "a rank failed"
         return GroupFailed(self.name, outcomes, root.rank if root else None, reason)
 
     def _rank_outcome(self, r: _Rank) -> RankOutcome:
-        o = RankOutcome(rank=r.rank, pid=r.pid, state="failed", exitcode=r.exitcode,
-                        core_dumped=r.core_dumped, oom_killed=r.oom_killed,
-                        error_file=r.error_file if self.log_dir else None,  # else: removed
-                        stdout_path=r.stdout_path,
-                        stderr_path=r.stderr_path,
-                        ended_at=r.ended_ns / 1e9 if r.ended_ns else None)
+        o = RankOutcome(
+            rank=r.rank,
+            pid=r.pid,
+            state="failed",
+            exitcode=r.exitcode,
+            core_dumped=r.core_dumped,
+            oom_killed=r.oom_killed,
+            error_file=r.error_file if self.log_dir else None,  # else: removed
+            stdout_path=r.stdout_path,
+            stderr_path=r.stderr_path,
+            ended_at=r.ended_ns / 1e9 if r.ended_ns else None,
+        )
         if r.process is None:
             o.state = "not started"
             return o
@@ -911,13 +957,15 @@ class WorkerGroup:
             except Exception:  # noqa: BLE001 - the error file still has the traceback
                 o.exception = None
         stop_ns = self._stop.at_ns if self._stop is not None else None
-        if self._succeeded(r) and (self.is_command is False or stop_ns is None
-                                   or (r.ended_ns or 0) < stop_ns):
+        if self._succeeded(r) and (
+            self.is_command is False or stop_ns is None or (r.ended_ns or 0) < stop_ns
+        ):
             o.state = "succeeded"
             return o
         if r.error_file and os.path.isfile(r.error_file):
-            o.error = ProcessFailure(r.rank, r.pid or 0, r.exitcode if r.exitcode is not None
-                                     else 1, r.error_file)
+            o.error = ProcessFailure(
+                r.rank, r.pid or 0, r.exitcode if r.exitcode is not None else 1, r.error_file
+            )
         failed_ns = self._failed_ns(o.error, r.ended_ns)
         o.failed_at = failed_ns / 1e9 if failed_ns else None
         if stop_ns is not None and (failed_ns is None or failed_ns >= stop_ns):
@@ -957,7 +1005,7 @@ class WorkerGroup:
             end = text.rfind(tb[-1])
             start = text.rfind(tb[0], 0, end) if end >= 0 else -1
             if start >= 0:
-                text = text[:start] + text[end + len(tb[-1]):]
+                text = text[:start] + text[end + len(tb[-1]) :]
         lines = text.rstrip().split("\n")
         return "\n".join(lines[-TAIL_LINES:]).strip("\n") if text.strip() else ""
 
@@ -1033,7 +1081,8 @@ class WorkerGroup:
             await asyncio.wait_for(asyncio.shield(waiter), timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(
-                f"worker group {self.name!r} still running after {timeout} s") from None
+                f"worker group {self.name!r} still running after {timeout} s"
+            ) from None
         return self._result()
 
     def _install_handlers(self) -> dict[int, Any]:
@@ -1061,8 +1110,7 @@ class WorkerGroup:
         if len(self._received) == 1:
             self._request(signum, self.grace, f"the parent received {signal_name(signum)}")
         else:
-            self._request(signal.SIGKILL, 0.0,
-                          f"the parent received {signal_name(signum)} again")
+            self._request(signal.SIGKILL, 0.0, f"the parent received {signal_name(signum)} again")
 
     # -- the end ------------------------------------------------------------------------------
 

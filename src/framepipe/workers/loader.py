@@ -139,13 +139,15 @@ def default_collate(batch: Sequence[Any]) -> Any:
     if np is not None and isinstance(elem, np.ndarray):
         nd, shape, dtype = np.ndarray, elem.shape, elem.dtype
         if dtype.kind != "O" and all(
-                type(a) is nd and a.dtype is dtype and a.shape == shape for a in batch):
+            type(a) is nd and a.dtype is dtype and a.shape == shape for a in batch
+        ):
             return np.array(batch)  # what np.stack gives here, in half the time
         return np.stack(batch)
     if _shm._is_torch_tensor(elem):
         return sys.modules["torch"].stack(list(batch))
     if isinstance(elem, (bool, int, float, complex)) or (
-            np is not None and isinstance(elem, np.generic)):
+        np is not None and isinstance(elem, np.generic)
+    ):
         if np is None:
             return list(batch)
         return np.asarray(batch)
@@ -179,8 +181,14 @@ def _is_iterable_dataset(dataset: Any) -> bool:
 class _Fetcher:
     """Turns a request into a batch, in a worker or (``num_workers=0``) in the parent."""
 
-    def __init__(self, dataset: Any, iterable: bool, batch_size: int | None,
-                 collate_fn: Callable[[Any], Any] | None, drop_last: bool) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        iterable: bool,
+        batch_size: int | None,
+        collate_fn: Callable[[Any], Any] | None,
+        drop_last: bool,
+    ) -> None:
         self.dataset = dataset
         self.iterable = iterable
         self.batch_size = batch_size
@@ -269,12 +277,16 @@ def _short(indices: Any, limit: int = 8) -> str:
 #: pickle), and from :data:`_shm.SHM_MIN` they go through shared memory.
 INLINE_MAX = 64 * 1024
 _INLINE_KINDS = frozenset("biufcmMSU")
-_PICKLE_HEAD = b"".join((
-    b"\x80\x05",  # PROTO 5
-    b"\x8c", bytes([len(__name__)]), __name__.encode(),  # SHORT_BINUNICODE module
-    b"\x8c\x0c_array_reply",  # SHORT_BINUNICODE name
-    b"\x93(",  # STACK_GLOBAL, MARK; then the dtype, the shape, the bytes and the batch id
-))
+_PICKLE_HEAD = b"".join(
+    (
+        b"\x80\x05",  # PROTO 5
+        b"\x8c",
+        bytes([len(__name__)]),
+        __name__.encode(),  # SHORT_BINUNICODE module
+        b"\x8c\x0c_array_reply",  # SHORT_BINUNICODE name
+        b"\x93(",  # STACK_GLOBAL, MARK; then the dtype, the shape, the bytes and the batch id
+    )
+)
 _PICKLE_TAIL = struct.Struct("<2sq3s")  # LONG1 of 8 bytes (the batch id), TUPLE, REDUCE, STOP
 _MANY_HEAD = b"\x80\x05(K" + bytes([MANY])  # PROTO 5, MARK, BININT1 MANY; then the replies
 _DIM = struct.Struct("<q")
@@ -303,17 +315,30 @@ def _inline_prefix(array: Any) -> bytes | None:
     if dtype.kind not in _INLINE_KINDS or dtype.metadata:
         return None
     code = dtype.str.encode()
-    return b"".join((_PICKLE_HEAD, b"\x8c", bytes([len(code)]), code, b"(",
-                     *(b"\x8a\x08" + _DIM.pack(n) for n in array.shape), b"t",
-                     _BYTEARRAY8.pack(0x96, array.nbytes)))
+    return b"".join(
+        (
+            _PICKLE_HEAD,
+            b"\x8c",
+            bytes([len(code)]),
+            code,
+            b"(",
+            *(b"\x8a\x08" + _DIM.pack(n) for n in array.shape),
+            b"t",
+            _BYTEARRAY8.pack(0x96, array.nbytes),
+        )
+    )
 
 
 def _inline_array(bid: int, array: Any) -> bytes | None:
     """The reply ``(OK, bid, array)`` as a pickle built directly, or None when ``array`` is not
     one this path takes (see :data:`INLINE_MAX`)."""
     np = sys.modules.get("numpy")
-    if np is None or type(array) is not np.ndarray or array.nbytes >= INLINE_MAX or \
-            not array.flags.c_contiguous:
+    if (
+        np is None
+        or type(array) is not np.ndarray
+        or array.nbytes >= INLINE_MAX
+        or not array.flags.c_contiguous
+    ):
         return None
     key = (array.dtype, array.shape)
     prefix = _prefix_cache.get(key, b"")
@@ -380,8 +405,9 @@ def _send_failure(conn: Any, bid: int, exc: BaseException, where: str) -> None:
     conn.send((FAIL, bid, dumps_exception(exc), where))
 
 
-def _answer(conn: Any, fetcher: _Fetcher, wire: _shm.Wire, bid: int, indices: Any,
-            pending: list[bytes]) -> None:
+def _answer(
+    conn: Any, fetcher: _Fetcher, wire: _shm.Wire, bid: int, indices: Any, pending: list[bytes]
+) -> None:
     """Load batch ``bid`` and answer it. A small array's reply (see :data:`INLINE_MAX`) is
     added to ``pending``, to go out with the replies around it in one frame (:func:`_flush`);
     any other reply is written at once, after what is pending."""
@@ -412,8 +438,10 @@ def _answer(conn: Any, fetcher: _Fetcher, wire: _shm.Wire, bid: int, indices: An
     except (BrokenPipeError, ConnectionError):
         raise
     except Exception as exc:  # noqa: BLE001 - an unpicklable batch
-        err = WorkerError(f"the batch of indices {_short(indices)} could not be sent to the "
-                          f"parent: {type(exc).__name__}: {exc}")
+        err = WorkerError(
+            f"the batch of indices {_short(indices)} could not be sent to the "
+            f"parent: {type(exc).__name__}: {exc}"
+        )
         err.__cause__ = exc
         wire.give_back(wire.used)  # the parent never saw these arrays
         _send_failure(conn, bid, err, "the batch")
@@ -454,8 +482,9 @@ def loader_loop(ctx: ChildContext) -> None:
         except BaseException as exc:  # noqa: BLE001 - the parent reports it
             conn.send((INIT_FAILED, dumps_exception(exc)))
             return
-    fetcher = _Fetcher(dataset, opts["iterable"], opts["batch_size"], opts["collate_fn"],
-                       opts["drop_last"])
+    fetcher = _Fetcher(
+        dataset, opts["iterable"], opts["batch_size"], opts["collate_fn"], opts["drop_last"]
+    )
     fdsock = opts["fdsock"]
     wire = _shm.Wire(None if fdsock is None else socket.socket(fileno=fdsock.fd), opts["shm_slots"])
     recv_bytes, loads, clock = conn.recv_bytes, pickle.loads, time.perf_counter
@@ -522,11 +551,25 @@ def loader_loop(ctx: ChildContext) -> None:
 class _Slot(_shm.Receiver):
     """The parent's view of one worker."""
 
-    __slots__ = ("id", "proc", "conn", "credits", "held", "backlog", "credit", "owed", "group",
-                 "exhausted", "outbox", "lock", "sender")
+    __slots__ = (
+        "id",
+        "proc",
+        "conn",
+        "credits",
+        "held",
+        "backlog",
+        "credit",
+        "owed",
+        "group",
+        "exhausted",
+        "outbox",
+        "lock",
+        "sender",
+    )
 
-    def __init__(self, wid: int, proc: WorkerProcess, fdsock: socket.socket | None,
-                 credits: int) -> None:
+    def __init__(
+        self, wid: int, proc: WorkerProcess, fdsock: socket.socket | None, credits: int
+    ) -> None:
         super().__init__(fdsock)
         self.id = wid
         self.proc = proc
@@ -635,8 +678,9 @@ def _post(slot: _Slot, data: bytes) -> None:
             slot.outbox.append(data)
             return
         slot.outbox = collections.deque([data])
-        slot.sender = threading.Thread(target=_send_outbox, args=(slot,), daemon=True,
-                                       name=f"DataLoader-sender-{slot.id}")
+        slot.sender = threading.Thread(
+            target=_send_outbox, args=(slot,), daemon=True, name=f"DataLoader-sender-{slot.id}"
+        )
     slot.sender.start()
 
 
@@ -696,9 +740,17 @@ class _Workers:
                     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                 fdsock = None if theirs is None else _FdHandle(theirs.fileno())
                 worker_end, parent_end = _credit_fds()
-                proc = WorkerProcess(ctx, f"DataLoader-worker-{wid}", loader_loop,
-                                     options={**common, "worker_id": wid, "fdsock": fdsock,
-                                              "credits": _FdHandle(worker_end)})
+                proc = WorkerProcess(
+                    ctx,
+                    f"DataLoader-worker-{wid}",
+                    loader_loop,
+                    options={
+                        **common,
+                        "worker_id": wid,
+                        "fdsock": fdsock,
+                        "credits": _FdHandle(worker_end),
+                    },
+                )
                 try:
                     proc.start()
                 except BaseException:
@@ -788,8 +840,9 @@ class _Workers:
                     # A long wait: from now on wait on every worker's stderr too (a worker
                     # blocked writing to a full stderr pipe would never answer).
                     if deadline is None:
-                        deadline = time.monotonic() - first + (
-                            math.inf if timeout is None else timeout)
+                        deadline = (
+                            time.monotonic() - first + (math.inf if timeout is None else timeout)
+                        )
                     self._wait_long([slot], deadline, timeout)
                     continue
                 except WriterDied as died:
@@ -804,9 +857,12 @@ class _Workers:
                 slot.credit -= 1
                 bid = slot.held.popleft()[0]
                 if msg[1] != bid:
-                    raise self._fail(WorkerError(
-                        f"DataLoader worker {slot.id} answered batch {msg[1]} while batch "
-                        f"{bid} was due"))
+                    raise self._fail(
+                        WorkerError(
+                            f"DataLoader worker {slot.id} answered batch {msg[1]} while batch "
+                            f"{bid} was due"
+                        )
+                    )
                 now = time.monotonic()
                 if now - self._last_pump > PUMP_EVERY:
                     self._housekeeping(now)
@@ -822,7 +878,8 @@ class _Workers:
                 cause = loads_exception(msg[1])
                 err = WorkerStartError(
                     f"worker_init_fn raised in DataLoader worker {slot.id} (pid {slot.proc.pid}): "
-                    f"{type(cause).__name__}: {cause}")
+                    f"{type(cause).__name__}: {cause}"
+                )
                 err.__cause__ = cause
                 raise self._fail(err)
             # "ready": the worker started
@@ -882,12 +939,13 @@ class _Workers:
             return f"batch {bid - self.floor}"
         return f"batch {bid - self.floor} (indices {_short(indices)})"
 
-    def _crashed(self, slot: _Slot, died: WriterDied | None,
-                 reason: str | None = None) -> BaseException:
+    def _crashed(
+        self, slot: _Slot, died: WriterDied | None, reason: str | None = None
+    ) -> BaseException:
         # The worker was loading the oldest batch it held if it had a credit for it; any
         # later ones it held with credit were still to come, and the rest were queued.
         held = list(slot.held)
-        loading = held[:max(0, slot.credit)]
+        loading = held[: max(0, slot.credit)]
         why = f"DataLoader worker {slot.id}"
         if len(loading) > 1:
             shown = ", ".join(self._batch_text(b, i) for b, i in loading[1:5])
@@ -902,7 +960,7 @@ class _Workers:
         err = slot.proc.crash_error(died, task, None, why)
         err.worker_id = slot.id  # type: ignore[attr-defined]
         err.batches = dict(loading)  # type: ignore[attr-defined]
-        err.queued = dict(held[len(loading):])  # type: ignore[attr-defined]
+        err.queued = dict(held[len(loading) :])  # type: ignore[attr-defined]
         return self._fail(err)
 
     def _timeout(self, slot: _Slot, timeout: float) -> BaseException:
@@ -1056,8 +1114,9 @@ class DataLoader:
         self._iterable = _is_iterable_dataset(dataset)
         if self._iterable and (shuffle or sampler is not None or batch_sampler is not None):
             raise ValueError("an iterable dataset takes no shuffle, sampler or batch_sampler")
-        if batch_sampler is not None and (batch_size is not None or shuffle or
-                                          sampler is not None or drop_last):
+        if batch_sampler is not None and (
+            batch_size is not None or shuffle or sampler is not None or drop_last
+        ):
             raise ValueError("batch_sampler excludes batch_size, shuffle, sampler and drop_last")
         if sampler is not None and shuffle:
             raise ValueError("sampler excludes shuffle")
@@ -1095,7 +1154,8 @@ class DataLoader:
             return _draw_seed(self.generator)
         n = next(self._seeds)
         return int.from_bytes(
-            random.Random(f"{self.seed}/{n}").getrandbits(63).to_bytes(8, "little"), "little")
+            random.Random(f"{self.seed}/{n}").getrandbits(63).to_bytes(8, "little"), "little"
+        )
 
     # -- the epoch --
 
@@ -1120,9 +1180,13 @@ class DataLoader:
             current._abandon()
         self._epoch += 1
         if self.num_workers == 0:
-            fetcher = _Fetcher(self.dataset, self._iterable,
-                               self.batch_size if self._auto_collation else None,
-                               self.collate_fn, self.drop_last)
+            fetcher = _Fetcher(
+                self.dataset,
+                self._iterable,
+                self.batch_size if self._auto_collation else None,
+                self.collate_fn,
+                self.drop_last,
+            )
             return _local_epoch(fetcher, self._requests())
         if self.persistent_workers:
             workers = self._workers
@@ -1230,8 +1294,7 @@ class _Epoch:
         for request in self._requests:
             requests.append(request)
             indices += len(request) if type(request) is list else 1
-            if len(requests) >= batches or (indices >= max_indices and
-                                            len(requests) % step == 0):
+            if len(requests) >= batches or (indices >= max_indices and len(requests) % step == 0):
                 return requests
         self._sampling = False
         return requests

@@ -68,10 +68,14 @@ class Pool(concurrent.futures.Executor):
             raise ValueError(f"max_workers must be a positive int, not {max_workers!r}")
         if initializer is not None and not callable(initializer):
             raise TypeError(f"initializer must be callable, not {type(initializer).__name__}")
-        for label, value in (("max_tasks_per_worker", max_tasks_per_worker),
-                             ("max_rss", max_rss), ("max_restarts", max_restarts)):
-            if value is not None and (not isinstance(value, int) or value < 0 or
-                                      (value == 0 and label != "max_restarts")):
+        for label, value in (
+            ("max_tasks_per_worker", max_tasks_per_worker),
+            ("max_rss", max_rss),
+            ("max_restarts", max_restarts),
+        ):
+            if value is not None and (
+                not isinstance(value, int) or value < 0 or (value == 0 and label != "max_restarts")
+            ):
                 raise ValueError(f"{label} must be a positive int or None, not {value!r}")
         if not restart_window > 0:
             raise ValueError(f"restart_window must be positive, not {restart_window!r}")
@@ -107,8 +111,7 @@ class Pool(concurrent.futures.Executor):
         self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
     ) -> concurrent.futures.Future[T]:
         """Schedule ``fn(*args, **kwargs)``; returns a :class:`concurrent.futures.Future`."""
-        return self._core.submit(D.CALL, fn, args, kwargs,
-                                 timeout=self._core.task_timeout).future
+        return self._core.submit(D.CALL, fn, args, kwargs, timeout=self._core.task_timeout).future
 
     async def acall(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` in a worker and await its result (asyncio; no thread
@@ -126,8 +129,13 @@ class Pool(concurrent.futures.Executor):
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def map(self, fn: Callable[..., T], *iterables: Iterable[Any], timeout: float | None = None,
-            chunksize: int = 1) -> Iterator[T]:
+    def map(
+        self,
+        fn: Callable[..., T],
+        *iterables: Iterable[Any],
+        timeout: float | None = None,
+        chunksize: int = 1,
+    ) -> Iterator[T]:
         """Like ``Executor.map``: results in order; ``timeout`` bounds the whole iteration
         (from this call), raising ``TimeoutError``. ``chunksize`` groups that many calls into
         one task (a crash then fails the whole chunk)."""
@@ -139,8 +147,9 @@ class Pool(concurrent.futures.Executor):
             return _ordered(results, len(results.values), deadline)
         it = zip(*iterables)
         chunks = iter(lambda: list(itertools.islice(it, chunksize)), [])
-        results = self._core.submit_many(_run_chunk, ((fn, c) for c in chunks),
-                                         self._core.task_timeout)
+        results = self._core.submit_many(
+            _run_chunk, ((fn, c) for c in chunks), self._core.task_timeout
+        )
         return itertools.chain.from_iterable(_ordered(results, len(results.values), deadline))
 
     def imap_unordered(self, fn: Callable[..., T], iterable: Iterable[Any]) -> Iterator[T]:
@@ -201,8 +210,12 @@ class Pool(concurrent.futures.Executor):
                 info = dict(fut.result(timeout))
             except Exception:  # noqa: BLE001 - a worker that just died has no stats
                 continue
-            info.update(name=slot.proc.name, pid=slot.proc.pid, tasks_sent=slot.sent,
-                        restarts=self._core.restarts)
+            info.update(
+                name=slot.proc.name,
+                pid=slot.proc.pid,
+                tasks_sent=slot.sent,
+                restarts=self._core.restarts,
+            )
             rows.append(info)
         return rows
 

@@ -46,8 +46,7 @@ class Stream(Iterator[Any], AsyncIterator[Any]):
     ``break`` out of a ``for`` loop that owns it, or dropping it) stops the generator in the
     worker. Iterate it with ``for`` or ``async for``."""
 
-    def __init__(self, core: D.Core, task: D.Task, window: int,
-                 item_timeout: float | None) -> None:
+    def __init__(self, core: D.Core, task: D.Task, window: int, item_timeout: float | None) -> None:
         self._core = core
         self._task = task
         self._window = window
@@ -86,9 +85,14 @@ class Stream(Iterator[Any], AsyncIterator[Any]):
             ok, item = self._task.stream.get(0)  # type: ignore[union-attr]
         if ok:
             raise item.exc
-        raise TaskTimeout(slot.proc.name if slot else self._core.name,
-                          slot.proc.pid if slot else None, timeout, task_name=self._task.name,
-                          task_id=self._task.tid, what="item")
+        raise TaskTimeout(
+            slot.proc.name if slot else self._core.name,
+            slot.proc.pid if slot else None,
+            timeout,
+            task_name=self._task.name,
+            task_id=self._task.tid,
+            what="item",
+        )
 
     def __next__(self) -> Any:
         if self._done:
@@ -196,8 +200,9 @@ class Worker:
         """Queue ``fn(*args, **kwargs)``; the future holds its result or exception."""
         return self._core.submit(D.CALL, fn, args, kwargs).future
 
-    def call(self, fn: Callable[..., T], /, *args: Any, timeout: float | None = None,
-             **kwargs: Any) -> T:
+    def call(
+        self, fn: Callable[..., T], /, *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> T:
         """Run ``fn(*args, **kwargs)`` in the worker and return its result.
 
         With ``timeout``, a call still running that many seconds after it started raises
@@ -207,15 +212,23 @@ class Worker:
         task = self._core.submit(D.CALL, fn, args, kwargs, timeout=timeout)
         return task.future.result()  # type: ignore[no-any-return]
 
-    async def acall(self, fn: Callable[..., T], /, *args: Any, timeout: float | None = None,
-                    **kwargs: Any) -> T:
+    async def acall(
+        self, fn: Callable[..., T], /, *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> T:
         """``call`` for asyncio: awaits the result without blocking the loop."""
         timeout = _check_timeout("timeout", timeout)
         task = self._core.submit(D.CALL, fn, args, kwargs, timeout=timeout)
         return await asyncio.wrap_future(task.future)  # type: ignore[no-any-return]
 
-    def stream(self, fn: Callable[..., Any], /, *args: Any, window: int = 8,
-               item_timeout: float | None = None, **kwargs: Any) -> Stream:
+    def stream(
+        self,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        window: int = 8,
+        item_timeout: float | None = None,
+        **kwargs: Any,
+    ) -> Stream:
         """Run the generator function ``fn(*args, **kwargs)`` in the worker and iterate its
         items as they are produced, the worker at most ``window`` items ahead of the
         consumer. An item that does not come within ``item_timeout`` seconds raises
@@ -264,8 +277,9 @@ class Worker:
         try:
             fut.result(max(0.0, timeout - (time.perf_counter() - start)))
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"worker {self.name!r} did not answer a ping within "
-                               f"{timeout:g} s") from None
+            raise TimeoutError(
+                f"worker {self.name!r} did not answer a ping within {timeout:g} s"
+            ) from None
         return time.perf_counter() - start
 
     async def aping(self, timeout: float = 5.0) -> float:
@@ -275,8 +289,9 @@ class Worker:
         try:
             await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"worker {self.name!r} did not answer a ping within "
-                               f"{timeout:g} s") from None
+            raise TimeoutError(
+                f"worker {self.name!r} did not answer a ping within {timeout:g} s"
+            ) from None
         return time.perf_counter() - start
 
     def stack(self, timeout: float = 1.0) -> str:
@@ -285,8 +300,9 @@ class Worker:
         slot = self._slot(timeout)
         text = slot.proc.stack(timeout)
         if text is None:
-            raise TimeoutError(f"worker {self.name!r} (pid {slot.proc.pid}) gave no stack "
-                               f"within {timeout:g} s")
+            raise TimeoutError(
+                f"worker {self.name!r} (pid {slot.proc.pid}) gave no stack within {timeout:g} s"
+            )
         return text
 
     async def astack(self, timeout: float = 1.0) -> str:
@@ -311,13 +327,15 @@ class Worker:
                         data += chunk
                         last = loop.time()
                     now = loop.time()
-                    text = _process.stack_text(data, now - last if data else None,
-                                               eof or now >= deadline)
+                    text = _process.stack_text(
+                        data, now - last if data else None, eof or now >= deadline
+                    )
             finally:
                 loop.remove_reader(fd)
         if not text:
-            raise TimeoutError(f"worker {self.name!r} (pid {slot.proc.pid}) gave no stack "
-                               f"within {timeout:g} s")
+            raise TimeoutError(
+                f"worker {self.name!r} (pid {slot.proc.pid}) gave no stack within {timeout:g} s"
+            )
         return text
 
     def _current(self) -> D.Slot | None:
