@@ -18,8 +18,8 @@ from typing import Any
 from . import loader, peers, workers
 from .core import READ_TIMEOUT, SECTIONS
 from .machine import machine_info
-from .output import check_plot, emit
-from .plot import core_groups, draw
+from .output import check_plot, run_and_emit
+from .plot import core_groups
 from .rows import Row, finish
 from .runner import DEPTHS, PLACEMENTS, Context, Depth, Section, placement_cpus
 from .table import format_report
@@ -241,22 +241,13 @@ def main(args: argparse.Namespace) -> int:
             mark = "default" if section.default else "--full"
             print(f"{section.name:<18} {mark:<8} {section.title}")
         return 0
-    try:
-        report = run_core(args, _progress(args))
-    except ValueError as exc:
-        print(f"framepipe bench: {exc}", file=sys.stderr)
-        return 2
-
-    def plot(path: str) -> None:
-        m = report["machine"]
-        draw(
-            core_groups(report["rows"]),
-            path,
-            f"framepipe {m['framepipe']} bench core, {m['date']}, {m['cpus_usable']} CPUs",
-            "speed against the stdlib's best (x, log scale; above 1 is faster)",
-        )
-
-    return emit(args, report, format_report(report), plot)
+    return run_and_emit(
+        args,
+        lambda: run_core(args, _progress(args)),
+        format_report,
+        lambda report: core_groups(report["rows"]),
+        "speed against the stdlib's best (x, log scale; above 1 is faster)",
+    )
 
 
 def run_argv(argv: Sequence[str]) -> int:

@@ -43,8 +43,8 @@ from ..connection import Pipe
 from ..workers import DataLoader
 from . import peers
 from .machine import machine_info
-from .output import emit
-from .plot import Bar, Group, draw
+from .output import run_and_emit
+from .plot import Bar, Group
 from .table import fit, wrap
 
 KiB, MiB = 1024, 1024 * 1024
@@ -483,26 +483,20 @@ def main(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(message, file=sys.stderr, flush=True)
 
-    try:
+    def run_quietly() -> dict[str, Any]:
         with contextlib.redirect_stdout(sys.stderr):  # nothing but the report on stdout
-            report = run(
+            return run(
                 quick=args.quick,
                 repeat=args.repeat,
                 seconds=args.seconds,
                 progress=progress,
                 names=args.rows,
             )
-    except ValueError as exc:
-        print(f"framepipe bench: {exc}", file=sys.stderr)
-        return 2
 
-    def plot(path: str) -> None:
-        m = report["machine"]
-        draw(
-            plot_groups(report),
-            path,
-            f"framepipe {m['framepipe']} bench loader, {m['date']}, {m['cpus_usable']} CPUs",
-            "items/s against multiprocessing.Pool.imap (x, log scale; above 1 is faster)",
-        )
-
-    return emit(args, report, format_report(report), plot)
+    return run_and_emit(
+        args,
+        run_quietly,
+        format_report,
+        plot_groups,
+        "items/s against multiprocessing.Pool.imap (x, log scale; above 1 is faster)",
+    )

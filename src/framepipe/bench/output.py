@@ -10,9 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from . import peers
-from .plot import PlotUnavailable
+from .plot import Group, PlotUnavailable, draw
 
-__all__ = ["check_plot", "emit", "write_json"]
+__all__ = ["check_plot", "emit", "run_and_emit", "write_json"]
 
 
 def write_json(report: dict[str, Any], path: str) -> None:
@@ -49,6 +49,29 @@ def emit(
             return 3
         print(f"framepipe bench: the chart is in {args.plot}", file=sys.stderr)
     return 0
+
+
+def run_and_emit(
+    args: argparse.Namespace,
+    run: Callable[[], dict[str, Any]],
+    text: Callable[[dict[str, Any]], str],
+    groups: Callable[[dict[str, Any]], list[Group]],
+    caption: str,
+) -> int:
+    """Run a suite (``run`` raises ValueError for bad arguments: exit 2), then :func:`emit`
+    its table, with a chart of ``groups`` captioned ``caption`` for ``--plot``."""
+    try:
+        report = run()
+    except ValueError as exc:
+        print(f"framepipe bench: {exc}", file=sys.stderr)
+        return 2
+
+    def plot(path: str) -> None:
+        m = report["machine"]
+        title = f"framepipe {m['framepipe']} bench {args.suite}, {m['date']}, "
+        draw(groups(report), path, title + f"{m['cpus_usable']} CPUs", caption)
+
+    return emit(args, report, text(report), plot)
 
 
 def check_plot(args: argparse.Namespace) -> str | None:

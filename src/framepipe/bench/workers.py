@@ -29,8 +29,8 @@ from typing import Any
 from ..workers import Pool
 from . import peers
 from .machine import machine_info
-from .output import emit
-from .plot import Bar, Group, draw
+from .output import run_and_emit
+from .plot import Bar, Group
 from .table import fit, wrap
 
 WORKERS = 2
@@ -688,20 +688,10 @@ def main(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(line, file=sys.stderr, flush=True)
 
-    try:
-        report = run(quick=args.quick, progress=progress, names=args.rows)
-    except ValueError as exc:
-        print(f"framepipe bench: {exc}", file=sys.stderr)
-        return 2
-
-    def plot(path: str) -> None:
-        m = report["machine"]
-        draw(
-            plot_groups(report),
-            path,
-            f"framepipe {m['framepipe']} bench workers, {m['date']}, {m['cpus_usable']} CPUs",
-            "speed against concurrent.futures.ProcessPoolExecutor (x, log scale; above 1 is "
-            "faster)",
-        )
-
-    return emit(args, report, format_report(report), plot)
+    return run_and_emit(
+        args,
+        lambda: run(quick=args.quick, progress=progress, names=args.rows),
+        format_report,
+        plot_groups,
+        "speed against concurrent.futures.ProcessPoolExecutor (x, log scale; above 1 is faster)",
+    )
