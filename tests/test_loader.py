@@ -324,10 +324,12 @@ def test_order_kept_while_batches_turn_slow_and_fast_again(engine):
         for item in it:
             got.append(int(item[0]))
             groups.append(it.workers.slots[0].group)
+    fast = it.workers.fast_group
     assert got == list(range(900))
-    assert groups[250] == loader.prefetch_factor  # fast
+    assert fast == 4  # a window's worth with 2 workers
+    assert groups[250] == fast  # fast
     assert 1 in groups[300:600]  # slow: the worker said so
-    assert groups[-1] == loader.prefetch_factor  # fast again
+    assert groups[-1] == fast  # fast again
 
 
 class WhichWorker:
@@ -343,18 +345,22 @@ class WhichWorker:
         return i, get_worker_info().id
 
 
-@pytest.mark.parametrize("prefetch, batch_size", [(2, None), (3, 1200)])
-def test_batch_k_is_always_loaded_by_worker_k_div_prefetch_mod_workers(prefetch, batch_size):
-    """Also when batches are large enough to cut the chunks short."""
+@pytest.mark.parametrize(
+    "workers, prefetch, batch_size", [(3, 2, None), (3, 3, 1200), (2, 2, None), (4, 1, None)]
+)
+def test_batch_k_is_always_loaded_by_the_same_worker(workers, prefetch, batch_size):
+    """Worker (k // B) % num_workers, B = prefetch * num_workers // (num_workers - 1); also
+    when batches are large enough to cut the chunks short."""
     with DataLoader(
         WhichWorker(90_000 if batch_size else 300),
         batch_size=batch_size,
-        num_workers=3,
+        num_workers=workers,
         prefetch_factor=prefetch,
         timeout=GUARD,
     ) as loader:
         owners = [int(b[1][0]) if batch_size else b[1] for b in loader]
-    assert owners == [(k // prefetch) % 3 for k in range(len(owners))]
+    block = prefetch * workers // (workers - 1)
+    assert owners == [(k // block) % workers for k in range(len(owners))]
 
 
 def test_unordered_batches_deliver_every_index_exactly_once(engine):
@@ -988,3 +994,23 @@ class BigTensors:
         import torch
 
         return torch.full((self.n,), float(i))
+
+
+# -- the benchmark's report --------------------------------------------------------------------
+
+
+def test_bench_loader_report_shape(monkeypatch):
+    from framepipe import _bench_loader
+
+    monkeypatch.setattr(_bench_loader, "torch_version", lambda: None)
+    monkeypatch.setattr(_bench_loader, "SIZES", (4096,))
+    report = _bench_loader.run(quick=True, seconds=0.05)
+    rows = {(r["loader"], r["batch"]): r for r in report["rows"]}
+    assert rows[("framepipe DataLoader", None)]["items_per_s"] > 0
+    assert rows[("bare transport", None)]["vs_bare"] == pytest.approx(1.0)
+    assert rows[("torch DataLoader", None)]["note"] == _bench_loader.TORCH_HINT
+    assert rows[("framepipe DataLoader", 32)]["items_per_s"] > 0
+    text = _bench_loader.format_report(report)
+    assert "not installed: pip install torch==2.13.0" in text
+    assert max(len(line) for line in text.splitlines()) < 100
+    assert any(t["what"].startswith("4 KiB: vs bare") for t in report["targets"])

@@ -700,19 +700,20 @@ def _send_outbox(slot: _Slot) -> None:
 class _Workers:
     """The worker processes of one loader and everything in flight to and from them.
 
-    Every worker holds at most ``prefetch_factor`` credits: a batch it has loaded (or is
-    loading) and the caller has not yet taken holds one. A credit goes back to the worker
-    when the caller takes the batch: one at a time while the worker's batches are slow to
-    load (it must never wait for one), in groups of ``prefetch_factor`` while they are fast
-    (one write then wakes it for that many batches, and waking is what a fast batch costs
-    most). Batch ids count up over the workers' life; ``floor`` is the first of the current
-    epoch.
+    A batch a worker has loaded (or is loading) and the caller has not yet taken holds one
+    credit, and there are ``prefetch_factor * num_workers`` credits in all (see _Epoch for
+    who gets the one a taken batch frees). Credits are written one at a time while the
+    receiving worker's batches are slow to load (it must never wait for one), in groups of
+    ``fast_group`` while they are fast (one write then wakes it for that many batches, and
+    waking is what a fast batch costs most). Batch ids count up over the workers' life;
+    ``floor`` is the first of the current epoch.
     """
 
     def __init__(self, loader: DataLoader, base_seed: int) -> None:
         self.base_seed = base_seed
         self.slots: list[_Slot] = []
         self.prefetch = loader.prefetch_factor
+        self.fast_group = loader.prefetch_factor  # credits per write while batches are fast
         self.next_bid = 0
         self.floor = 0  # the first batch id of the current epoch
         self.closed = False
@@ -762,7 +763,7 @@ class _Workers:
                     if worker_end != parent_end:
                         os.close(worker_end)
                 self.slots.append(_Slot(wid, proc, mine, parent_end))
-                self.slots[-1].group = self.prefetch
+                self.slots[-1].group = self.fast_group
         except BaseException:
             self.close(grace=0.0)
             raise
@@ -785,7 +786,7 @@ class _Workers:
         _add_credits(slot.credits, n)
 
     def give_back(self, slot: _Slot) -> None:
-        """The caller took one of ``slot``'s batches: its credit goes back, in groups."""
+        """A credit for ``slot``'s worker (the caller took a batch), written in groups."""
         owed = slot.owed + 1
         if owed >= slot.group:
             slot.owed = 0
@@ -868,7 +869,7 @@ class _Workers:
                     self._housekeeping(now)
                 return msg
             if kind == PACE:
-                slot.group = 1 if msg[1] else self.prefetch
+                slot.group = 1 if msg[1] else self.fast_group
                 if slot.owed >= slot.group:
                     self.settle()
                 continue
@@ -1253,11 +1254,20 @@ class _Epoch:
     """One pass over the dataset (what ``iter(loader)`` returns).
 
     Batches are given to the workers a chunk at a time (``CHUNK``), ahead of when they are
-    loaded; credits decide when they are loaded. In order, the batches go to the workers in
-    turn (batch k of a map-style epoch to worker ``(k // prefetch_factor) % num_workers``), and
-    the parent reads each batch from the worker that holds it: no reorder buffer, and the
-    batches the other workers loaded wait in their own channels. ``in_order=False`` gives each
-    worker a new chunk when it runs low and takes whatever any worker has ready.
+    loaded; credits decide when they are loaded. In order, a map-style epoch goes to the
+    workers in blocks of B batches, in turn: batch k to worker ``(k // B) % num_workers``,
+    always, so a seed reproduces an epoch. The credit a taken batch k frees goes to the worker
+    of batch k + W (W = ``prefetch_factor * num_workers``), so the batches loaded and not
+    taken are always among the next W. B is the largest block that still keeps every worker
+    busy when batches are slow (W / (num_workers - 1)): with 2 workers, one loads a whole
+    window while the parent takes the other's, so while batches are fast (credits written in
+    groups of B) a worker wakes once per window. The parent reads each batch from the worker
+    that holds it: no reorder buffer, and what the other workers loaded waits in their own
+    channels.
+
+    Iterable datasets go one batch per worker in turn (torch's order), and ``in_order=False``
+    gives each worker a new chunk when it runs low and takes whatever any worker has ready;
+    there, a worker's credit comes back to it.
     """
 
     def __init__(self, loader: DataLoader, workers: _Workers, requests: Iterator[Any]) -> None:
@@ -1271,16 +1281,31 @@ class _Epoch:
         self._finished = False
         self._turns: collections.deque[_Slot] = collections.deque()  # in order: whose batch
         prefetch = loader.prefetch_factor
-        # in order, a map-style epoch gives each worker prefetch_factor batches in a row: the
-        # worker loads them on one group of credits while the others' batches are taken
-        self._block = block = 1 if loader._iterable else prefetch
+        n = len(workers.slots)
+        self._window = window = prefetch * n
+        # credits follow the batches (to the worker of batch k + W): in order, map-style
+        self._positional = loader.in_order and not loader._iterable
+        if self._positional:
+            self._block = block = window // max(1, n - 1)
+        else:
+            self._block = block = 1 if loader._iterable else prefetch
+        workers.fast_group = block if self._positional else prefetch
+        for slot in workers.slots:
+            if slot.group > 1:
+                slot.group = workers.fast_group
         self._chunk = -(-max(CHUNK, prefetch) // block) * block
         self._low = prefetch + self._chunk // 2  # a worker holding fewer batches gets more
-        self._low_all = self._low * len(workers.slots)
+        self._low_all = self._low * n
         self._prefetch = prefetch
         self._supply()
-        for slot in workers.slots:
-            workers.grant(slot, prefetch)
+        if self._positional:  # the first W batches' workers get their credits
+            for slot in workers.slots:
+                workers.grant(
+                    slot, sum(1 for s in itertools.islice(self._turns, window) if s is slot)
+                )
+        else:
+            for slot in workers.slots:
+                workers.grant(slot, prefetch)
 
     def __iter__(self) -> _Epoch:
         return self
@@ -1321,7 +1346,7 @@ class _Epoch:
         block = self._block
         requests = self._take(k * self._chunk, k * block, k * CHUNK_INDICES)
         # the next round is given once half of this one is taken (the workers never run dry)
-        self._low_all = k * self._prefetch + len(requests) // 2
+        self._low_all = self._window + len(requests) // 2
         if not requests:
             return
         first = workers.next_bid
@@ -1362,8 +1387,7 @@ class _Epoch:
             reply = workers.read(slot, self._timeout)
             kind = reply[0]
             if kind == OK:
-                if not slot.exhausted:
-                    workers.give_back(slot)
+                self._free(slot)
                 return reply[2]
             if kind == END:
                 slot.exhausted = True  # this worker's part of an iterable dataset is done
@@ -1371,9 +1395,18 @@ class _Epoch:
                     while len(slot.held) > slot.credit:
                         slot.held.pop()  # batches it will never be allowed to answer
                 continue
-            if not slot.exhausted:
-                workers.give_back(slot)
+            self._free(slot)
             raise loads_exception(reply[2])
+
+    def _free(self, slot: _Slot) -> None:
+        """The caller took a batch of ``slot``'s: its credit goes to the worker of the batch
+        W further on (in order, map-style), or back to ``slot``'s."""
+        if self._positional:
+            turns = self._turns
+            if len(turns) >= self._window:  # (past the last batch no credit is needed)
+                self.workers.give_back(turns[self._window - 1])
+        elif not slot.exhausted:
+            self.workers.give_back(slot)
 
     def _finish(self) -> None:
         self._finished = True
