@@ -994,23 +994,3 @@ class BigTensors:
         import torch
 
         return torch.full((self.n,), float(i))
-
-
-# -- the benchmark's report --------------------------------------------------------------------
-
-
-def test_bench_loader_report_shape(monkeypatch):
-    from framepipe import _bench_loader
-
-    monkeypatch.setattr(_bench_loader, "torch_version", lambda: None)
-    monkeypatch.setattr(_bench_loader, "SIZES", (4096,))
-    report = _bench_loader.run(quick=True, seconds=0.05)
-    rows = {(r["loader"], r["batch"]): r for r in report["rows"]}
-    assert rows[("framepipe DataLoader", None)]["items_per_s"] > 0
-    assert rows[("bare transport", None)]["vs_bare"] == pytest.approx(1.0)
-    assert rows[("torch DataLoader", None)]["note"] == _bench_loader.TORCH_HINT
-    assert rows[("framepipe DataLoader", 32)]["items_per_s"] > 0
-    text = _bench_loader.format_report(report)
-    assert "not installed: pip install torch==2.13.0" in text
-    assert max(len(line) for line in text.splitlines()) < 100
-    assert any(t["what"].startswith("4 KiB: vs bare") for t in report["targets"])
