@@ -279,3 +279,22 @@ def test_a_sigkill_by_hand_is_not_called_the_oom_killer(engine, memory_cgroup):
         assert info.value.signal_name == "SIGKILL"
         assert info.value.oom_killed is False
         assert "OOM" not in str(info.value)
+
+
+def test_a_worker_dying_during_shutdown_is_replaced_for_the_tasks_that_wait(engine):
+    # One worker, whose first task kills it once shutdown() has begun: the pool accepted the
+    # tasks behind it, so shutdown() starts a replacement, runs them, then returns.
+    pool = Pool(1, start_method="fork", max_restarts=None)
+    try:
+        assert pool.submit(add, 0, 0).result(WAIT) == 0  # the worker runs
+        victim = pool.submit(kill_self_if, 0, frozenset({0}))
+        behind = [pool.submit(add, i, i) for i in range(1, 6)]
+        closer = threading.Thread(target=pool.shutdown, daemon=True)
+        closer.start()
+        closer.join(WAIT)
+        assert not closer.is_alive(), "shutdown() hung after a worker died while closing"
+        with pytest.raises(WorkerCrashed):
+            victim.result(0)
+        assert [f.result(0) for f in behind] == [2 * i for i in range(1, 6)]
+    finally:
+        pool.terminate()

@@ -69,6 +69,7 @@ SHM_SLOTS = 16  # memfds per worker for large arrays in results (more use the bu
 LOW_WATER = 8  # a submitting thread sends directly only to a worker with fewer tasks in hand
 QUEUE_SECONDS = 0.002  # a worker is given about this much work ahead
 STACK_WAIT = 1.0  # seconds to wait for a worker's stack dump at a deadline
+_CLOSING_LOOK = 0.25  # seconds between a closing manager's looks at whether all is done
 _REAP_DELAY = 0.001  # a dead worker is reaped (and replaced) this long after its report
 _PARTIAL_WAIT = 1.0  # the manager waits this long for the rest of a frame that has started
 RSS_PERIOD = 0.05  # a busy worker's peak RSS (and memory cgroup) is read this often
@@ -1246,6 +1247,15 @@ class Core:
             deadline = None
             with self._lock:
                 slots = list(self._slots)
+                # the pool's own timers count even when no worker is left to carry them
+                if self._to_reap:
+                    deadline = self._reap_at
+                if self._close_deadline is not None:
+                    deadline = (
+                        self._close_deadline
+                        if deadline is None
+                        else min(deadline, self._close_deadline)
+                    )
             for slot in slots:
                 for t in self._deadlines(slot):
                     deadline = t if deadline is None else min(deadline, t)
@@ -1253,6 +1263,10 @@ class Core:
                 self._timers = True
                 self._sleep_until = deadline
                 timeout = max(0.0, deadline - time.monotonic())
+        if self.closing and (timeout is None or timeout > _CLOSING_LOOK):
+            # While closing, look again now and then whether all is done, whatever wake-up
+            # may have been missed: a pool never hangs in its shutdown.
+            timeout = _CLOSING_LOOK
         try:
             events = self._poller.poll(timeout)  # type: ignore[union-attr]
         except InterruptedError:
@@ -1626,7 +1640,9 @@ class Core:
         """Close retired workers that answered everything; keep the pool at strength."""
         with self._lock:
             slots = list(self._slots)
-            closing = self.closing or self.broken is not None
+            # a closing pool still replaces a worker that died while tasks wait: shutdown()
+            # runs every task it accepted
+            closing = (self.closing and not self._pending) or self.broken is not None
         for slot in slots:
             if slot.retiring and not slot.outstanding and slot.stopping is None and not slot.dead:
                 slot.stopping = "retired"
