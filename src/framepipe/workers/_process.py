@@ -390,6 +390,9 @@ def _read_available(fd: int) -> tuple[bytes, bool]:
         chunks.append(chunk)
 
 
+STDERR_DRAIN = 0.2  # seconds a crash report waits for the rest of a dead worker's stderr
+
+
 class _Stderr:
     """The parent's end of a worker's stderr pipe: a tail for reports, optional log file,
     optional console copy (raw, or line by line with a ``[name]`` prefix)."""
@@ -409,18 +412,35 @@ class _Stderr:
         self.console_stream = console_stream  # the parent's "stderr" or "stdout"
         self.tail = bytearray()
         self._partial = b""
+        # the manager and a caller that saw the death may both pump: one at a time, so what
+        # one of them read is in the tail before the other reports it
+        self._lock = threading.Lock()
         self._log = open(log_path, "ab", buffering=0) if log_path else None  # noqa: SIM115
 
     def pump(self) -> bool:
         """Move what the worker wrote to the sinks; True at end of file."""
-        if self.fd is None:
-            return True
-        data, eof = _read_available(self.fd)
-        if data:
-            self._feed(data)
-        if eof:
-            self._flush_partial()
-        return eof
+        with self._lock:
+            if self.fd is None:
+                return True
+            data, eof = _read_available(self.fd)
+            if data:
+                self._feed(data)
+            if eof:
+                self._flush_partial()
+            return eof
+
+    def drain(self, timeout: float) -> None:
+        """Pump until end of file (the dead worker's last words), for at most ``timeout``
+        seconds (a grandchild may still hold the pipe's write end)."""
+        end = time.monotonic() + timeout
+        while not self.pump():
+            fd, left = self.fd, end - time.monotonic()
+            if fd is None or left <= 0:
+                return
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            with contextlib.suppress(OSError):
+                poller.poll(left * 1000.0)
 
     def _feed(self, data: bytes) -> None:
         self.tail += data
@@ -759,7 +779,7 @@ class WorkerProcess:
         """The report of this worker's death, with what it held."""
         if self.stderr is not None:
             with contextlib.suppress(OSError):
-                self.pump_stderr()
+                self.stderr.drain(STDERR_DRAIN)
         exitcode = died.exitcode if died is not None else self.exitcode
         oom_killed = self._oom_killed(died, exitcode)
         native = (died.native_traceback if died is not None else None) or (
