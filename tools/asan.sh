@@ -96,7 +96,7 @@ run() {
         "$@"
 }
 # The run must use the instrumented build, not an installed framepipe.
-run "$python" -c "import framepipe._core as c, sys; sys.exit(not c.__file__.startswith('$work/'))" \
+run "$python" -c "import importlib, sys; c = importlib.import_module('framepipe._core'); sys.exit(not c.__file__.startswith('$work/'))" \
     || { echo "tools/asan.sh: framepipe._core does not come from the scratch build" >&2; exit 1; }
 # The sanitizers slow everything down 2-3x, and a few tests have margins of tens of
 # milliseconds between two events. A test that fails is run once more; one that passes then was
