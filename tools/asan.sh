@@ -73,7 +73,7 @@ fi
 mkdir -p "$work/logs"
 cd "$root"
 if [ "$#" -eq 0 ]; then
-    # Three tests are left out of the default run. Each asks that two events come within a margin
+    # Four tests are left out of the default run. Each asks that two events come within a margin
     # of 50 to 100 ms, and under the sanitizers (2-3x slower) on a loaded 2-core machine they
     # sometimes do not (each failed in one or two of three full runs here), never with a
     # sanitizer finding. The plain suite keeps both.
@@ -83,11 +83,14 @@ if [ "$#" -eq 0 ]; then
     # - test_root_cause_without_error_files_is_the_first_death: the group must stop rank 1
     #   within 50 ms of rank 0's death, before rank 1 exits by itself;
     # - test_order_kept_while_batches_turn_slow_and_fast_again: it asks the loader to judge
-    #   items that load at once as fast, which they are not under the sanitizers.
+    #   items that load at once as fast, which they are not under the sanitizers;
+    # - test_rss_stays_flat_over_many_small_and_some_16_mib_messages: ASan's quarantine keeps
+    #   up to 256 MB of freed memory by design, so RSS is not flat under it.
     set -- tests \
         --deselect tests/test_faults.py::test_forkserver_exit_codes_survive_many_deaths \
         --deselect tests/test_workers_group.py::test_root_cause_without_error_files_is_the_first_death \
-        --deselect tests/test_loader.py::test_order_kept_while_batches_turn_slow_and_fast_again
+        --deselect tests/test_loader.py::test_order_kept_while_batches_turn_slow_and_fast_again \
+        --deselect tests/test_fault_matrix.py::test_rss_stays_flat_over_many_small_and_some_16_mib_messages
 fi
 run() {
     env LD_PRELOAD="$work/asan_forksafe.so $asan $ubsan" \
