@@ -702,6 +702,69 @@ def test_watcher_in_a_forked_child() -> None:
     os.waitpid(other, 0)
 
 
+@pytest.mark.skipif(not HAVE_PIDFD, reason="the watcher holds descriptors only with pidfds")
+def test_fork_while_the_watcher_closes_never_closes_a_reused_number(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process forked while the watcher thread is in close(2) (which lets go of the GIL)
+    must not close that number again: by then another thread may have reused it (a worker's
+    channel, whose child then died with EBADF)."""
+    w = watcher()
+    real_close = os.close
+    closed: list[int] = []
+    in_window = threading.Event()
+    resume = threading.Event()
+
+    def close_then_hold(fd: int) -> None:
+        real_close(fd)
+        if threading.current_thread() is w._thread and not closed:
+            closed.append(fd)
+            in_window.set()
+            resume.wait(WAIT)  # the watcher thread stays just after close(2)
+
+    monkeypatch.setattr(os, "close", close_then_hold)
+    pid = fork_sleeper()
+    child = -1
+    try:
+        with Liveness(pid) as lv:
+            s = Seen()
+            w.register(lv, s)
+            os.kill(pid, signal.SIGKILL)
+            assert s.event.wait(WAIT)
+            w._wake_locked()  # the thread closes its duplicate of the pidfd on its next turn
+            assert in_window.wait(WAIT)
+        r, wr = os.pipe()  # takes the lowest free number: the one just closed, or lower
+        try:
+            assert closed[0] in (r, wr) or min(r, wr) < closed[0]
+            reused = closed[0] if closed[0] in (r, wr) else None
+            child = os.fork()
+            if child == 0:
+                code = 0
+                try:
+                    for fd in (r, wr):
+                        os.fstat(fd)
+                except OSError:
+                    code = 1
+                os._exit(code)
+            _, status = os.waitpid(child, 0)
+            child = -1
+            assert os.waitstatus_to_exitcode(status) == 0, (
+                f"the forked child lost fd {reused}, which the parent reused after the "
+                "watcher closed it"
+            )
+        finally:
+            real_close(r)
+            real_close(wr)
+    finally:
+        resume.set()
+        monkeypatch.undo()
+        if child > 0:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(child, 0)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+
 def test_watcher_stops_at_interpreter_exit() -> None:
     code = (
         "import atexit, os, signal, threading, time\n"

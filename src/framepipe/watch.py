@@ -165,13 +165,15 @@ class Watcher:
 
     def _sync_locked(self) -> None:
         """Apply registrations made by other threads to the selector (watcher thread only)."""
-        for fd in self._to_close:
+        # Forget each number before closing it: a process forked by another thread while this
+        # one is in close(2) (which lets go of the GIL) must not close it again, once reused.
+        while self._to_close:
+            fd = self._to_close.pop()
             try:
                 self._selector.unregister(fd)
             except (KeyError, ValueError, OSError):
                 pass
             os.close(fd)
-        self._to_close.clear()
         for handle in self._to_add:
             reg = self._regs.get(handle)
             if reg is None or reg.fd is None:
@@ -248,9 +250,13 @@ class Watcher:
         self._regs = {}
         self._polled = set()
         self._to_add = []
+        fds += [self._wake_r, self._wake_w]
+        self._wake_r = self._wake_w = -1
         with contextlib.suppress(OSError):
             self._selector.close()
-        for fd in fds + [self._wake_r, self._wake_w]:
+        for fd in fds:
+            if fd < 0:
+                continue
             try:
                 os.close(fd)
             except OSError:

@@ -1777,10 +1777,11 @@ class Core:
             self._pending.clear()
         for task in leftovers:
             task.fail(self.broken or WorkerError(f"{self.name} shut down"))
-        for fd in (self._wake_r, self._wake_w):
+        wake = (self._wake_r, self._wake_w)
+        self._wake_r = self._wake_w = -1  # forgotten first: a fork meanwhile must not close them
+        for fd in wake:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self._wake_r = self._wake_w = -1
         with self._ep_lock:
             if self._poller is not None:
                 self._poller.close()

@@ -110,10 +110,10 @@ class Receiver:
 
     def close_fds(self) -> None:
         """Close the memfds here (mapped arrays stay valid) and the socket."""
-        for fd in self.memfds:
+        fds, self.memfds = self.memfds, []  # forgotten first, as in WorkerProcess.close
+        for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self.memfds = []
         if self.fdsock is not None:
             self.fdsock.close()
 

@@ -756,8 +756,8 @@ class WorkerGroup:
                 self._read_report(r, deadline)
                 r.ready = True
                 if r.death_fd != r.report_fd and r.report_fd is not None:
-                    os.close(r.report_fd)
-                    r.report_fd = None
+                    fd, r.report_fd = r.report_fd, None  # forgotten first (a fork meanwhile)
+                    os.close(fd)
 
     # -- the supervisor thread ----------------------------------------------------------------
 
@@ -845,8 +845,8 @@ class WorkerGroup:
         except OSError:
             eof = True
         if eof and pipe.fd is not None:
-            os.close(pipe.fd)
-            pipe.fd = None
+            fd, pipe.fd = pipe.fd, None  # forgotten first, as in WorkerProcess.close
+            os.close(fd)
 
     def _on_result(self, r: _Rank) -> None:
         try:

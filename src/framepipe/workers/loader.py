@@ -523,8 +523,10 @@ def loader_loop(ctx: ChildContext) -> None:
                 for _ in range(count):
                     bid, indices = queue.popleft()
                     _answer(conn, fetcher, wire, bid, indices, pending)
-                _flush(conn, pending)
+                # the loading only: the write below costs what the engine costs, whatever
+                # the batches are
                 pace += ((clock() - start) / count - pace) * 0.125
+                _flush(conn, pending)
                 if slow != (pace > (FAST_BATCH if slow else SLOW_BATCH)):
                     slow = not slow
                     conn.send((PACE, slow))
