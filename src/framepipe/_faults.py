@@ -30,7 +30,15 @@ import tempfile
 import threading
 from typing import IO, NamedTuple
 
-__all__ = ["Fault", "FaultHandler", "fault_path", "read_fault", "read_native_traceback", "warn"]
+__all__ = [
+    "Fault",
+    "FaultHandler",
+    "fault_path",
+    "read_all",
+    "read_fault",
+    "read_native_traceback",
+    "warn",
+]
 
 _HEADER = "#framepipe "
 
@@ -112,17 +120,34 @@ def read_fault(pid: int) -> Fault | None:
 
     Removes the file: call it once the process is dead (a live one is still writing to it).
     """
-    if not _private_dir(create=False):
-        return None
     path = fault_path(pid)
+    # Raw reads: this runs on the way to every WriterDied, and most writers left no file (one
+    # failed open(2), no io stack). The file's content is used only from a trusted directory.
     try:
-        with open(path, encoding="utf-8", errors="replace") as file:
-            text = file.read()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
         return None
+    try:
+        if not _private_dir(create=False):
+            return None
+        data = read_all(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     with contextlib.suppress(OSError):
         os.remove(path)
-    return _parse(text)
+    return _parse(data.decode("utf-8", "replace"))
+
+
+def read_all(fd: int) -> bytes:
+    """Every byte from ``fd`` to its end of file."""
+    chunks = []
+    while True:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
 
 
 def read_native_traceback(pid: int) -> str | None:

@@ -30,7 +30,7 @@ import types
 from multiprocessing.connection import wait as _mp_wait
 from typing import TYPE_CHECKING, Any
 
-from ._faults import Fault, read_fault
+from ._faults import Fault, read_all, read_fault
 from .errors import WriterDied
 
 if TYPE_CHECKING:
@@ -328,12 +328,16 @@ def cgroup_oom_file(pid: int) -> str | None:
 def read_oom_kills(file: str | None) -> int | None:
     if file is None:
         return None
-    try:
-        with open(file, encoding="ascii", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    return int(value)
+    try:  # raw reads: this runs on the way to every WriterDied of a SIGKILLed writer
+        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = read_all(fd)
+        finally:
+            os.close(fd)
+        for line in data.split(b"\n"):
+            key, _, value = line.partition(b" ")
+            if key == b"oom_kill":
+                return int(value)
     except (OSError, ValueError):
         return None
     return None
