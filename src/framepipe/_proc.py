@@ -30,7 +30,7 @@ import types
 from multiprocessing.connection import wait as _mp_wait
 from typing import TYPE_CHECKING, Any
 
-from ._faults import Fault, read_all, read_fault
+from ._faults import Fault, fault_path, read_all, read_fault
 from .errors import WriterDied
 
 if TYPE_CHECKING:
@@ -412,6 +412,7 @@ class Liveness:
             self._gone = self._gone or is_zombie(self.pid) is None
         self._oom_file = None if self._gone else cgroup_oom_file(self.pid)
         self.oom_before = read_oom_kills(self._oom_file)
+        fault_path(self.pid)  # the temp directory's first look-up (a probe file) is paid now
         if self._gone:
             self._mark_dead()
 

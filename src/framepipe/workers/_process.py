@@ -620,7 +620,10 @@ class WorkerProcess:
         os.set_blocking(stack_r, False)
         os.set_blocking(err_r, False)
         conn.watch(self.process)
-        health.watch(self.process)
+        # The health channel is not watched: its end of file is only a hint (the data channel
+        # and the pidfd tell how the worker died, once). Watched, its reader would wait for
+        # the death and build a WriterDied of its own, holding the GIL the caller that waits
+        # on the worker's data channel needs to report the same death.
 
     def _close_in_child(self) -> None:
         for c in (self.conn, self.health):
@@ -669,7 +672,7 @@ class WorkerProcess:
         """Whether the OOM killer killed the worker: its cgroup's OOM-kill count rose since
         it was last seen (or the watcher saw its first cgroup's count rise)."""
         seen = died.oom_killed if died is not None else None
-        if exitcode != -signal.SIGKILL or self._oom_before is None:
+        if seen or exitcode != -signal.SIGKILL or self._oom_before is None:
             return seen
         now = _read_oom_kills(self._oom_file)
         if now is None:
