@@ -284,10 +284,13 @@ def guarded_crash(conn) -> None:
         crash_in_c_code()
 
 
-def crash_in_c_code() -> None:
-    """A frame with a recognisable name on the crashing thread's Python stack."""
+def crash_in_c_code(how: str = "segv") -> None:
+    """A frame with a recognisable name on the crashing thread's Python stack; dies of SIGSEGV
+    (``how="segv"``) or SIGABRT (``how="abort"``)."""
     import ctypes
 
+    if how == "abort":
+        os.abort()
     ctypes.string_at(0)
 
 
@@ -306,3 +309,28 @@ class TwoArgError(Exception):
         super().__init__(what, index)
         self.what = what
         self.index = index
+
+
+def crash_writer(fd: int, how: str, before: str = "none") -> None:
+    """Run by ``python -c`` (see tests/test_native_crash.py): send the engine's name through a
+    framepipe connection on ``fd``, then die in C code under framepipe.guard, ``how`` being
+    ``"segv"`` (SIGSEGV in ``ctypes.string_at(0)``) or ``"abort"`` (``os.abort()``).
+    ``before="faulthandler"`` enables faulthandler on stderr before the guard, as a worker
+    process does; ``before="guard exited"`` opens and closes a guard first and dies outside it
+    (faulthandler on stderr again)."""
+    import faulthandler
+    import resource
+
+    import framepipe
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core files left by the tests
+    conn = framepipe.Connection(fd, readable=False)
+    if before in ("faulthandler", "guard exited"):
+        faulthandler.enable(all_threads=True)
+    conn.send_bytes(f"engine {framepipe.implementation}".encode())
+    if before == "guard exited":
+        with framepipe.guard(conn, label="crasher"):
+            pass
+        crash_in_c_code(how)
+    with framepipe.guard(conn, label="crasher"):
+        crash_in_c_code(how)
