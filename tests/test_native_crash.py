@@ -24,6 +24,9 @@ REQUIRE = bool(os.environ.get("FRAMEPIPE_REQUIRE_EXTENSIONS"))
 CRASHES = [
     ("segv", signal.SIGSEGV, "Segmentation fault"),
     ("abort", signal.SIGABRT, "Aborted"),
+    ("bus", signal.SIGBUS, "Bus error"),
+    ("fpe", signal.SIGFPE, "Floating point exception"),
+    ("ill", signal.SIGILL, "Illegal instruction"),
 ]
 
 
@@ -105,7 +108,9 @@ def needs_fault_echo() -> None:
         pytest.skip("framepipe._fault_echo is not built (no C compiler)")
 
 
-def crash_child(impl, how, *, before="none", stderr=subprocess.PIPE, package_root=None):
+def crash_child(
+    impl, how, *, before="none", stderr=subprocess.PIPE, package_root=None, core=False, cwd=None
+):
     """Run ``_fault_children.crash_writer`` in a fresh interpreter on ``impl``'s engine (the
     pure-Python one forced with FRAMEPIPE_NO_EXTENSIONS=1), its fd 2 a pipe read here (or
     ``stderr``); returns (WriterDied, the child's exit code, all it wrote to fd 2)."""
@@ -119,7 +124,10 @@ def crash_child(impl, how, *, before="none", stderr=subprocess.PIPE, package_roo
     )
     r, w = os.pipe()
     parent = impl.Connection(r, writable=False)
-    code = f"from _fault_children import crash_writer; crash_writer({w}, {how!r}, {before!r})"
+    code = (
+        "from _fault_children import crash_writer; "
+        f"crash_writer({w}, {how!r}, {before!r}, {core!r})"
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
         env=env,
@@ -127,6 +135,7 @@ def crash_child(impl, how, *, before="none", stderr=subprocess.PIPE, package_roo
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=stderr,
+        cwd=cwd,
     )
     try:
         os.close(w)
@@ -180,6 +189,25 @@ def test_a_crash_after_the_guard_exited_is_dumped_once_to_stderr(impl, how, sign
     assert err.native_traceback is None and err.label == "worker"
     assert stderr.count("Fatal Python error") == 1, stderr
     assert f"Fatal Python error: {what}\n" in stderr and "crash_in_c_code" in stderr
+
+
+def test_the_core_dump_flag_is_what_faulthandler_alone_gives(impl, tmp_path):
+    # With core files allowed, a guarded crash dumps core exactly when an unguarded one with
+    # plain faulthandler does (whether it does depends on this machine's limits and
+    # core_pattern, so the two are compared): the helper re-raises the signal with its
+    # default action, as faulthandler would.
+    needs_fault_echo()
+    flags = {}
+    for before in ("unguarded", "none"):
+        cwd = tmp_path / before  # where a core_pattern of "core" puts the file
+        cwd.mkdir()
+        err, exitcode, stderr = crash_child(impl, "segv", before=before, core=True, cwd=cwd)
+        assert exitcode == -signal.SIGSEGV and err.exitcode == -signal.SIGSEGV
+        assert stderr.count("Fatal Python error: Segmentation fault\n") == 1, stderr
+        flags[before] = err.core_dumped
+        shutil.rmtree(cwd)  # a core file is tens of megabytes
+    assert flags["none"] == flags["unguarded"]
+    assert (flags["none"] is not None) and (err.native_traceback is not None)
 
 
 def test_a_full_stderr_pipe_nobody_reads_does_not_keep_the_crash_from_dying(impl):
