@@ -128,17 +128,22 @@ def crash_child(
         "from _fault_children import crash_writer; "
         f"crash_writer({w}, {how!r}, {before!r}, {core!r})"
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code],
-        env=env,
-        pass_fds=[w],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=stderr,
-        cwd=cwd,
-    )
     try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=env,
+            pass_fds=[w],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            cwd=cwd,
+        )
+    except BaseException:
+        parent.close()
+        raise
+    finally:
         os.close(w)
+    try:
         parent.watch(proc)
         assert parent.recv_bytes(timeout=WAIT) == f"engine {impl.ENGINE}".encode()
         with pytest.raises(WriterDied) as info:
