@@ -5,6 +5,10 @@ Where the C comes from:
   to C here, which is also how the sdist gets its src/framepipe/_core.c;
 - no Cython (an sdist, which carries that generated C): the generated C is compiled as it is.
 
+Beside the engine, one small extension in plain C (no Cython): framepipe._fault_echo
+(csrc/fault_echo/), which copies a guarded process's native crash dump to its stderr; the guard
+uses it with either engine, and without it the dump reaches the parent only.
+
 When the C cannot be compiled (no compiler, no Python headers), the pure-Python core is installed
 instead, with one warning saying so and how to get the compiled one. Environment:
 - FRAMEPIPE_NO_EXTENSIONS=1: build no extension at all (the pure-Python core only);
@@ -23,6 +27,8 @@ from setuptools.errors import CCompilerError, ExecError, PlatformError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PYX = "src/framepipe/_core.pyx"
+# Not part of the engine: the guard uses it with either engine (see csrc/fault_echo/).
+FAULT_ECHO = "csrc/fault_echo/fault_echo.c"
 GENERATED_C = "src/framepipe/_core.c"
 NO_EXTENSIONS = bool(os.environ.get("FRAMEPIPE_NO_EXTENSIONS"))
 REQUIRE_EXTENSIONS = bool(os.environ.get("FRAMEPIPE_REQUIRE_EXTENSIONS"))
@@ -66,12 +72,17 @@ def _extensions() -> list[Extension]:
     options = dict(
         include_dirs=["csrc"], extra_compile_args=["-O2", "-Wall", "-Wno-unused-function"]
     )
+    # Plain C against the Python API: built wherever the compiler is, with or without Cython.
+    fault_echo = Extension("framepipe._fault_echo", sources=[FAULT_ECHO], **options)
     cythonize = _cython()
     if cythonize is not None and os.path.exists(PYX):
-        return cythonize(
-            [Extension("framepipe._core", sources=[PYX, *csources], **options)],
-            compiler_directives={"language_level": "3", "embedsignature": True},
-        )
+        return [
+            *cythonize(
+                [Extension("framepipe._core", sources=[PYX, *csources], **options)],
+                compiler_directives={"language_level": "3", "embedsignature": True},
+            ),
+            fault_echo,
+        ]
     if MAKING_SDIST:
         raise BuildError(
             "an sdist must carry the C generated from src/framepipe/_core.pyx, and Cython 3 is "
@@ -79,7 +90,10 @@ def _extensions() -> list[Extension]:
             "which installs it)"
         )
     if os.path.exists(GENERATED_C):
-        return [Extension("framepipe._core", sources=[GENERATED_C, *csources], **options)]
+        return [
+            Extension("framepipe._core", sources=[GENERATED_C, *csources], **options),
+            fault_echo,
+        ]
     message = (
         f"neither Cython 3 nor the generated {GENERATED_C} is here, so the compiled core "
         "cannot be built: pip install 'Cython>=3.0', or build from the sdist"
@@ -89,7 +103,7 @@ def _extensions() -> list[Extension]:
     if STRICT:
         raise BuildError(f"{_who()} but {message}")
     _warn(message)
-    return []
+    return [fault_echo]
 
 
 def _who() -> str:
@@ -117,6 +131,8 @@ class build_ext(_build_ext):
             self._give_up(exc)
 
     def build_extension(self, ext: Extension) -> None:
+        if getattr(self, "_gave_up", False):
+            return  # one warning, not one per extension
         try:
             super().build_extension(ext)
         except (CCompilerError, ExecError, PlatformError) as exc:
@@ -129,7 +145,8 @@ class build_ext(_build_ext):
                 f"{_who()} but the compiled core cannot be built: {reason}. {HOW_TO_FIX}"
             ) from exc
         _warn(reason)
-        # Nothing else to build: the package is complete without the extension.
+        # Nothing else to build: the package is complete without the extensions.
+        self._gave_up = True
         self.extensions = []
 
 

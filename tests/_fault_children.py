@@ -284,10 +284,17 @@ def guarded_crash(conn) -> None:
         crash_in_c_code()
 
 
-def crash_in_c_code() -> None:
-    """A frame with a recognisable name on the crashing thread's Python stack."""
+def crash_in_c_code(how: str = "segv") -> None:
+    """A frame with a recognisable name on the crashing thread's Python stack; dies of SIGSEGV
+    in C code (``how="segv"``), of SIGABRT from ``abort()`` (``"abort"``), or of SIGBUS,
+    SIGFPE or SIGILL raised (``"bus"``, ``"fpe"``, ``"ill"``)."""
     import ctypes
 
+    if how == "abort":
+        os.abort()
+    raised = {"bus": signal.SIGBUS, "fpe": signal.SIGFPE, "ill": signal.SIGILL}
+    if how in raised:
+        signal.raise_signal(raised[how])
     ctypes.string_at(0)
 
 
@@ -306,3 +313,31 @@ class TwoArgError(Exception):
         super().__init__(what, index)
         self.what = what
         self.index = index
+
+
+def crash_writer(fd: int, how: str, before: str = "none", core: bool = False) -> None:
+    """Run by ``python -c`` (see tests/test_native_crash.py): send the engine's name through a
+    framepipe connection on ``fd``, then die under framepipe.guard as ``crash_in_c_code(how)``
+    says. ``before="faulthandler"`` enables faulthandler on stderr before the guard, as a
+    worker process does; ``before="guard exited"`` opens and closes a guard first and dies
+    outside it (faulthandler on stderr again); ``before="unguarded"`` dies with faulthandler on
+    stderr and no guard at all. Core files are off unless ``core`` (then as the hard limit
+    allows)."""
+    import faulthandler
+    import resource
+
+    import framepipe
+
+    hard = resource.getrlimit(resource.RLIMIT_CORE)[1]
+    resource.setrlimit(resource.RLIMIT_CORE, (hard if core else 0, hard))
+    conn = framepipe.Connection(fd, readable=False)
+    if before in ("faulthandler", "guard exited", "unguarded"):
+        faulthandler.enable(all_threads=True)
+    conn.send_bytes(f"engine {framepipe.implementation}".encode())
+    if before == "guard exited":
+        with framepipe.guard(conn, label="crasher"):
+            pass
+    if before in ("guard exited", "unguarded"):
+        crash_in_c_code(how)
+    with framepipe.guard(conn, label="crasher"):
+        crash_in_c_code(how)

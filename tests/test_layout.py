@@ -28,7 +28,7 @@ PACKAGE = Path(framepipe.__file__).parent
 LAYERS: dict[str, set[str]] = {
     "_version": set(),
     "errors": set(),
-    "_faults": set(),
+    "_faults": {"_fault_echo"},  # framepipe._fault_echo is C (csrc/fault_echo/), a leaf
     "_proc": {"_faults", "errors"},
     "watch": {"_proc"},
     "_unpickle": {"errors"},
@@ -41,6 +41,9 @@ def _framepipe_imports(tree: ast.Module) -> list[tuple[str, ast.stmt, bool]]:
     """(module imported, node, at module level) for every import of a framepipe module."""
     found: list[tuple[str, ast.stmt, bool]] = []
     top = set(map(id, tree.body))
+    for node in tree.body:
+        if isinstance(node, ast.Try):  # an optional module, tried when the module is imported
+            top.update(map(id, node.body))
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level == 1:
             names = [node.module] if node.module else [a.name for a in node.names]

@@ -20,7 +20,8 @@
 # - PYTHONMALLOC=malloc sends every Python allocation through the instrumented malloc, so an
 #   overrun of a frame's bytes object is caught too.
 # - Crash signals are left to Python: the tests crash children on purpose (SIGSEGV in C code)
-#   and check the exit signal and faulthandler's native traceback.
+#   and check the exit signal and faulthandler's native traceback, in the parent and in the
+#   child's stderr (copied there by framepipe._fault_echo, built instrumented here too).
 # - tools/asan_forksafe.c is preloaded first. gcc 12's libasan takes no lock around fork(), so
 #   a fork while another thread is inside its allocator or thread registry leaves the child
 #   blocked forever on that lock (a worker that never starts: tools/asan_fork_repro.py shows it
@@ -56,7 +57,8 @@ for lib in "$asan" "$ubsan"; do
 done
 
 cp -r "$root/src" "$root/csrc" "$root/setup.py" "$root/pyproject.toml" "$root/README.md" "$work/"
-rm -f "$work"/src/framepipe/_core*.so "$work/src/framepipe/_core.c"
+rm -f "$work"/src/framepipe/_core*.so "$work"/src/framepipe/_fault_echo*.so \
+    "$work/src/framepipe/_core.c"
 
 cd "$work"
 flags="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g"

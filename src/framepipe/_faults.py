@@ -8,13 +8,27 @@ starts with one header line, written when the guard arms it::
 
 naming the outermost guard's label and the process's start time (so a file left by an earlier
 process that had the same pid is never taken for this one's). faulthandler appends its dump
-below the header when the process dies of SIGSEGV, SIGBUS, SIGFPE, SIGABRT or SIGILL. The
-watcher of the process (:class:`framepipe.watch.Liveness`) reads the file once the process is
-dead (:func:`read_fault`) and removes it; the guard removes it itself when the outermost guard
-exits and nothing was dumped.
+below the header when the process dies of SIGSEGV, SIGBUS, SIGFPE, SIGABRT or SIGILL, and the
+same dump is copied to the process's own stderr (fd 2), as a plain ``faulthandler.enable()``
+would show it, by the small C extension :mod:`framepipe._fault_echo` (see its source,
+``csrc/fault_echo/fault_echo.c``). The watcher of the process
+(:class:`framepipe.watch.Liveness`) reads the file once the process is dead (:func:`read_fault`)
+and removes it; the guard removes it itself when the outermost guard exits and nothing was
+dumped.
+
+Why a C helper: faulthandler writes to one descriptor per ``enable()``, and whatever copies
+its dump elsewhere runs inside the dying process's signal handler, where no Python code can run
+(nor anything that allocates). The helper is a signal handler installed before faulthandler is
+enabled, so faulthandler chains to it after dumping: it reads the dump back from the fault file
+(``pread``), writes it to fd 2, then gives the signal its earlier action and raises it again, so
+the process dies by the same signal as before (exit status and core dump included). It is a
+module of its own, not part of the compiled engine, so the guard behaves the same with either
+engine. Where it is not built (an install without a C compiler, or built with
+``FRAMEPIPE_NO_EXTENSIONS=1``), the dump goes to the fault file only: nothing in pure Python can
+write it twice from a signal handler, and the parent's report comes first.
 
 This module sits below both the guard (which arms) and the watch layer (which reads): it
-imports nothing from framepipe.
+imports nothing from framepipe but that helper.
 """
 
 from __future__ import annotations
@@ -29,6 +43,11 @@ import sys
 import tempfile
 import threading
 from typing import IO, NamedTuple
+
+try:
+    from . import _fault_echo
+except ImportError:  # not built: the dump reaches the fault file only (see above)
+    _fault_echo = None  # type: ignore[assignment]
 
 __all__ = [
     "Fault",
@@ -163,8 +182,9 @@ def read_native_traceback(pid: int) -> str | None:
 class FaultHandler:
     """Process-wide: faulthandler armed to this process's fault file while any guard is open.
 
-    :meth:`arm` and :meth:`disarm` nest; the outermost arm writes the header with its label
-    and enables faulthandler, the matching disarm disables it (re-enabling it on stderr when it
+    :meth:`arm` and :meth:`disarm` nest; the outermost arm writes the header with its label,
+    installs the helper that copies the dump to stderr (when it is built) and enables
+    faulthandler, the matching disarm disables both (re-enabling faulthandler on stderr when it
     was enabled there before) and removes the file when nothing was dumped into it.
     """
 
@@ -175,6 +195,7 @@ class FaultHandler:
         self._file: IO[str] | None = None
         self._header_size = 0
         self._was_enabled = False
+        self._echo = False
 
     def arm(self, label: str, start: float | None) -> None:
         """Enter one guard labelled ``label`` in a process that started at ``start``."""
@@ -186,16 +207,43 @@ class FaultHandler:
             if self._depth > 1 or not _private_dir(create=True):
                 return
             try:
-                # kept open while armed: faulthandler writes to its descriptor at a crash
-                self._file = open(fault_path(pid), "w", encoding="utf-8")  # noqa: SIM115
+                # Kept open while armed: faulthandler writes to its descriptor at a crash, and
+                # the helper reads the dump back from it (hence "w+", readable too).
+                self._file = open(fault_path(pid), "w+", encoding="utf-8")  # noqa: SIM115
                 header = _header(label, start)
                 self._file.write(header)
                 self._file.flush()
                 self._header_size = len(header.encode("utf-8"))
                 self._was_enabled = faulthandler.is_enabled()
+                if self._was_enabled:
+                    # enable() on an enabled faulthandler only changes its file: disabled
+                    # first, it installs its handlers again, over the helper's.
+                    faulthandler.disable()
+                self._install_echo(self._file.fileno())
                 faulthandler.enable(file=self._file, all_threads=True)
             except Exception as err:  # noqa: BLE001 - arming is best effort
+                self._uninstall_echo()
                 warn(f"framepipe.guard: could not arm faulthandler: {type(err).__name__}: {err}")
+
+    def _install_echo(self, fd: int) -> None:
+        """Install the helper that copies the dump to stderr; it must be in place before
+        faulthandler is enabled, which then chains to it (see the module docstring)."""
+        if _fault_echo is None:
+            return
+        try:
+            _fault_echo.install(fd, self._header_size)
+        except OSError as err:  # the dump still reaches the fault file
+            warn(
+                "framepipe.guard: a native crash's traceback will reach the parent but not this "
+                f"process's stderr: could not install the signal handler that copies it ({err})"
+            )
+            return
+        self._echo = True
+
+    def _uninstall_echo(self) -> None:
+        if self._echo and _fault_echo is not None:
+            self._echo = False
+            _fault_echo.uninstall()
 
     def disarm(self) -> None:
         """Leave one guard."""
@@ -207,7 +255,8 @@ class FaultHandler:
                 return
             file, self._file = self._file, None
             try:
-                faulthandler.disable()
+                faulthandler.disable()  # gives the signals back to the helper, which
+                self._uninstall_echo()  # gives them back their actions from before the guard
                 if self._was_enabled and sys.__stderr__ is not None:
                     faulthandler.enable(file=sys.__stderr__, all_threads=True)
             except Exception:  # noqa: BLE001 - disarming is best effort

@@ -14,7 +14,9 @@ dies inside the guard (``loader 4242 was killed by signal SIGSEGV``).
 While the body runs, faulthandler is armed (all threads) to the file :func:`fault_path` names
 for this process, so when the worker dies in native code (SIGSEGV, SIGBUS, SIGFPE, SIGABRT,
 SIGILL) the parent reads the native traceback with :func:`read_native_traceback` and shows it
-in its ``WriterDied``. The file is removed when the outermost guard exits normally.
+in its ``WriterDied``, while the dying process copies the same dump to its own stderr (fd 2),
+as a plain ``faulthandler.enable()`` would show it (see :mod:`framepipe._faults` for how). The
+file is removed when the outermost guard exits normally.
 
 :func:`record` is torchelastic's ``@record`` and :class:`ProcessFailure` reads the error files
 both write back.
@@ -319,7 +321,8 @@ def guard(
     4. ``queue.put_nowait({"error": text})`` with the formatted traceback;
     5. ``stop_event.set()``.
 
-    While the body runs, faulthandler dumps native crashes to :func:`fault_path`.
+    While the body runs, faulthandler dumps native crashes to :func:`fault_path` (for the
+    parent) and the dump is copied to this process's stderr.
     """
     if inspect.isroutine(conn):
         return Guard()(conn)
