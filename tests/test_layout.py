@@ -265,3 +265,28 @@ def test_a_user_program_passes_mypy_strict(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("Success"), result.stdout
+
+
+# --- what a worker carries ------------------------------------------------------------------
+
+
+def test_importing_framepipe_leaves_asyncio_for_the_async_methods() -> None:
+    """asyncio (and ssl, which it imports) is imported by the first async call, not by
+    framepipe: a worker process that never runs one is smaller, starts and dies sooner."""
+    code = (
+        "import sys\n"
+        "import framepipe, framepipe.connection, framepipe.workers\n"
+        "print(sorted(m for m in ('asyncio', 'ssl') if m in sys.modules))\n"
+        "import asyncio\n"
+        "from framepipe.connection import Pipe\n"
+        "r, w = Pipe()\n"
+        "async def main():\n"
+        "    await w.send_async('hi')\n"
+        "    return await r.recv_async(timeout=5)\n"
+        "print(asyncio.run(main()))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.split("\n")
+    assert out[0] == "[]", f"imported with framepipe: {out[0]}"
+    assert out[1] == "hi"  # and the async methods still work once it is there

@@ -15,16 +15,21 @@ half a frame. Where there are no non-blocking writes, the default executor write
 
 from __future__ import annotations
 
-import asyncio
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._args import check_send_args
+from ._lazy import lazy_module
 from ._objects import dumps, dumps_bulk
 from ._stream_errors import closed, timeout_error
 from ._wire import BULK_MIN, KIND_BULK, KIND_DATA, header
 from .errors import ReadTimeout
+
+if TYPE_CHECKING:
+    import asyncio
+else:
+    asyncio = lazy_module("asyncio")  # only the async methods need it (see _lazy)
 
 _CONTENDED = 0.0005  # how often an async send looks again at a write lock a thread holds
 

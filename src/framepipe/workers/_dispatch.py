@@ -30,7 +30,6 @@ never waits on a channel for an answer that has already been given.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import collections
 import concurrent.futures
@@ -46,13 +45,19 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .._lazy import lazy_module
 from ..errors import ReadTimeout, WriterDied
 from ..remote import dumps_exception, loads_exception
 from . import _process, _shm
 from ._process import ChildContext, WorkerProcess
 from .errors import PoolBroken, TaskTimeout, WorkerCancelled, WorkerError, WorkerStartError
+
+if TYPE_CHECKING:
+    import asyncio
+else:
+    asyncio = lazy_module("asyncio")  # only the async methods need it (see _lazy)
 
 # Operations, parent to worker (first item of the pickled tuple). BATCH carries the pickles of
 # several tasks in one frame: one write for many small tasks. MAP carries a function once and

@@ -16,7 +16,6 @@ error file after the group began stopping was stopped, not a cause.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import collections
 import concurrent.futures
@@ -38,9 +37,10 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import connection as _connection
+from .._lazy import lazy_module
 from ..errors import signal_name
 from ..guard import ERROR_FILE_ENV, ProcessFailure, write_error_file
 from ..remote import dumps_exception, format_exception_text, loads_exception
@@ -57,6 +57,11 @@ from ._process import (
 )
 from .errors import WorkerError, WorkerStartError
 from .worker import get_context
+
+if TYPE_CHECKING:
+    import asyncio
+else:
+    asyncio = lazy_module("asyncio")  # only the async methods need it (see _lazy)
 
 __all__ = ["WorkerGroup", "GroupFailed", "GroupResult", "RankOutcome", "Std"]
 

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import multiprocessing
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from .._lazy import lazy_module
 from . import _dispatch as D
 from . import _process
 from .errors import TaskTimeout
+
+if TYPE_CHECKING:
+    import asyncio
+else:
+    asyncio = lazy_module("asyncio")  # only the async methods need it (see _lazy)
 
 __all__ = ["Worker", "Stream", "get_context"]
 
