@@ -434,7 +434,7 @@ def test_instance_attributes_match(ccore, pycore):
 # (exceptions across processes, writer liveness) import nothing of the core; the engines
 # import nothing above the error and wire layers.
 LAYERS = [
-    {"errors"},
+    {"errors", "_lazy"},
     {"_wire"},
     {"_stream_errors", "_args", "_objects"},
     {"_pycore", "_core"},

@@ -25,6 +25,7 @@ import time
 from pickle import loads as _loads
 
 from ._args import check_send_args, check_timeout
+from ._stream_errors import DEATH_GRACE as _DEATH_GRACE, DEATH_SPIN as _DEATH_SPIN
 from ._stream_errors import (
     bad_header, blocking_send_under_async_send, broken, closed, closed_while_waiting,
     no_bulk_channel, sentinel_timeout, timeout_error, truncated, unallocatable,
@@ -88,9 +89,8 @@ cdef Py_ssize_t BULK_MIN = _BULK_MIN
 
 cdef enum:  # what _wait_readable saw
     W_READY, W_TIMEOUT, W_DEAD
-# After end of file, how long a watched writer's death may take to show: its fds close first,
-# then the interpreter or the kernel finishes the exit.
-cdef double DEATH_GRACE = 1.0
+cdef double DEATH_GRACE = _DEATH_GRACE  # see _stream_errors
+cdef double DEATH_SPIN = _DEATH_SPIN
 cdef double LIVENESS_SLICE = 0.01
 cdef double POLL_WAITED = 20e-6  # a poll() that took longer had to wait for data
 
@@ -808,7 +808,7 @@ cdef class Engine:
         read whose deadline comes first raises _Expired: a later read decides, so the same
         exit always gives the same error."""
         cdef int rc, err, lfd, wake
-        cdef double end
+        cdef double end, spin
         cdef bint expire
         live = self._liveness
         if live is None:
@@ -817,6 +817,11 @@ cdef class Engine:
             return True
         if self._eof_until < 0:
             self._eof_until = fp_now() + DEATH_GRACE
+            spin = fp_now() + DEATH_SPIN  # the first look does not sleep (see DEATH_SPIN)
+            while fp_now() < spin:
+                if live.poll_dead():
+                    self._dead = True
+                    return True
         end = self._eof_until
         expire = 0.0 <= deadline < end
         if expire:

@@ -83,9 +83,28 @@ def warn(message: str) -> None:
         pass
 
 
+# Where the fault files live: memory (a tmpfs), where there is one, rather than the temp
+# directory's disk. Every WriterDied looks for a file there, and a look-up on a disk whose
+# cache a busy machine has evicted can take a millisecond; a crash dump never waits on a disk
+# either. Every process of this user on this machine agrees on it, whatever its TMPDIR.
+_SHM = "/dev/shm"
+
+
+def _fault_base() -> str:
+    if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK | os.X_OK):
+        return _SHM
+    return tempfile.gettempdir()
+
+
+_base: str | None = None
+
+
 def _fault_dir() -> str:
+    global _base
+    if _base is None:
+        _base = _fault_base()
     uid = os.getuid() if hasattr(os, "getuid") else 0
-    return os.path.join(tempfile.gettempdir(), f"framepipe-faults-{uid}")
+    return os.path.join(_base, f"framepipe-faults-{uid}")
 
 
 def fault_path(pid: int) -> str:

@@ -412,7 +412,7 @@ class Liveness:
             self._gone = self._gone or is_zombie(self.pid) is None
         self._oom_file = None if self._gone else cgroup_oom_file(self.pid)
         self.oom_before = read_oom_kills(self._oom_file)
-        fault_path(self.pid)  # the temp directory's first look-up (a probe file) is paid now
+        fault_path(self.pid)  # the fault directory is found now, before any death
         if self._gone:
             self._mark_dead()
 

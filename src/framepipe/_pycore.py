@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from ._args import check_send_args, check_timeout
 from ._stream_errors import (
+    DEATH_GRACE,
+    DEATH_SPIN,
     bad_header,
     blocking_send_under_async_send,
     broken,
@@ -59,9 +61,6 @@ ENGINE = "python"
 
 _READ_CHUNK = 64 * 1024  # read-ahead buffer: many small frames per read()
 _DIRECT_MIN = 16 * 1024  # a remainder at least this large is read straight into its frame
-# After end of file, how long a watched writer's death may take to show: its fds close first,
-# then the interpreter or the kernel finishes the exit.
-_DEATH_GRACE = 1.0
 _IOV_MAX = 1024
 _LIVENESS_SLICE = 0.01  # without a pidfd, a dead writer is noticed within this many seconds
 _POLLIN = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
@@ -735,7 +734,12 @@ class Engine:
         if self._dead:
             return True
         if self._eof_until < 0:
-            self._eof_until = time.monotonic() + _DEATH_GRACE
+            self._eof_until = time.monotonic() + DEATH_GRACE
+            spin = time.monotonic() + DEATH_SPIN  # the first look does not sleep
+            while time.monotonic() < spin:
+                if live.poll_dead():
+                    self._dead = True
+                    return True
         end = self._eof_until
         expire = 0.0 <= deadline < end
         if expire:

@@ -6,6 +6,14 @@ from __future__ import annotations
 from ._wire import BAD_CHECK, CHECK_BY_KIND, FRAME_CAP, MISMATCH
 from .errors import FrameError, ReadTimeout
 
+# At end of file on a watched connection, the writer's fds have closed; whether it died (so
+# the error is WriterDied) shows a little later, when the kernel or the interpreter finishes
+# the exit. Both engines wait for that up to DEATH_GRACE seconds, looking first without
+# sleeping for DEATH_SPIN seconds: the death usually shows within microseconds of the end of
+# file, and one more sleep and wake-up would cost more than that on a busy machine.
+DEATH_GRACE = 1.0
+DEATH_SPIN = 0.0005
+
 
 def bad_check(seen: bytes, offset: int, where: str) -> FrameError:
     return FrameError(
