@@ -758,7 +758,15 @@ def test_popen_is_never_reaped_by_the_reader(impl, how):
     code = how[1] if how[0] == "exit" else -how[1]
     r, w = impl.pipe(False)
     proc = subprocess.Popen(
-        [sys.executable, "-c", POPEN_WRITER, impl_name(impl), str(w.fileno()), how[0], str(how[1])],
+        [
+            sys.executable,
+            "-c",
+            POPEN_WRITER,
+            impl_name(impl),
+            str(w.fileno()),
+            how[0],
+            str(int(how[1])),
+        ],
         pass_fds=[w.fileno()],
         env=subprocess_env(),
     )
