@@ -9,6 +9,11 @@ import threading
 
 TIMEOUT = 30.0  # a hang guard only: a correct core never waits this long
 
+# fcntl's command to resize a pipe. Python has named it since 3.10 on Linux; the fallback is
+# Linux's own number (F_LINUX_SPECIFIC_BASE + 7, from <linux/fcntl.h>), for a build of Python
+# whose fcntl module lacks the name. The tests that resize pipes run on Linux only.
+F_SETPIPE_SZ: int = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+
 
 def write_all(fd: int, data: bytes) -> None:
     """Write every byte of ``data`` to ``fd`` with plain os.write calls."""

@@ -126,10 +126,13 @@ def test_async_sentinels(impl):
                 await r.recv_bytes_async(timeout=WAIT)
             assert info.value.sentinel is True
             assert await r.recv_bytes_async(timeout=WAIT) == b"ok"
-            write_all(w.fileno(), b"\x02\x02" + dead_status_word(-9).to_bytes(8, sys.byteorder))
+            write_all(
+                w.fileno(),
+                b"\x02\x02" + dead_status_word(-signal.SIGKILL).to_bytes(8, sys.byteorder),
+            )
             with pytest.raises(WriterDied) as died:
                 await r.recv_async(timeout=WAIT)
-            assert died.value.exitcode == -9
+            assert died.value.exitcode == -signal.SIGKILL
         finally:
             r.close()
             w.close()
@@ -174,7 +177,7 @@ def test_async_sigkill_mid_frame(impl):
             kill_and_wait_dead(proc.pid)  # else the frame may still arrive whole
             with pytest.raises(WriterDied) as info:
                 await r.recv_bytes_async(timeout=WAIT)
-            assert info.value.exitcode == -9
+            assert info.value.exitcode == -signal.SIGKILL
             assert info.value.signal_name == "SIGKILL"
             assert info.value.expected_bytes == 32 * MIB + 12
             assert 0 < info.value.lost_bytes < info.value.expected_bytes

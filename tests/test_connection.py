@@ -15,12 +15,11 @@ from array import array
 
 import numpy as np
 import pytest
-from _helpers import TIMEOUT, Background, write_all
+from _helpers import F_SETPIPE_SZ, TIMEOUT, Background, write_all
 
 import framepipe
 
 LEN = struct.Struct("Q")
-F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
 def frame(payload: bytes, check: bytes = b"\x00\x00") -> bytes:

@@ -27,7 +27,7 @@ import time
 import psutil
 import pytest
 from _fault_children import WAIT, payload
-from _helpers import Background, reuse_fd
+from _helpers import F_SETPIPE_SZ, Background, reuse_fd
 
 import framepipe
 import framepipe.watch
@@ -232,7 +232,7 @@ def test_close_wakes_a_writer_blocked_on_a_full_pipe(impl, fd_count, where):
     before = fd_count()
     if where == "pipe":
         r, w = os.pipe()
-        fcntl.fcntl(w, getattr(fcntl, "F_SETPIPE_SZ", 1031), 4096)
+        fcntl.fcntl(w, F_SETPIPE_SZ, 4096)
         reader, writer = impl.Connection(r, writable=False), impl.Connection(w, readable=False)
         size = 1 << 20
     elif where == "socketpair":

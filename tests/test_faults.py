@@ -247,7 +247,7 @@ def test_sigkill_in_the_middle_of_a_16_mib_frame(impl, method):
         err = info.value
         assert type(err) is WriterDied
         assert err.pid == proc.pid
-        assert err.exitcode == -9
+        assert err.exitcode == -signal.SIGKILL
         assert err.signal_name == "SIGKILL"
         assert err.core_dumped is False
         assert err.expected_bytes == 16 * MIB + 12
@@ -569,7 +569,7 @@ def test_each_reader_watches_its_own_worker(impl):
         with pytest.raises(WriterDied) as info:
             a_parent.recv_bytes(timeout=WAIT)
         assert info.value.pid == a.pid
-        assert info.value.exitcode == -9
+        assert info.value.exitcode == -signal.SIGKILL
         # The other reader saw nothing of it and still works.
         assert b_parent.poll(0) is False
         for i in range(3):
@@ -664,7 +664,13 @@ def test_recycled_pid_does_not_revive_a_dead_writer(impl, use_pidfd):
 
 @pytest.mark.parametrize(
     "exitcode, name",
-    [(0, None), (3, None), (-9, "SIGKILL"), (-15, "SIGTERM"), (None, None)],
+    [
+        (0, None),
+        (3, None),
+        (-signal.SIGKILL, "SIGKILL"),
+        (-signal.SIGTERM, "SIGTERM"),
+        (None, None),
+    ],
 )
 def test_dead_sentinel_at_a_frame_boundary(impl, exitcode, name):
     # The status word the watcher would write for this exit code, written by hand.
@@ -752,7 +758,15 @@ def test_popen_is_never_reaped_by_the_reader(impl, how):
     code = how[1] if how[0] == "exit" else -how[1]
     r, w = impl.pipe(False)
     proc = subprocess.Popen(
-        [sys.executable, "-c", POPEN_WRITER, impl_name(impl), str(w.fileno()), how[0], str(how[1])],
+        [
+            sys.executable,
+            "-c",
+            POPEN_WRITER,
+            impl_name(impl),
+            str(w.fileno()),
+            how[0],
+            str(int(how[1])),
+        ],
         pass_fds=[w.fileno()],
         env=subprocess_env(),
     )

@@ -430,7 +430,9 @@ def test_record_propagates_the_childs_error_file(tmp_path: Any) -> None:
         load_shard()
     except ShardError as exc:
         write_error_file(child_file, exc)
-    failure = ProcessFailure(local_rank=1, pid=1234, exitcode=-11, error_file=str(child_file))
+    failure = ProcessFailure(
+        local_rank=1, pid=1234, exitcode=-signal.SIGSEGV, error_file=str(child_file)
+    )
     parent_file = tmp_path / "parent.json"
 
     @record(error_file=str(parent_file))
@@ -440,10 +442,10 @@ def test_record_propagates_the_childs_error_file(tmp_path: Any) -> None:
     with pytest.raises(ChildFailed):
         agent()
     data = json.loads(parent_file.read_text())
-    assert data["message"]["errorCode"] == -11
+    assert data["message"]["errorCode"] == -signal.SIGSEGV
     assert data["message"]["message"] == "ShardError: shard 3: checksum mismatch"
-    again = ProcessFailure(0, 1234, -11, str(parent_file))
-    assert again.error_code == -11
+    again = ProcessFailure(0, 1234, -signal.SIGSEGV, str(parent_file))
+    assert again.error_code == -signal.SIGSEGV
 
 
 def test_process_failure_without_or_with_a_bad_file(tmp_path: Any) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import importlib.util
 import inspect
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -240,16 +240,20 @@ version: str = framepipe.__version__
 
 
 def test_a_user_program_passes_mypy_strict(tmp_path: Path) -> None:
-    mypy = shutil.which("mypy")
-    if mypy is None:
-        pytest.skip("mypy is not installed")
+    # mypy as a module of the interpreter under test, so that it checks the program against
+    # that interpreter's standard library and site-packages (a mypy found on PATH may belong to
+    # another Python).
+    if importlib.util.find_spec("mypy") is None:
+        pytest.skip(f"mypy is not importable by {sys.executable}: pip install mypy to run this")
     program = tmp_path / "user_program.py"
     program.write_text(textwrap.dedent(USER_PROGRAM), encoding="utf-8")
     # framepipe as its users get it: its types used, its own modules' findings not reported
     env = dict(os.environ, MYPYPATH=str(PACKAGE.parent))
     result = subprocess.run(
         [
-            mypy,
+            sys.executable,
+            "-m",
+            "mypy",
             "--strict",
             "--follow-imports=silent",
             "--no-incremental",

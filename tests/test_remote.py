@@ -24,6 +24,7 @@ from framepipe.remote import (
     RefusedPayload,
     RemoteError,
     RemoteTraceback,
+    add_note,
     dumps_exception,
     loads_exception,
     sender_label,
@@ -309,6 +310,27 @@ def test_notes(child: dict[str, Any]) -> None:
     assert exc.args == ("with notes",)
     assert exc.__notes__ == ["first note", "second note"]
     assert "raise_with_notes" in frame_names(exc)
+
+
+class _WithoutAddNote(ValueError):
+    """An exception as Python 3.10 makes them: no add_note method."""
+
+    @property
+    def add_note(self) -> Any:
+        raise AttributeError("add_note")
+
+
+def test_add_note_without_add_note_keeps_notes_as_3_11_does() -> None:
+    exc = _WithoutAddNote("no add_note here")
+    assert not hasattr(exc, "add_note")
+    add_note(exc, "first note")
+    add_note(exc, "second note")
+    assert exc.__notes__ == ["first note", "second note"]
+    again = loads_exception(dumps_exception(exc), allow=[_WithoutAddNote])
+    assert type(again) is _WithoutAddNote and again.__notes__ == ["first note", "second note"]
+    plain = KeyError("k")  # where add_note exists, it is the one used
+    add_note(plain, "a note")
+    assert plain.__notes__ == ["a note"]
 
 
 def test_multiline_key_error_prints_as_the_original(child: dict[str, Any]) -> None:

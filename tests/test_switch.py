@@ -124,6 +124,64 @@ def test_missing_extension_falls_back_to_python(tree_without_extension):
     assert res.stdout.split() == ["ok"]
 
 
+# What a user runs: framepipe imported at line 1, then again through a submodule, then by a
+# process it starts (as a spawned worker does), which inherits its environment.
+USER_PROGRAM = """\
+import framepipe
+import framepipe.connection
+import subprocess, sys
+print(framepipe.implementation)
+subprocess.run([sys.executable, "-c", "import framepipe; print(framepipe.implementation)"], check=True)
+"""
+
+
+def run_user_program(tmp_path, path: str, **env: str) -> subprocess.CompletedProcess:
+    """Run USER_PROGRAM as a script, importing framepipe from ``path``, with every warning
+    shown each time it is raised (PYTHONWARNINGS=always, which its child inherits)."""
+    script = tmp_path / "user_program.py"
+    script.write_text(USER_PROGRAM)
+    full = {k: v for k, v in os.environ.items() if not k.startswith("FRAMEPIPE_")}
+    full.update(env, PYTHONPATH=path, PYTHONWARNINGS="always")
+    return subprocess.run(
+        [sys.executable, str(script)],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=tmp_path,
+        check=False,
+    )
+
+
+def test_missing_extension_warns_once_at_the_import(tree_without_extension, tmp_path):
+    res = run_user_program(tmp_path, str(tree_without_extension))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["python", "python"]
+    warnings = re.findall(r"^(.*):(\d+): RuntimeWarning: (.*)$", res.stderr, re.M)
+    assert len(warnings) == 1, res.stderr  # one, in the program and not again in its child
+    filename, line, message = warnings[0]
+    assert (filename, line) == (str(tmp_path / "user_program.py"), "1"), res.stderr
+    assert "compiled core (framepipe._core) is missing" in message
+    assert "pure-Python core" in message and "slower" in message
+    assert "C compiler and the Python headers" in message and "reinstall" in message
+    assert "FRAMEPIPE_NO_EXTENSIONS=1" in message
+
+
+def test_no_fallback_warning_when_the_python_core_is_chosen(tree_without_extension, tmp_path):
+    res = run_user_program(tmp_path, str(tree_without_extension), FRAMEPIPE_NO_EXTENSIONS="1")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["python", "python"]
+    assert "Warning" not in res.stderr, res.stderr
+
+
+def test_no_fallback_warning_when_the_compiled_core_imports(tmp_path):
+    needs_extension()
+    res = run_user_program(tmp_path, SRC)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["c", "c"]
+    assert "Warning" not in res.stderr, res.stderr
+
+
 def test_missing_extension_is_an_import_error_when_required(tree_without_extension):
     res = run(REPORT, path=str(tree_without_extension), FRAMEPIPE_REQUIRE_EXTENSIONS="1")
     assert res.returncode != 0

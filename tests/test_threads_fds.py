@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import struct
 import sys
 import threading
@@ -292,7 +293,7 @@ def _wait_blocked_in_pipe_read(pid: int) -> int | None:
         if wchan.endswith("pipe_read"):  # pipe_read, anon_pipe_read (Linux 6.x)
             return None
         if time.monotonic() > end:
-            os.kill(pid, 9)
+            os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             pytest.fail(f"the child never blocked in its read (wchan {wchan!r})")
         time.sleep(0.001)

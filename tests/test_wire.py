@@ -11,6 +11,7 @@ import os
 import pickle
 import random
 import select
+import signal
 import socket
 import struct
 
@@ -201,7 +202,14 @@ def test_timeout_sentinel_split_across_writes(raw_to_conn):
 
 @pytest.mark.parametrize(
     "exitcode, signal_name",
-    [(0, None), (3, None), (137, None), (-9, "SIGKILL"), (-11, "SIGSEGV"), (None, None)],
+    [
+        (0, None),
+        (3, None),
+        (137, None),
+        (-signal.SIGKILL, "SIGKILL"),
+        (-signal.SIGSEGV, "SIGSEGV"),
+        (None, None),
+    ],
 )
 def test_dead_sentinel_raises_writer_died(raw_to_conn, exitcode, signal_name):
     # A plain exit code is its own status word; signals and "unknown" have the encoding that

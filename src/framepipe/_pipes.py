@@ -25,12 +25,19 @@ USE_DEFAULT: Any = _Default()
 
 
 def _pipe_size(fd: int) -> None:
+    # Best effort: a system without pipe resizing (F_SETPIPE_SZ is Linux's) keeps its default
+    # size, and an unprivileged process may be capped lower.
     try:
         import fcntl
-
-        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), _BUFFER_SIZE)
-    except (OSError, ImportError):
-        pass  # best effort: an unprivileged process may be capped lower
+    except ImportError:
+        return
+    set_size = getattr(fcntl, "F_SETPIPE_SZ", None)
+    if set_size is None:
+        return
+    try:
+        fcntl.fcntl(fd, set_size, _BUFFER_SIZE)
+    except OSError:
+        pass
 
 
 def _stream_pair(both_ways: bool = False) -> tuple[int, int]:

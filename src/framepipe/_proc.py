@@ -249,9 +249,9 @@ def decode_wait_status(word: int) -> tuple[int, bool] | None:
 
 def status_from_waitid(res: os.waitid_result) -> tuple[int, bool]:
     code = res.si_code
-    if code == getattr(os, "CLD_EXITED", 1):
+    if code == os.CLD_EXITED:
         return res.si_status, False
-    return -res.si_status, code == getattr(os, "CLD_DUMPED", 3)
+    return -res.si_status, code == os.CLD_DUMPED
 
 
 def owner_known_status(obj: Owner | None) -> int | None:

@@ -85,6 +85,20 @@ Frame = tuple[str, str, int, str]  # filename, function name, line number, modul
 _label: ContextVar[str | None] = ContextVar("framepipe_remote_label", default=None)
 
 
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` (PEP 678), also on Python 3.10, which has no ``add_note``: there
+    the note is appended to ``exc.__notes__`` by hand, as 3.11 does. The notes cross processes
+    with the exception either way; 3.10's own tracebacks do not print them."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+        return
+    notes = getattr(exc, "__notes__", None)
+    if not isinstance(notes, list):
+        notes = []
+        exc.__notes__ = notes  # type: ignore[attr-defined,unused-ignore]  # 3.10
+    notes.append(note)
+
+
 class Origin(TypedDict):
     """Where a payload was made: :func:`origin`'s answer, carried in every payload."""
 

@@ -63,7 +63,7 @@ from typing import Any
 
 from .. import connection as _connection
 from ..errors import ReadTimeout, WriterDied
-from ..remote import dumps_exception, loads_exception
+from ..remote import add_note, dumps_exception, loads_exception
 from . import _shm
 from ._process import ChildContext, WorkerProcess, _FdHandle, register_parent_side
 from .errors import TaskTimeout, WorkerError, WorkerStartError
@@ -401,7 +401,7 @@ def _send_failure(conn: Any, bid: int, exc: BaseException, where: str) -> None:
     who = "DataLoader worker" if info is None else f"DataLoader worker {info.id}"
     note = f"raised in {who} (pid {os.getpid()}) while loading {where}"
     with contextlib.suppress(Exception):
-        exc.add_note(note)
+        add_note(exc, note)
     conn.send((FAIL, bid, dumps_exception(exc), where))
 
 
