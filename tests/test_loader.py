@@ -327,9 +327,11 @@ def test_order_kept_while_batches_turn_slow_and_fast_again(engine):
     fast = it.workers.fast_group
     assert got == list(range(900))
     assert fast == 4  # a window's worth with 2 workers
-    assert groups[250] == fast  # fast
+    # Ranges, not single items: a fast batch the scheduler interrupts may count as slow for a
+    # few batches on a busy machine.
+    assert fast in groups[200:300]  # fast
     assert 1 in groups[300:600]  # slow: the worker said so
-    assert groups[-1] == fast  # fast again
+    assert fast in groups[800:]  # fast again
 
 
 class WhichWorker:

@@ -91,6 +91,10 @@ POST_MAX = 32 * 1024  # bytes: a larger message to a worker goes through a sende
 # gets its credits back one at a time, so it never idles; below FAST_BATCH, in groups of
 # prefetch_factor, so it wakes once per group.
 SLOW_BATCH, FAST_BATCH = 20e-6, 10e-6
+# One batch counts for at most this much in the average: a fast batch that the scheduler
+# happened to interrupt for milliseconds does not turn the worker slow for dozens of batches,
+# while batches that really are slow pass SLOW_BATCH within three.
+PACE_CAP = 4 * SLOW_BATCH
 STACK_WAIT = 0.5  # seconds to wait for a stuck worker's stack
 STOP_GRACE = 1.0  # seconds workers get to exit by themselves before SIGTERM, then SIGKILL
 PUMP_EVERY = 0.02  # seconds between stderr pumps while batches keep arriving
@@ -525,7 +529,7 @@ def loader_loop(ctx: ChildContext) -> None:
                     _answer(conn, fetcher, wire, bid, indices, pending)
                 # the loading only: the write below costs what the engine costs, whatever
                 # the batches are
-                pace += ((clock() - start) / count - pace) * 0.125
+                pace += (min((clock() - start) / count, PACE_CAP) - pace) * 0.125
                 _flush(conn, pending)
                 if slow != (pace > (FAST_BATCH if slow else SLOW_BATCH)):
                     slow = not slow
