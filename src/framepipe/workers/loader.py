@@ -1257,14 +1257,17 @@ class _Epoch:
 
     Batches are given to the workers a chunk at a time (``CHUNK``), ahead of when they are
     loaded; credits decide when they are loaded. In order, a map-style epoch goes to the
-    workers in blocks of B batches, in turn: batch k to worker ``(k // B) % num_workers``,
-    always, so a seed reproduces an epoch. The credit a taken batch k frees goes to the worker
-    of batch k + W (W = ``prefetch_factor * num_workers``), so the batches loaded and not
-    taken are always among the next W. B is the largest block that still keeps every worker
-    busy when batches are slow (W / (num_workers - 1)): with 2 workers, one loads a whole
-    window while the parent takes the other's, so while batches are fast (credits written in
-    groups of B) a worker wakes once per window. The parent reads each batch from the worker
-    that holds it: no reorder buffer, and what the other workers loaded waits in their own
+    workers in blocks of B = ``prefetch_factor`` batches, in turn: batch k to worker
+    ``(k // B) % num_workers``, always, so a seed reproduces an epoch. The credit a taken batch
+    k frees goes to the worker of batch k + W (W = ``prefetch_factor * num_workers``), so the
+    batches loaded and not taken are always among the next W; with blocks of
+    ``prefetch_factor`` that is the worker of batch k itself. While batches are fast (credits
+    written in groups of B), a worker loads its next block while the parent takes the other
+    workers' blocks: each wake-up loads a block, and no wake-up waits for the parent to drain
+    the whole window first (a block as large as the window would make the parent and the
+    workers take turns, each waiting for the other's wake-up). While they are slow (credits
+    one at a time), every worker stays busy. The parent reads each batch from the worker that
+    holds it: no reorder buffer, and what the other workers loaded waits in their own
     channels.
 
     Iterable datasets go one batch per worker in turn (torch's order), and ``in_order=False``
@@ -1287,11 +1290,8 @@ class _Epoch:
         self._window = window = prefetch * n
         # credits follow the batches (to the worker of batch k + W): in order, map-style
         self._positional = loader.in_order and not loader._iterable
-        if self._positional:
-            self._block = block = window // max(1, n - 1)
-        else:
-            self._block = block = 1 if loader._iterable else prefetch
-        workers.fast_group = block if self._positional else prefetch
+        self._block = block = 1 if loader._iterable else prefetch
+        workers.fast_group = prefetch
         for slot in workers.slots:
             if slot.group > 1:
                 slot.group = workers.fast_group
