@@ -345,6 +345,22 @@ class WhichWorker:
         return i, get_worker_info().id
 
 
+def test_the_next_block_loads_while_the_parent_takes_this_one(engine):
+    """In order, whenever the caller takes a batch of one worker's block, the other worker
+    holds credit for its own next block (it loads it meanwhile): the parent and the workers
+    never take turns, each waiting for the other's wake-up."""
+    n = 400
+    idle = []
+    with DataLoader(WhichWorker(n), timeout=GUARD) as loader:
+        it = iter(loader)
+        for k, (i, wid) in enumerate(it):
+            assert i == k
+            other = it.workers.slots[1 - wid]
+            if k < n - loader.window and other.credit <= 0:
+                idle.append(k)
+    assert idle == []
+
+
 @pytest.mark.parametrize(
     "workers, prefetch, batch_size", [(3, 2, None), (3, 3, 1200), (2, 2, None), (4, 1, None)]
 )
