@@ -1041,13 +1041,13 @@ class _Workers:
 
 
 def _batches(sampler: Iterable[Any], batch_size: int, drop_last: bool) -> Iterator[list[Any]]:
-    batch: list[Any] = []
-    for i in sampler:
-        batch.append(i)
-        if len(batch) == batch_size:
-            yield batch
-            batch = []
-    if batch and not drop_last:
+    """The sampler's indices in lists of ``batch_size`` (the last one shorter, unless
+    ``drop_last``), cut by ``islice``: no Python step per index."""
+    it = iter(sampler)
+    while True:
+        batch = list(itertools.islice(it, batch_size))
+        if len(batch) < batch_size and (drop_last or not batch):
+            return
         yield batch
 
 
