@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import connection as _connection
+from .._wire import BULK_MIN, KIND_DATA, header
 from ..errors import ReadTimeout, WriterDied
 from ..remote import add_note, dumps_exception, loads_exception
 from . import _shm
@@ -291,11 +292,14 @@ _PICKLE_HEAD = b"".join(
         b"\x93(",  # STACK_GLOBAL, MARK; then the dtype, the shape, the bytes and the batch id
     )
 )
-_PICKLE_TAIL = struct.Struct("<2sq3s")  # LONG1 of 8 bytes (the batch id), TUPLE, REDUCE, STOP
+_PICKLE_TAIL = struct.Struct("<2sq2s")  # LONG1 of 8 bytes (the batch id), TUPLE, REDUCE
+_PROTO, _STOP = b"\x80\x05", b"."
 _MANY_HEAD = b"\x80\x05(K" + bytes([MANY])  # PROTO 5, MARK, BININT1 MANY; then the replies
+_MANY_TAIL = b"t."  # TUPLE, STOP
 _DIM = struct.Struct("<q")
 _BYTEARRAY8 = struct.Struct("<BQ")
-# (dtype, shape) -> the pickle up to the array's bytes (None: not an array this path takes)
+# (dtype, shape) -> the pickle from after its PROTO up to the array's bytes (None: not an
+# array this path takes)
 _prefix_cache: dict[tuple[Any, tuple[int, ...]], bytes | None] = {}
 _dtype_cache: dict[str, Any] = {}
 
@@ -313,15 +317,16 @@ def _array_reply(dtype: str, shape: tuple[int, ...], data: bytearray, bid: int) 
 
 
 def _inline_prefix(array: Any) -> bytes | None:
-    """The pickle of :func:`_inline_array` up to the array's bytes (the same for every array
-    of this dtype and shape), or None when the dtype cannot travel as its name."""
+    """The pickle of :func:`_inline_array` from after its PROTO up to the array's bytes (the
+    same for every array of this dtype and shape), or None when the dtype cannot travel as its
+    name."""
     dtype = array.dtype
     if dtype.kind not in _INLINE_KINDS or dtype.metadata:
         return None
     code = dtype.str.encode()
     return b"".join(
         (
-            _PICKLE_HEAD,
+            _PICKLE_HEAD[2:],
             b"\x8c",
             bytes([len(code)]),
             code,
@@ -336,6 +341,13 @@ def _inline_prefix(array: Any) -> bytes | None:
 def _inline_array(bid: int, array: Any) -> bytes | None:
     """The reply ``(OK, bid, array)`` as a pickle built directly, or None when ``array`` is not
     one this path takes (see :data:`INLINE_MAX`)."""
+    parts = _inline_parts(bid, array)
+    return None if parts is None else b"".join((_PROTO, *parts, _STOP))
+
+
+def _inline_parts(bid: int, array: Any) -> tuple[bytes, Any, bytes] | None:
+    """The pickle of :func:`_inline_array` without its PROTO and STOP, in three parts (the
+    array's bytes not copied), or None when ``array`` is not one this path takes."""
     np = sys.modules.get("numpy")
     if (
         np is None
@@ -357,7 +369,7 @@ def _inline_array(bid: int, array: Any) -> bytes | None:
         raw = array.reshape(-1).view(np.uint8)  # datetimes export no buffer of their own
     else:
         raw = memoryview(array).cast("B")
-    return b"".join((prefix, raw, _PICKLE_TAIL.pack(b"\x8a\x08", bid, b"tR.")))
+    return prefix, raw, _PICKLE_TAIL.pack(b"\x8a\x08", bid, b"tR")
 
 
 # -- seeds --------------------------------------------------------------------------------------
@@ -410,7 +422,7 @@ def _send_failure(conn: Any, bid: int, exc: BaseException, where: str) -> None:
 
 
 def _answer(
-    conn: Any, fetcher: _Fetcher, wire: _shm.Wire, bid: int, indices: Any, pending: list[bytes]
+    conn: Any, fetcher: _Fetcher, wire: _shm.Wire, bid: int, indices: Any, pending: list[Any]
 ) -> None:
     """Load batch ``bid`` and answer it. A small array's reply (see :data:`INLINE_MAX`) is
     added to ``pending``, to go out with the replies around it in one frame (:func:`_flush`);
@@ -426,11 +438,11 @@ def _answer(
         _send_failure(conn, bid, exc, fetcher.where)
         return
     try:
-        inline = _inline_array(bid, data)
+        inline = _inline_parts(bid, data)
     except Exception:  # noqa: BLE001 - an array this path cannot read goes the usual way
         inline = None
     if inline is not None:
-        pending.append(inline)
+        pending += inline
         return
     _flush(conn, pending)
     wire.used = []
@@ -451,14 +463,24 @@ def _answer(
         _send_failure(conn, bid, err, "the batch")
 
 
-def _flush(conn: Any, pending: list[bytes]) -> None:
-    """Write the replies in ``pending``: one as it is, several as one frame that unpickles to
-    ``(MANY, reply, ...)`` (each reply's pickle without its PROTO and STOP)."""
-    if len(pending) == 1:
-        conn.send_bytes(pending[0])
-    elif pending:
-        conn.send_bytes(b"".join((_MANY_HEAD, *(memoryview(p)[2:-1] for p in pending), b"t.")))
+def _flush(conn: Any, pending: list[Any]) -> None:
+    """Write the replies in ``pending`` (the parts of :func:`_inline_parts`, three a reply):
+    one as its pickle, several as one frame that unpickles to ``(MANY, reply, ...)``. A frame
+    under the bulk channel's threshold is written from its parts, with no copy."""
+    if not pending:
+        return
+    if len(pending) == 3:
+        parts = [_PROTO, *pending, _STOP]
+    else:
+        parts = [_MANY_HEAD, *pending, _MANY_TAIL]
     pending.clear()
+    size = 0
+    for part in parts:
+        size += len(part)
+    if size < BULK_MIN:
+        conn._send_segments([[header(KIND_DATA, size), *parts]])
+    else:
+        conn.send_bytes(b"".join(parts))
 
 
 def loader_loop(ctx: ChildContext) -> None:
@@ -496,7 +518,7 @@ def loader_loop(ctx: ChildContext) -> None:
     queue: collections.deque[tuple[int, Any]] = collections.deque()  # (batch id, indices)
     credit = 0
     pace, slow = 0.0, False  # seconds a batch takes (a moving average), and whether that is slow
-    pending: list[bytes] = []
+    pending: list[Any] = []
 
     def handle(data: bytes) -> bool:
         """One message from the parent; False on CLOSE."""
@@ -1023,13 +1045,13 @@ class _Workers:
 
 
 def _batches(sampler: Iterable[Any], batch_size: int, drop_last: bool) -> Iterator[list[Any]]:
-    batch: list[Any] = []
-    for i in sampler:
-        batch.append(i)
-        if len(batch) == batch_size:
-            yield batch
-            batch = []
-    if batch and not drop_last:
+    """The sampler's indices in lists of ``batch_size`` (the last one shorter, unless
+    ``drop_last``), cut by ``islice``: no Python step per index."""
+    it = iter(sampler)
+    while True:
+        batch = list(itertools.islice(it, batch_size))
+        if len(batch) < batch_size and (drop_last or not batch):
+            return
         yield batch
 
 
@@ -1261,14 +1283,17 @@ class _Epoch:
 
     Batches are given to the workers a chunk at a time (``CHUNK``), ahead of when they are
     loaded; credits decide when they are loaded. In order, a map-style epoch goes to the
-    workers in blocks of B batches, in turn: batch k to worker ``(k // B) % num_workers``,
-    always, so a seed reproduces an epoch. The credit a taken batch k frees goes to the worker
-    of batch k + W (W = ``prefetch_factor * num_workers``), so the batches loaded and not
-    taken are always among the next W. B is the largest block that still keeps every worker
-    busy when batches are slow (W / (num_workers - 1)): with 2 workers, one loads a whole
-    window while the parent takes the other's, so while batches are fast (credits written in
-    groups of B) a worker wakes once per window. The parent reads each batch from the worker
-    that holds it: no reorder buffer, and what the other workers loaded waits in their own
+    workers in blocks of B = ``prefetch_factor`` batches, in turn: batch k to worker
+    ``(k // B) % num_workers``, always, so a seed reproduces an epoch. The credit a taken batch
+    k frees goes to the worker of batch k + W (W = ``prefetch_factor * num_workers``), so the
+    batches loaded and not taken are always among the next W; with blocks of
+    ``prefetch_factor`` that is the worker of batch k itself. While batches are fast (credits
+    written in groups of B), a worker loads its next block while the parent takes the other
+    workers' blocks: each wake-up loads a block, and no wake-up waits for the parent to drain
+    the whole window first (a block as large as the window would make the parent and the
+    workers take turns, each waiting for the other's wake-up). While they are slow (credits
+    one at a time), every worker stays busy. The parent reads each batch from the worker that
+    holds it: no reorder buffer, and what the other workers loaded waits in their own
     channels.
 
     Iterable datasets go one batch per worker in turn (torch's order), and ``in_order=False``
@@ -1291,11 +1316,8 @@ class _Epoch:
         self._window = window = prefetch * n
         # credits follow the batches (to the worker of batch k + W): in order, map-style
         self._positional = loader.in_order and not loader._iterable
-        if self._positional:
-            self._block = block = window // max(1, n - 1)
-        else:
-            self._block = block = 1 if loader._iterable else prefetch
-        workers.fast_group = block if self._positional else prefetch
+        self._block = block = 1 if loader._iterable else prefetch
+        workers.fast_group = prefetch
         for slot in workers.slots:
             if slot.group > 1:
                 slot.group = workers.fast_group
