@@ -88,14 +88,14 @@ _RESET = pickle.dumps((RESET,), protocol=5)
 CHUNK = 16  # batches given to a worker in one message (at least prefetch_factor)
 CHUNK_INDICES = 4096  # and fewer indices than this, where batches are large
 POST_MAX = 32 * 1024  # bytes: a larger message to a worker goes through a sender thread
-# A worker whose batches take longer than SLOW_BATCH seconds to load and send (on average)
+# A worker whose batches take longer than SLOW_BATCH seconds to load (its pace, below)
 # gets its credits back one at a time, so it never idles; below FAST_BATCH, in groups of
 # prefetch_factor, so it wakes once per group.
 SLOW_BATCH, FAST_BATCH = 20e-6, 10e-6
-# One batch counts for at most this much in the average: a fast batch that the scheduler
-# happened to interrupt for milliseconds does not turn the worker slow for dozens of batches,
-# while batches that really are slow pass SLOW_BATCH within three.
-PACE_CAP = 4 * SLOW_BATCH
+# A worker's pace is the least time a batch took among its last PACE_BATCHES: the scheduler
+# only ever adds time (a fast batch it interrupted is not a slow batch), while batches that
+# really are slow are slow every time.
+PACE_BATCHES = 4
 STACK_WAIT = 0.5  # seconds to wait for a stuck worker's stack
 STOP_GRACE = 1.0  # seconds workers get to exit by themselves before SIGTERM, then SIGKILL
 PUMP_EVERY = 0.02  # seconds between stderr pumps while batches keep arriving
@@ -517,7 +517,9 @@ def loader_loop(ctx: ChildContext) -> None:
     credits = opts["credits"].fd
     queue: collections.deque[tuple[int, Any]] = collections.deque()  # (batch id, indices)
     credit = 0
-    pace, slow = 0.0, False  # seconds a batch takes (a moving average), and whether that is slow
+    # seconds a batch took, for the last few; whether the least of them is slow
+    recent: collections.deque[float] = collections.deque(maxlen=PACE_BATCHES)
+    slow = False
     pending: list[Any] = []
 
     def handle(data: bytes) -> bool:
@@ -551,7 +553,8 @@ def loader_loop(ctx: ChildContext) -> None:
                     _answer(conn, fetcher, wire, bid, indices, pending)
                 # the loading only: the write below costs what the engine costs, whatever
                 # the batches are
-                pace += (min((clock() - start) / count, PACE_CAP) - pace) * 0.125
+                recent.append((clock() - start) / count)
+                pace = min(recent)
                 _flush(conn, pending)
                 if slow != (pace > (FAST_BATCH if slow else SLOW_BATCH)):
                     slow = not slow
