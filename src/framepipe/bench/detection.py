@@ -57,12 +57,18 @@ def _sleeper(ready: Any, *held: Any) -> None:
     hold(*held)
 
 
-def _observe_stdlib(conn: Any, sentinel: int, ready_fd: int, out_fd: int) -> None:
+def _observe_stdlib(
+    conn: Any, sentinel: int, ready_fd: int, out_fd: int, hold_fd: int, parents_hold: int
+) -> None:
     """The helper process: blocks in the stdlib's wait until the child dies, then writes the
-    moment it woke."""
+    moment it woke, and exits only once the parent lets it (end of file on ``hold_fd``): its
+    exit (the kernel freeing its copy of the parent's memory) must not take a CPU from
+    framepipe's reader, which is still at work on the same death."""
+    os.close(parents_hold)  # forked with the parent's end: else no end of file ever comes
     os.write(ready_fd, b"r")
     mp_wait([conn, sentinel], _WAIT)
     os.write(out_fd, struct.pack("d", time.monotonic()))
+    os.read(hold_fd, 1)
 
 
 def _kill_while_blocked(pid: int, block: Callable[[], object]) -> tuple[float, float]:
@@ -136,18 +142,22 @@ def same_kill(impl: Impl) -> tuple[float, float]:
     proc = helper = None
     ready_r, ready_w = os.pipe()
     out_r, out_w = os.pipe()
+    hold_r, hold_w = os.pipe()
     try:
         proc = _start_child(spawn, writer, mp_w)
         writer.close()
         mp_w.close()
         reader.watch(proc)
         helper = fork.Process(
-            target=_observe_stdlib, args=(mp_r, proc.sentinel, ready_w, out_w), daemon=True
+            target=_observe_stdlib,
+            args=(mp_r, proc.sentinel, ready_w, out_w, hold_r, hold_w),
+            daemon=True,
         )
         helper.start()
         os.close(ready_w)
         os.close(out_w)
-        ready_w = out_w = -1
+        os.close(hold_r)
+        ready_w = out_w = hold_r = -1
         if os.read(ready_r, 1) != b"r":
             raise RuntimeError("the stdlib observer did not start")
         t0, seen = _kill_while_blocked(proc.pid, _expect_writer_died(reader))
@@ -157,7 +167,7 @@ def same_kill(impl: Impl) -> tuple[float, float]:
         (stdlib_seen,) = struct.unpack("d", woke)
         return seen - t0, stdlib_seen - t0
     finally:
-        for fd in (ready_r, ready_w, out_r, out_w):
+        for fd in (ready_r, ready_w, out_r, out_w, hold_r, hold_w):  # hold_w: the helper may go
             if fd >= 0:
                 os.close(fd)
         if proc is not None:
