@@ -1,7 +1,7 @@
 """A parent process for the worker fault tests: ``python _worker_parent.py MODE METHOD``.
 
-``hold``: start a Pool of 2 and a Worker, keep them busy, print their pids as JSON, wait to be
-killed. ``map``: print the workers' pids, then run a long ``map`` until interrupted.
+``hold``: start a Pool of 2, a Worker and a WorkerGroup of 2, keep them busy, print their pids
+as JSON, wait to be killed. ``map``: print the workers' pids, then run a long ``map`` until interrupted.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 
 from _worker_tasks import getpid, sleep_for
 
-from framepipe.workers import Pool, Worker
+from framepipe.workers import Pool, Worker, WorkerGroup
 
 
 def main(mode: str, method: str) -> None:
@@ -25,6 +25,9 @@ def main(mode: str, method: str) -> None:
             worker = Worker(start_method=method)
             pids.append(worker.call(getpid))
             worker.submit(sleep_for, 600)
+            group = WorkerGroup(sleep_for, 2, args=(600,), start_method=method)
+            group.start()
+            pids += sorted(group.pids.values())
             for _ in range(4):
                 pool.submit(sleep_for, 600)
             print(json.dumps(pids), flush=True)
