@@ -34,19 +34,21 @@ def extension_present() -> bool:
     return True
 
 
-def run(code: str, path: str = SRC, **env: str) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter that imports framepipe from ``path``, with the
-    FRAMEPIPE_* variables of this process replaced by ``env``."""
+def run(
+    code: str, path: str = SRC, *, script: str | None = None, cwd: str | None = None, **env: str
+) -> subprocess.CompletedProcess:
+    """Run ``code`` (or the file ``script``) in a fresh interpreter that imports framepipe from
+    ``path``, with the FRAMEPIPE_* variables of this process replaced by ``env``."""
     full = {k: v for k, v in os.environ.items() if not k.startswith("FRAMEPIPE_")}
     full.update(env)
     full["PYTHONPATH"] = path
     return subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, script] if script else [sys.executable, "-c", code],
         env=full,
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
-        cwd=path,
+        cwd=cwd or path,
         check=False,
     )
 
@@ -140,17 +142,7 @@ def run_user_program(tmp_path, path: str, **env: str) -> subprocess.CompletedPro
     shown each time it is raised (PYTHONWARNINGS=always, which its child inherits)."""
     script = tmp_path / "user_program.py"
     script.write_text(USER_PROGRAM)
-    full = {k: v for k, v in os.environ.items() if not k.startswith("FRAMEPIPE_")}
-    full.update(env, PYTHONPATH=path, PYTHONWARNINGS="always")
-    return subprocess.run(
-        [sys.executable, str(script)],
-        env=full,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        cwd=tmp_path,
-        check=False,
-    )
+    return run("", path, script=str(script), cwd=str(tmp_path), PYTHONWARNINGS="always", **env)
 
 
 def test_missing_extension_warns_once_at_the_import(tree_without_extension, tmp_path):
