@@ -54,6 +54,26 @@ def fail_at(when: float, rank: int, linger: float) -> None:
         time.sleep(linger)
 
 
+@framepipe.record
+def _raise_after(path: str | None, gap: float, rank: int) -> None:
+    if path is not None:
+        while not os.path.exists(path):  # the other rank's error file: it has raised
+            time.sleep(0.001)
+        time.sleep(gap)
+    raise ValueError(f"rank {rank} failed first" if path is None else f"rank {rank} failed next")
+
+
+def fail_after(path: str | None, gap: float, rank: int, linger: float) -> None:
+    """Raise ValueError (under @framepipe.record, which writes the error file) ``gap`` seconds
+    after the file ``path`` appears (at once when None), then take ``linger`` seconds more to
+    die: the order of two ranks' failures, and the time between them, hold whatever the
+    scheduler does."""
+    try:
+        _raise_after(path, gap, rank)
+    finally:
+        time.sleep(linger)
+
+
 def exit_at(when: float, code: int) -> None:
     """Die at ``when`` with ``code``, leaving no error file."""
     sleep_until(when)

@@ -249,6 +249,30 @@ def test_root_cause_is_the_earliest_error_file_not_the_first_death(engine, group
 
 
 @pytest.mark.parametrize("first", [0, 1])
+def test_root_cause_of_two_ranks_failing_50_ms_apart(engine, groups, first, tmp_path):
+    """The second rank raises 50 ms after the first one's error file appears; the first
+    lingers 1 s before it dies, so the second's death is seen first. The error files decide."""
+    second = 1 - first
+    first_file = str(tmp_path / str(first) / "error.json")
+    group = groups.make(
+        kids.fail_after,
+        2,
+        args={first: (None, 0.0, first, 1.0), second: (first_file, 0.05, second, 0.0)},
+        start_method="fork",
+        log_dir=tmp_path,
+    )
+    err = failure_of(group)
+    assert err.root_rank == first
+    assert err.root.error.message["message"] == f"ValueError: rank {first} failed first"
+    assert err.outcomes[second].ended_at < err.outcomes[first].ended_at  # seen dead first
+    assert 0.05 <= err.failures[second].failed_at - err.root.failed_at < 1.0
+    assert str(err).startswith(
+        f"worker group 'fail_after' failed: rank {first} (pid {err.root.pid}) "
+        f"raised ValueError: rank {first} failed first"
+    )
+
+
+@pytest.mark.parametrize("first", [0, 1])
 def test_root_cause_without_error_files_is_the_first_death(engine, groups, first):
     # the second rank would exit 1 s after the first: the group stops it well before
     t0 = time.time() + 1.0
