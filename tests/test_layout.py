@@ -275,12 +275,13 @@ def test_a_user_program_passes_mypy_strict(tmp_path: Path) -> None:
 
 
 def test_importing_framepipe_leaves_asyncio_for_the_async_methods() -> None:
-    """asyncio (and ssl, which it imports) is imported by the first async call, not by
-    framepipe: a worker process that never runs one is smaller, starts and dies sooner."""
+    """asyncio (and ssl, which it imports) is imported by the first async call, and hmac
+    (OpenSSL's libcrypto) by the first authkey handshake, not by framepipe: a worker process
+    that never needs them is smaller, starts and dies sooner."""
     code = (
         "import sys\n"
         "import framepipe, framepipe.connection, framepipe.workers\n"
-        "print(sorted(m for m in ('asyncio', 'ssl') if m in sys.modules))\n"
+        "print(sorted(m for m in ('asyncio', 'ssl', 'hmac') if m in sys.modules))\n"
         "import asyncio\n"
         "from framepipe.connection import Pipe\n"
         "r, w = Pipe()\n"

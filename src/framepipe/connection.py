@@ -17,7 +17,6 @@ TLS: wrap the socket yourself (or tunnel) when the network is not trusted.
 
 from __future__ import annotations
 
-import hmac
 import os
 import select
 import socket
@@ -28,7 +27,13 @@ from multiprocessing import connection as _mpc
 from typing import TYPE_CHECKING, Any
 
 from . import _impl
+from ._lazy import lazy_module
 from .errors import BufferTooShort, FrameError
+
+if TYPE_CHECKING:
+    import hmac
+else:
+    hmac = lazy_module("hmac")  # 3.7 MB (OpenSSL): only the authkey handshake needs it
 
 __all__ = [
     "AuthenticationError",
