@@ -17,19 +17,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ._args import check_send_args
-from ._lazy import lazy_module
+from ._lazy import asyncio  # imported on first use (see _lazy)
 from ._objects import dumps, dumps_bulk
 from ._stream_errors import closed, timeout_error
 from ._wire import BULK_MIN, KIND_BULK, KIND_DATA, header
 from .errors import ReadTimeout
-
-if TYPE_CHECKING:
-    import asyncio
-else:
-    asyncio = lazy_module("asyncio")  # only the async methods need it (see _lazy)
 
 _CONTENDED = 0.0005  # how often an async send looks again at a write lock a thread holds
 

@@ -27,7 +27,7 @@ from ._args import check_bulk_handles, check_exception, check_handles, check_max
 from ._control import check_watch, dead_error, error_frame, remote_error, start_watch, stop_watch
 from ._objects import FLAG_BYTES, dumps, dumps_bulk, dumps_inband, loads, parse_object
 from ._stream_errors import closed, missing_buffer
-from ._wire import BULK_MIN, KIND_BUFFER, KIND_ERROR, KIND_OBJECT
+from ._wire import BULK_MIN, KIND_BUFFER, KIND_DATA, KIND_ERROR, KIND_OBJECT, header
 from .errors import MessageTooLong
 
 if TYPE_CHECKING:
@@ -201,6 +201,18 @@ class ConnectionBase(_EngineBase):
             raise OSError("connection is read-only")
         check_exception(exc)
         self._send_segments([error_frame(exc)])
+
+    def _send_parts(self, parts: list[Any]) -> None:
+        """For the layers above: ``send_bytes(b"".join(parts))`` (``parts``: bytes-like, of
+        bytes), written from the parts themselves, with no copy, while the frame stays under
+        the bulk channel's threshold (both ways check that the connection can write)."""
+        size = 0
+        for part in parts:
+            size += len(part)
+        if size < BULK_MIN:
+            self._send_segments([[header(KIND_DATA, size), *parts]])
+        else:
+            self.send_bytes(b"".join(parts))
 
     def _message(self, kind: int, payload: Any, deadline: float, raw: bool, maxlength: int) -> Any:
         """Hook: the rest of a message that is not one data frame; the engine calls it holding

@@ -73,7 +73,6 @@ def start_watch(target: Any, peer: Callable[[], Any] | None) -> tuple[Liveness, 
     # A write end already closed here can carry no sentinel: no registration, so the watcher
     # thread does not wake (and take the GIL) at the death the reader is about to report.
     if held is not None and not held.closed:
-        del held
 
         def on_death(liv: Liveness) -> None:
             conn = peer()

@@ -815,13 +815,10 @@ cdef class Engine:
             return False
         if self._dead:
             return True
+        spin = 0.0
         if self._eof_until < 0:
             self._eof_until = fp_now() + DEATH_GRACE
             spin = fp_now() + DEATH_SPIN  # the first look does not sleep (see DEATH_SPIN)
-            while fp_now() < spin:
-                if live.poll_dead():
-                    self._dead = True
-                    return True
         end = self._eof_until
         expire = 0.0 <= deadline < end
         if expire:
@@ -830,6 +827,8 @@ cdef class Engine:
             if live.poll_dead():
                 self._dead = True
                 return True
+            if fp_now() < spin:
+                continue
             if fp_now() >= end:
                 if expire:
                     raise _Expired()

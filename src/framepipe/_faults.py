@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import json
 import math
 import os
@@ -90,21 +91,17 @@ def warn(message: str) -> None:
 _SHM = "/dev/shm"
 
 
+@functools.cache
 def _fault_base() -> str:
+    """Looked for once per process."""
     if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK | os.X_OK):
         return _SHM
     return tempfile.gettempdir()
 
 
-_base: str | None = None
-
-
 def _fault_dir() -> str:
-    global _base
-    if _base is None:
-        _base = _fault_base()
     uid = os.getuid() if hasattr(os, "getuid") else 0
-    return os.path.join(_base, f"framepipe-faults-{uid}")
+    return os.path.join(_fault_base(), f"framepipe-faults-{uid}")
 
 
 def fault_path(pid: int) -> str:

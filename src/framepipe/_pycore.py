@@ -733,13 +733,10 @@ class Engine:
             return False
         if self._dead:
             return True
+        spin = 0.0
         if self._eof_until < 0:
             self._eof_until = time.monotonic() + DEATH_GRACE
             spin = time.monotonic() + DEATH_SPIN  # the first look does not sleep
-            while time.monotonic() < spin:
-                if live.poll_dead():
-                    self._dead = True
-                    return True
         end = self._eof_until
         expire = 0.0 <= deadline < end
         if expire:
@@ -748,6 +745,8 @@ class Engine:
             if live.poll_dead():
                 self._dead = True
                 return True
+            if time.monotonic() < spin:
+                continue
             left = end - time.monotonic()
             if left <= 0:
                 if expire:

@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 
 from . import subprocess_rpc
 from .guard import Guard
-from .remote import dumps_exception, format_exception_text, qualified_name
+from .remote import add_note, dumps_exception, format_exception_text, qualified_name
 from .subprocess_rpc import *  # noqa: F403 - the reference module's names, all of them
 from .subprocess_rpc import (
     _revive,
@@ -73,9 +73,7 @@ class ExceptionWrapper:
         if self._payload is None:
             return RuntimeError(f"Unknown exception {self.where}.\n{self.exc_msg}")
         exc = _revive(self._payload)
-        note = f"Caught {self._type_name} {self.where}."
-        notes = getattr(exc, "__notes__", None)
-        exc.__notes__ = [*notes, note] if isinstance(notes, list) else [note]  # type: ignore[attr-defined]
+        add_note(exc, f"Caught {self._type_name} {self.where}.")
         return exc
 
     def reraise(self) -> NoReturn:

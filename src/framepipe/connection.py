@@ -27,13 +27,8 @@ from multiprocessing import connection as _mpc
 from typing import TYPE_CHECKING, Any
 
 from . import _impl
-from ._lazy import lazy_module
+from ._lazy import hmac  # imported on first use (see _lazy)
 from .errors import BufferTooShort, FrameError
-
-if TYPE_CHECKING:
-    import hmac
-else:
-    hmac = lazy_module("hmac")  # 3.7 MB (OpenSSL): only the authkey handshake needs it
 
 __all__ = [
     "AuthenticationError",

@@ -45,19 +45,14 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .._lazy import lazy_module
+from .._lazy import asyncio  # imported on first use (see _lazy)
 from ..errors import ReadTimeout, WriterDied
 from ..remote import dumps_exception, loads_exception
 from . import _process, _shm
 from ._process import ChildContext, WorkerProcess
 from .errors import PoolBroken, TaskTimeout, WorkerCancelled, WorkerError, WorkerStartError
-
-if TYPE_CHECKING:
-    import asyncio
-else:
-    asyncio = lazy_module("asyncio")  # only the async methods need it (see _lazy)
 
 # Operations, parent to worker (first item of the pickled tuple). BATCH carries the pickles of
 # several tasks in one frame: one write for many small tasks. MAP carries a function once and

@@ -37,10 +37,10 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import connection as _connection
-from .._lazy import lazy_module
+from .._lazy import asyncio  # imported on first use (see _lazy)
 from ..errors import signal_name
 from ..guard import ERROR_FILE_ENV, ProcessFailure, write_error_file
 from ..remote import dumps_exception, format_exception_text, loads_exception
@@ -57,11 +57,6 @@ from ._process import (
 )
 from .errors import WorkerError, WorkerStartError
 from .worker import get_context
-
-if TYPE_CHECKING:
-    import asyncio
-else:
-    asyncio = lazy_module("asyncio")  # only the async methods need it (see _lazy)
 
 __all__ = ["WorkerGroup", "GroupFailed", "GroupResult", "RankOutcome", "Std"]
 

@@ -62,7 +62,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import connection as _connection
-from .._wire import BULK_MIN, KIND_DATA, header
 from ..errors import ReadTimeout, WriterDied
 from ..remote import add_note, dumps_exception, loads_exception
 from . import _shm
@@ -465,8 +464,8 @@ def _answer(
 
 def _flush(conn: Any, pending: list[Any]) -> None:
     """Write the replies in ``pending`` (the parts of :func:`_inline_parts`, three a reply):
-    one as its pickle, several as one frame that unpickles to ``(MANY, reply, ...)``. A frame
-    under the bulk channel's threshold is written from its parts, with no copy."""
+    one as its pickle, several as one frame that unpickles to ``(MANY, reply, ...)``, written
+    from the parts (see ``Connection._send_parts``)."""
     if not pending:
         return
     if len(pending) == 3:
@@ -474,13 +473,7 @@ def _flush(conn: Any, pending: list[Any]) -> None:
     else:
         parts = [_MANY_HEAD, *pending, _MANY_TAIL]
     pending.clear()
-    size = 0
-    for part in parts:
-        size += len(part)
-    if size < BULK_MIN:
-        conn._send_segments([[header(KIND_DATA, size), *parts]])
-    else:
-        conn.send_bytes(b"".join(parts))
+    conn._send_parts(parts)
 
 
 def loader_loop(ctx: ChildContext) -> None:

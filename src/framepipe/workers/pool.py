@@ -7,16 +7,11 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from .._lazy import lazy_module
+from .._lazy import asyncio  # imported on first use (see _lazy)
 from . import _dispatch as D
 from .worker import _check_timeout, get_context
-
-if TYPE_CHECKING:
-    import asyncio
-else:
-    asyncio = lazy_module("asyncio")  # only the async methods need it (see _lazy)
 
 __all__ = ["Pool"]
 

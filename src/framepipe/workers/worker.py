@@ -7,17 +7,12 @@ import contextlib
 import multiprocessing
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from .._lazy import lazy_module
+from .._lazy import asyncio  # imported on first use (see _lazy)
 from . import _dispatch as D
 from . import _process
 from .errors import TaskTimeout
-
-if TYPE_CHECKING:
-    import asyncio
-else:
-    asyncio = lazy_module("asyncio")  # only the async methods need it (see _lazy)
 
 __all__ = ["Worker", "Stream", "get_context"]
 
