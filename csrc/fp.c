@@ -33,6 +33,7 @@
 #include <sys/eventfd.h>
 #include <sys/prctl.h>
 #endif
+#include <sched.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -261,6 +262,30 @@ ssize_t fp_read(int fd, void *buf, size_t n, int mode)
 #endif
     }
     return read(fd, buf, n);
+}
+
+ssize_t fp_read_spin(int fd, void *buf, size_t n, int mode, double until)
+{
+    struct pollfd p;
+    ssize_t r = fp_read(fd, buf, n, mode);
+
+    if (r >= 0 || errno != EAGAIN)
+        return r;
+    /* Then look with poll(): it reads the pipe's or socket's state without the lock that the
+     * writer takes, so the writer is never slowed down by this spin. */
+    p.fd = fd;
+    p.events = POLLIN;
+    for (;;) {
+        p.revents = 0;
+        if (poll(&p, 1, 0) > 0)
+            return fp_read(fd, buf, n, mode);
+        if (fp_now() >= until) {
+            errno = EAGAIN;
+            return -1;
+        }
+        /* A thread waiting for this CPU runs first: the spin uses only time nobody wants. */
+        sched_yield();
+    }
 }
 
 int fp_reopen_nonblocking(int fd)

@@ -26,6 +26,9 @@ from pickle import loads as _loads
 
 from ._args import check_send_args, check_timeout
 from ._stream_errors import DEATH_GRACE as _DEATH_GRACE, DEATH_SPIN as _DEATH_SPIN
+from ._stream_errors import SPIN as _SPIN, SPIN_CPU_CHECKS as _SPIN_CPU_CHECKS
+from ._stream_errors import SPIN_LONGEST_SAMPLE as _SPIN_LONGEST, SPIN_WEIGHT as _SPIN_WEIGHT
+from ._stream_errors import several_cpus
 from ._stream_errors import (
     bad_header, blocking_send_under_async_send, broken, closed, closed_while_waiting,
     no_bulk_channel, sentinel_timeout, timeout_error, truncated, unallocatable,
@@ -70,6 +73,7 @@ cdef extern from "fp.h" nogil:
     bint FP_HAVE_PIPE_WAKE
     int fp_wake_pipe_reader(int fd)
     ssize_t fp_read(int fd, void *buf, size_t n, int mode)
+    ssize_t fp_read_spin(int fd, void *buf, size_t n, int mode, double until)
     int fp_reopen_nonblocking(int fd)
     int fp_writev(int fd, iovec **iov, int *iovcnt, int nowait, size_t *written)
     int fp_identity(int fd, uint64_t *dev, uint64_t *ino)
@@ -93,6 +97,22 @@ cdef double DEATH_GRACE = _DEATH_GRACE  # see _stream_errors
 cdef double DEATH_SPIN = _DEATH_SPIN
 cdef double LIVENESS_SLICE = 0.01
 cdef double POLL_WAITED = 20e-6  # a poll() that took longer had to wait for data
+cdef double SPIN = _SPIN  # see _stream_errors
+cdef double SPIN_LONGEST_SAMPLE = _SPIN_LONGEST
+cdef double SPIN_WEIGHT = _SPIN_WEIGHT
+cdef bint _spin_cpus = False  # this process may run on more than one CPU
+cdef int _spin_checks = 0
+
+
+cdef bint _may_spin() except -1:
+    global _spin_cpus, _spin_checks
+    if SPIN <= 0.0:
+        return False
+    _spin_checks -= 1
+    if _spin_checks < 0:
+        _spin_checks = _SPIN_CPU_CHECKS
+        _spin_cpus = several_cpus()
+    return _spin_cpus
 
 
 # Locks held by threads of the parent stay held in a forked child, where those threads do not
@@ -101,8 +121,9 @@ cdef unsigned long long _fork_gen = 0
 
 
 def _after_fork_in_child():
-    global _fork_gen
+    global _fork_gen, _spin_checks
     _fork_gen += 1
+    _spin_checks = 0
 
 
 if hasattr(os, "register_at_fork"):
@@ -188,6 +209,7 @@ cdef class Engine:
     cdef int _nfd  # a private O_NONBLOCK description of the pipe (-1: not yet, -2: none)
     cdef readonly bint _read_ahead
     cdef bint _poll_first
+    cdef double _waited  # moving average of how long reads waited for data (see SPIN)
     cdef long long _max
     cdef readonly object _max_size
     cdef PyThread_type_lock _rlock
@@ -680,12 +702,13 @@ cdef class Engine:
                 return W_TIMEOUT
 
     cdef Py_ssize_t _read_some(self, char *dst, Py_ssize_t n, double deadline,
-                               bint bulk=False) except -1:
+                               bint bulk=False, bint eager=False) except -1:
         """One read() into dst: the byte count, 0 at end of file. Raises _Expired at the
         deadline, WriterDied when the watched writer died with nothing left to read, and
         OSError when another thread closes the connection. ``bulk`` reads the bulk fd
-        instead of the pipe. The waiting is in _wait_readable, where a close() wakes it; only
-        a pipe read without a deadline or a watch waits in read(), woken by a close() through
+        instead of the pipe; ``eager`` tries a read before any wait. The waiting is in
+        _wait_readable, where a close() wakes it, after a spin (see SPIN); only a pipe read
+        without a deadline or a watch waits in read(), woken by a close() through
         fp_wake_pipe_reader."""
         cdef ssize_t r
         cdef int rc, err, rfd, fd = self._bfd if bulk else self._fd
@@ -696,9 +719,15 @@ cdef class Engine:
         cdef bint adaptive = bulk or not self._read_ahead
         cdef bint poll_first = (self._bpoll_first if bulk else self._poll_first) if adaptive else True
         cdef bint ready = False  # a wait just found fd readable
-        cdef double started
+        cdef bint spun = bulk  # the spin (see SPIN) is over, or not for this read
+        cdef double started = 0.0
         if deadline < 0 and not bulk and self._is_pipe and self._liveness is None:
-            # No deadline, nobody to watch: wait in read() itself (see fp_wake_pipe_reader).
+            # No deadline, nobody to watch: wait in read() itself (see fp_wake_pipe_reader),
+            # after a spin.
+            started = fp_now()
+            r = self._spin_read(fd, dst, n, deadline)
+            if r >= 0:
+                return r
             while True:
                 self._woken()
                 self._blocked_reader = True
@@ -708,6 +737,7 @@ cdef class Engine:
                 self._blocked_reader = False
                 self._woken()  # closed meanwhile: what the read took (the wake) is dropped
                 if r >= 0:
+                    self._note_wait(fp_now() - started)
                     return r
                 if err == EAGAIN:
                     break  # someone made the description non-blocking: wait in poll() below
@@ -719,12 +749,14 @@ cdef class Engine:
                 mode = self._mode
             # A fd with no way to read it without blocking (not a pipe or socket) is read
             # only once a wait found it readable.
-            if ready or (not poll_first and mode != FP_MODE_BLOCK):
+            if ready or ((eager or not poll_first) and mode != FP_MODE_BLOCK):
                 rfd = self._nfd if mode == FP_MODE_NONBLOCK else fd
                 with nogil:
                     r = fp_read(rfd, dst, <size_t>n, mode)
                     err = errno
                 if r >= 0:
+                    if spun and not bulk:
+                        self._note_wait(fp_now() - started)
                     return r
                 if err == EOPNOTSUPP or err == EINVAL:
                     mode = FP_MODE_BLOCK  # this kernel cannot: read after a wait from now on
@@ -737,7 +769,12 @@ cdef class Engine:
                     _retry(err)
                     continue
                 # EAGAIN: nothing to read after all (another reader of the pipe took it)
-            started = fp_now()
+            if not spun:
+                spun = True
+                started = fp_now()
+                r = self._spin_read(fd, dst, n, deadline)
+                if r >= 0:
+                    return r
             rc = self._wait_readable(fd, deadline)
             if rc == W_DEAD:
                 lost, expected = self._lost()
@@ -754,6 +791,39 @@ cdef class Engine:
                     self._bpoll_first = poll_first
                 else:
                     self._poll_first = poll_first
+
+    cdef inline void _note_wait(self, double waited) noexcept:
+        """Count a wait for data of ``waited`` seconds into the average that decides spins."""
+        if waited > SPIN_LONGEST_SAMPLE:
+            waited = SPIN_LONGEST_SAMPLE
+        self._waited += (waited - self._waited) * SPIN_WEIGHT
+
+    cdef Py_ssize_t _spin_read(self, int fd, char *dst, Py_ssize_t n, double deadline) except -2:
+        """Before a read of the pipe or socket sleeps: non-blocking reads for up to SPIN
+        seconds (never past the deadline), when that pays (see SPIN). The byte count (0 at
+        end of file), or -1 when nothing came."""
+        cdef ssize_t r
+        cdef int err, mode = self._mode
+        cdef double begun, until
+        if mode == FP_MODE_BLOCK or self._dead or not self._waited < SPIN or not _may_spin():
+            return -1
+        if mode == FP_MODE_NONBLOCK:
+            fd = self._nfd
+        begun = fp_now()
+        until = begun + SPIN
+        if 0.0 <= deadline < until:
+            until = deadline
+        with nogil:
+            r = fp_read_spin(fd, dst, <size_t>n, mode, until)
+            err = errno
+        if r >= 0:
+            self._note_wait(fp_now() - begun)
+            return r
+        if err == EINTR:
+            PyErr_CheckSignals()
+        elif err != EAGAIN and err != EOPNOTSUPP and err != EINVAL:
+            raise _oserror(err)
+        return -1  # the reads after it say what the kernel cannot do
 
     cdef int _open_private(self) except -1:
         """Switch timed and watched reads of the pipe to a private O_NONBLOCK description
@@ -920,7 +990,8 @@ cdef class Engine:
                 if self._bstart == self._bend:
                     self._bstart = self._bend = 0
             elif not self._pdiscard and (n - got >= DIRECT_MIN or not self._read_ahead):
-                k = self._read_some(self._pptr + got, n - got, deadline)
+                # the payload's first bytes came with its header: read before polling
+                k = self._read_some(self._pptr + got, n - got, deadline, False, got == 0)
                 if k == 0:
                     self._at_eof(deadline)
                 self._pgot = got + k

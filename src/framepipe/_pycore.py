@@ -27,6 +27,10 @@ from ._args import check_send_args, check_timeout
 from ._stream_errors import (
     DEATH_GRACE,
     DEATH_SPIN,
+    SPIN,
+    SPIN_CPU_CHECKS,
+    SPIN_LONGEST_SAMPLE,
+    SPIN_WEIGHT,
     bad_header,
     blocking_send_under_async_send,
     broken,
@@ -34,6 +38,7 @@ from ._stream_errors import (
     closed_while_waiting,
     no_bulk_channel,
     sentinel_timeout,
+    several_cpus,
     timeout_error,
     truncated,
     unallocatable,
@@ -193,12 +198,26 @@ def _wake_pipe_reader(fd: int) -> None:
 # exist: a connection first used in a child after a fork takes fresh locks.
 _fork_gen = 0
 _fork_lock = threading.Lock()
+_spin_cpus = False  # this process may run on more than one CPU (see SPIN)
+_spin_checks = 0
+
+
+def _may_spin() -> bool:
+    global _spin_cpus, _spin_checks
+    if SPIN <= 0.0:
+        return False
+    _spin_checks -= 1
+    if _spin_checks < 0:
+        _spin_checks = SPIN_CPU_CHECKS
+        _spin_cpus = several_cpus()
+    return _spin_cpus
 
 
 def _after_fork_in_child() -> None:
-    global _fork_gen, _fork_lock
+    global _fork_gen, _fork_lock, _spin_checks
     _fork_gen += 1
     _fork_lock = threading.Lock()
+    _spin_checks = 0
 
 
 if hasattr(os, "register_at_fork"):
@@ -285,6 +304,8 @@ class Engine:
         self._async_owner = 0  # the thread whose asyncio send holds the write lock, or 0
         self._nfd = -1  # a private O_NONBLOCK description of the pipe (-1: not yet, -2: none)
         self._poll_first = False
+        self._waited = 0.0  # moving average of how long reads waited for data (see SPIN)
+        self._spoller: Any = None  # a poll object of the read fd alone, for spins
         self._rlock = threading.Lock()
         self._wlock = threading.Lock()
         self._buf = bytearray()
@@ -645,19 +666,28 @@ class Engine:
                 return False
 
     def _read_into(
-        self, view: memoryview | None, deadline: float, want: int = 0, bulk: bool = False
+        self,
+        view: memoryview | None,
+        deadline: float,
+        want: int = 0,
+        bulk: bool = False,
+        eager: bool = False,
     ) -> Any:
         """One read(): into ``view`` (the byte count, 0 at end of file), or when ``view`` is
         None, up to ``want`` bytes (bytes, empty at end of file). Raises _Expired on the
         deadline, WriterDied when the watched writer died with nothing left to read, and
         OSError when another thread closes the connection. ``bulk`` reads the bulk fd instead
-        of the pipe. The waiting is in _poll_once, where a close() wakes it (a fd without a
-        private non-blocking description is read once a wait found it readable); only a pipe
-        read without a deadline or a watch waits in read(), woken by _wake_pipe_reader."""
+        of the pipe; ``eager`` tries a read before any wait. The waiting is in _poll_once, where
+        a close() wakes it (a fd without a private non-blocking description is read once a wait
+        found it readable), after a spin (see SPIN); only a pipe read without a deadline or a
+        watch waits in read(), woken by _wake_pipe_reader."""
         fd = self._bfd if bulk else self._fd
         ready = False  # a wait just found fd readable
+        started = time.monotonic()
         if deadline < 0 and not bulk and self._is_pipe and self._liveness is None:
-            # No deadline, nobody to watch: wait in read() itself (see _wake_pipe_reader).
+            # No deadline, nobody to watch: wait in read() itself (see _wake_pipe_reader),
+            # after a spin.
+            self._spin(fd, deadline)
             while True:
                 with self._slock:
                     self._woken()
@@ -669,7 +699,9 @@ class Engine:
                 finally:
                     self._blocked_reader = False
                 self._woken()  # closed meanwhile: what the read took (the wake) is dropped
+                self._note_wait(time.monotonic() - started)
                 return data
+        spun = bulk  # the spin (see SPIN) is over, or not for this read
         while True:
             self._woken()
             if not bulk and self._nfd == -1:
@@ -677,15 +709,22 @@ class Engine:
             nfd = -2 if bulk else self._nfd
             # Try a read first when the last poll found data already there: a reader behind
             # its writer then makes one syscall per read.
-            if ready or (nfd >= 0 and not self._poll_first):
+            if ready or (nfd >= 0 and (eager or not self._poll_first)):
                 rfd = nfd if nfd >= 0 else fd
                 try:
-                    if view is None:
-                        return os.read(rfd, want)
-                    return os.readv(rfd, [view])
+                    data = os.read(rfd, want) if view is None else os.readv(rfd, [view])
                 except BlockingIOError:
                     pass  # nothing after all (another reader of the pipe took it)
-            started = time.monotonic()
+                else:
+                    if spun and not bulk:
+                        self._note_wait(time.monotonic() - started)
+                    return data
+            if not spun:
+                spun = True
+                started = time.monotonic()
+                if self._spin(fd, deadline):
+                    ready = True
+                    continue
             try:
                 if not self._poll_once(deadline, bulk):
                     raise _Expired
@@ -695,6 +734,31 @@ class Engine:
             ready = True
             if not bulk:
                 self._poll_first = time.monotonic() - started > _POLL_WAITED
+
+    def _note_wait(self, waited: float) -> None:
+        """Count a wait for data of ``waited`` seconds into the average that decides spins."""
+        self._waited += (min(waited, SPIN_LONGEST_SAMPLE) - self._waited) * SPIN_WEIGHT
+
+    def _spin(self, fd: int, deadline: float) -> bool:
+        """Before a read of ``fd`` sleeps: look without sleeping for up to SPIN seconds
+        (never past the deadline), when that pays (see SPIN). True when ``fd`` became
+        readable meanwhile."""
+        if self._dead or not self._waited < SPIN or not _may_spin():
+            return False
+        poller = self._spoller
+        if poller is None:
+            poller = self._spoller = select.poll()
+            poller.register(fd, _POLLIN)
+        begun = time.monotonic()
+        until = begun + SPIN
+        if 0.0 <= deadline < until:
+            until = deadline
+        while True:
+            if poller.poll(0):
+                self._note_wait(time.monotonic() - begun)
+                return True
+            if time.monotonic() >= until:
+                return False
 
     def _fill(self, deadline: float, want: int) -> None:
         """Read up to ``want`` more bytes into the buffer; with read-ahead, up to a chunk."""
@@ -829,7 +893,8 @@ class Engine:
                 self._consumed += take
                 self._pgot = got + take
             elif not self._pdiscard and (n - got >= _DIRECT_MIN or not self._read_ahead):
-                k = self._read_into(memoryview(self._pdest)[got:n], deadline)
+                # the payload's first bytes came with its header: read before polling
+                k = self._read_into(memoryview(self._pdest)[got:n], deadline, eager=got == 0)
                 if k == 0:
                     self._at_eof(deadline)
                 self._pgot = got + k

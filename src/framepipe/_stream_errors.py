@@ -3,6 +3,8 @@ engine and its pure-Python twin say the same thing in the same situation."""
 
 from __future__ import annotations
 
+import os
+
 from ._wire import BAD_CHECK, CHECK_BY_KIND, FRAME_CAP, MISMATCH
 from .errors import FrameError, ReadTimeout
 
@@ -13,6 +15,39 @@ from .errors import FrameError, ReadTimeout
 # file, and one more sleep and wake-up would cost more than that on a busy machine.
 DEATH_GRACE = 1.0
 DEATH_SPIN = 0.0005
+
+
+def _spin_seconds() -> float:
+    try:
+        us = float(os.environ.get("FRAMEPIPE_SPIN_US", "50"))
+    except ValueError:
+        return 50e-6
+    return max(us, 0.0) * 1e-6 if us == us else 50e-6
+
+
+# A read that finds nothing to read tries again without sleeping for up to SPIN seconds before
+# it sleeps in the kernel, when this process may run on more than one CPU and the reads of
+# this connection have lately waited less than that on average (the writer answers within
+# microseconds, from another CPU): the bytes then arrive with no wake-up on either side, which
+# on a VM costs several microseconds a hop. Reads whose writer takes longer, and processes
+# pinned to one CPU (where spinning would only delay the writer), sleep at once. The
+# environment variable FRAMEPIPE_SPIN_US sets SPIN in microseconds (0: never spin); it is read
+# at import.
+SPIN = _spin_seconds()
+# The average is a moving one (each wait weighs SPIN_WEIGHT) of waits counted at most
+# SPIN_LONGEST_SAMPLE: after a long sleep a few quick answers bring the spin back.
+SPIN_WEIGHT = 0.125
+SPIN_LONGEST_SAMPLE = 1e-3
+# How often (in spin decisions) the CPUs this process may use are looked up again.
+SPIN_CPU_CHECKS = 4096
+
+
+def several_cpus() -> bool:
+    """Whether this process may run on more than one CPU (spinning can pay)."""
+    try:
+        return len(os.sched_getaffinity(0)) > 1
+    except (AttributeError, OSError):
+        return (os.cpu_count() or 1) > 1
 
 
 def bad_check(seen: bytes, offset: int, where: str) -> FrameError:

@@ -1,0 +1,175 @@
+"""Reads that spin before they sleep (framepipe._stream_errors.SPIN): with a writer that answers
+within microseconds they take every message in order on every path (blocking, timed, watched,
+bulk), and a reader whose writer is slow burns almost no CPU while it waits."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import framepipe
+from framepipe import _stream_errors
+
+TIMEOUT = 60.0  # a hang guard only
+SRC = os.path.dirname(os.path.dirname(os.path.abspath(framepipe.__file__)))
+FORK = multiprocessing.get_context("fork")
+SIZES = [0, 1, 64, 4095, 4096, 20_000, 70_000]  # 20 kB and up: the bulk channel of a pipe
+
+
+def _echo(conn, rounds: int) -> None:
+    for _ in range(rounds):
+        conn.send_bytes(conn.recv_bytes())
+
+
+def _send_late(conn, delays: list[float]) -> None:
+    for d in delays:
+        time.sleep(d)
+        conn.send_bytes(b"late")
+
+
+def _stop(proc) -> None:
+    proc.join(TIMEOUT)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(TIMEOUT)
+
+
+def _payload(i: int) -> bytes:
+    n = SIZES[i % len(SIZES)]
+    return (i.to_bytes(4, "little") * (n // 4 + 1))[:n]
+
+
+@pytest.mark.parametrize("read", ["blocking", "timed", "watched"])
+@pytest.mark.parametrize("duplex", [True, False], ids=["socketpair", "pipes"])
+def test_quick_answers_arrive_whole_and_in_order(impl, no_leftover_processes, read, duplex):
+    rounds = 3000
+    if duplex:
+        mine, theirs = impl.pipe(duplex=True)
+        inbox, outbox = mine, mine
+        child_args = (theirs, rounds)
+        to_close = [theirs]
+    else:
+        inbox, their_out = impl.pipe(duplex=False)
+        their_in, outbox = impl.pipe(duplex=False)
+        # the child echoes from its inbox to its outbox: one duplex-like object over two pipes
+        child_args = (_Joined(their_in, their_out), rounds)
+        to_close = [their_in, their_out]
+    proc = FORK.Process(target=_echo, args=child_args, daemon=True)
+    proc.start()
+    try:
+        for c in to_close:
+            c.close()
+        if read == "watched":
+            inbox.watch(proc)
+        kwargs = {} if read == "blocking" else {"timeout": TIMEOUT}
+        for i in range(rounds):
+            sent = _payload(i)
+            outbox.send_bytes(sent)
+            got = inbox.recv_bytes(**kwargs)
+            assert got == sent, f"round {i}: {len(got)} bytes back for {len(sent)}"
+    finally:
+        _stop(proc)
+        for c in {id(inbox): inbox, id(outbox): outbox}.values():
+            c.close()
+    assert proc.exitcode == 0
+
+
+class _Joined:
+    """A reader and a writer seen as one connection by _echo."""
+
+    def __init__(self, reader, writer) -> None:
+        self.recv_bytes = reader.recv_bytes
+        self.send_bytes = writer.send_bytes
+
+
+@pytest.mark.parametrize("read", ["blocking", "timed", "watched"])
+@pytest.mark.parametrize("duplex", [True, False], ids=["socketpair", "pipe"])
+def test_a_reader_waiting_for_a_slow_writer_burns_little_cpu(
+    impl, no_leftover_processes, read, duplex
+):
+    # Quick answers first (the reader learns to spin), then five waits of 0.2 s: a spin is
+    # bounded (50 us by default), so the waits cost the reader's thread almost no CPU time.
+    # A reader that kept spinning would burn the whole second.
+    r, w = impl.pipe(duplex=duplex)
+    delays = [0.0] * 200 + [0.2] * 5
+    proc = FORK.Process(target=_send_late, args=(w, delays), daemon=True)
+    proc.start()
+    try:
+        w.close()
+        if read == "watched":
+            r.watch(proc)
+        kwargs = {} if read == "blocking" else {"timeout": TIMEOUT}
+        for _ in range(200):
+            assert r.recv_bytes(**kwargs) == b"late"
+        cpu0, t0 = time.thread_time(), time.monotonic()
+        for _ in range(5):
+            assert r.recv_bytes(**kwargs) == b"late"
+        cpu, waited = time.thread_time() - cpu0, time.monotonic() - t0
+    finally:
+        _stop(proc)
+        r.close()
+    assert waited >= 0.9, f"the reads waited {waited:.3f} s, not the writer's 1 s"
+    assert cpu < 0.1, f"{cpu * 1000:.1f} ms of CPU time in 1 s of waiting for a slow writer"
+
+
+def _spin_setting(value: str | None) -> float:
+    env = dict(os.environ)
+    env.pop("FRAMEPIPE_SPIN_US", None)
+    if value is not None:
+        env["FRAMEPIPE_SPIN_US"] = value
+    env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", "from framepipe._stream_errors import SPIN; print(repr(SPIN))"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=True,
+    )
+    return float(out.stdout)
+
+
+@pytest.mark.parametrize(
+    "value, seconds",
+    [
+        (None, 50e-6),
+        ("0", 0.0),
+        ("20", 20e-6),
+        ("2.5", 2.5e-6),
+        ("-3", 0.0),
+        ("junk", 50e-6),
+        ("nan", 50e-6),
+    ],
+)
+def test_spin_is_set_by_the_environment(value, seconds):
+    assert _spin_setting(value) == pytest.approx(seconds)
+
+
+def _report_cpus(conn, cpu: int | None) -> None:
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    conn.send(_stream_errors.several_cpus())
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_a_process_pinned_to_one_cpu_never_spins(no_leftover_processes):
+    cpus = sorted(os.sched_getaffinity(0))
+    answers = {}
+    for pin in (None, cpus[0]):
+        r, w = multiprocessing.Pipe(duplex=False)
+        proc = FORK.Process(target=_report_cpus, args=(w, pin), daemon=True)
+        proc.start()
+        try:
+            w.close()
+            assert r.poll(TIMEOUT)
+            answers[pin] = r.recv()
+        finally:
+            _stop(proc)
+            r.close()
+    assert answers[cpus[0]] is False
+    assert answers[None] is (len(cpus) > 1)
