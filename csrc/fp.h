@@ -104,11 +104,13 @@ int fp_wake_pipe_reader(int fd);
  * EOPNOTSUPP or EINVAL when the kernel cannot read this fd without blocking. */
 ssize_t fp_read(int fd, void *buf, size_t n, int mode);
 
-/* Non-blocking reads (mode FP_MODE_SOCKET, FP_MODE_PIPE or FP_MODE_NONBLOCK) of at most n bytes
- * again and again until one gets data or the monotonic time passes until: a reader whose
- * writer answers within microseconds gets the bytes without sleeping, so neither side pays the
- * scheduler's wake-up (on a VM, several microseconds each way). The result of fp_read: errno
- * EAGAIN when nothing came in time. */
+/* A read that does not sleep (mode FP_MODE_SOCKET, FP_MODE_PIPE or FP_MODE_NONBLOCK; fd is
+ * the fd that mode reads) and, when it finds nothing, a spin until the monotonic time until:
+ * poll() with no timeout, which reads the pipe's or socket's state without the lock its
+ * writer takes, and sched_yield() between looks, so that any thread waiting for this CPU runs
+ * first; once fd is readable, the read. A reader whose writer answers within microseconds from
+ * another CPU then gets the bytes with no scheduler wake-up on either side (on a VM, several
+ * microseconds each). The result of fp_read: errno EAGAIN when nothing came in time. */
 ssize_t fp_read_spin(int fd, void *buf, size_t n, int mode, double until);
 
 /* A second, private open file description of the pipe or FIFO read end fd, with O_NONBLOCK
