@@ -264,26 +264,20 @@ ssize_t fp_read(int fd, void *buf, size_t n, int mode)
     return read(fd, buf, n);
 }
 
-ssize_t fp_read_spin(int fd, void *buf, size_t n, int mode, double until)
+int fp_spin_readable(int fd, double until)
 {
     struct pollfd p;
-    ssize_t r = fp_read(fd, buf, n, mode);
+    int rc;
 
-    if (r >= 0 || errno != EAGAIN)
-        return r;
-    /* Then look with poll(): it reads the pipe's or socket's state without the lock that the
-     * writer takes, so the writer is never slowed down by this spin. */
     p.fd = fd;
-    p.events = POLLIN;
+    p.events = POLLIN | POLLPRI;
     for (;;) {
         p.revents = 0;
-        if (poll(&p, 1, 0) > 0)
-            return fp_read(fd, buf, n, mode);
-        if (fp_now() >= until) {
-            errno = EAGAIN;
-            return -1;
-        }
-        /* A thread waiting for this CPU runs first: the spin uses only time nobody wants. */
+        rc = poll(&p, 1, 0);
+        if (rc != 0)
+            return rc < 0 ? -1 : 1;
+        if (fp_now() >= until)
+            return 0;
         sched_yield();
     }
 }

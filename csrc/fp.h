@@ -104,14 +104,13 @@ int fp_wake_pipe_reader(int fd);
  * EOPNOTSUPP or EINVAL when the kernel cannot read this fd without blocking. */
 ssize_t fp_read(int fd, void *buf, size_t n, int mode);
 
-/* A read that does not sleep (mode FP_MODE_SOCKET, FP_MODE_PIPE or FP_MODE_NONBLOCK; fd is
- * the fd that mode reads) and, when it finds nothing, a spin until the monotonic time until:
- * poll() with no timeout, which reads the pipe's or socket's state without the lock its
- * writer takes, and sched_yield() between looks, so that any thread waiting for this CPU runs
- * first; once fd is readable, the read. A reader whose writer answers within microseconds from
- * another CPU then gets the bytes with no scheduler wake-up on either side (on a VM, several
- * microseconds each). The result of fp_read: errno EAGAIN when nothing came in time. */
-ssize_t fp_read_spin(int fd, void *buf, size_t n, int mode, double until);
+/* Look without sleeping until fd is readable (data, end of file or an error) or until the
+ * monotonic time until: 1 when readable, 0 when not in time, -1 with errno. Each look is a
+ * poll() with no timeout, which reads the pipe's or socket's state without the lock its writer
+ * takes; between looks sched_yield() lets any thread waiting for this CPU run first. A reader
+ * whose writer answers within microseconds from another CPU then gets the bytes with no
+ * scheduler wake-up on either side (on a VM, several microseconds each). */
+int fp_spin_readable(int fd, double until);
 
 /* A second, private open file description of the pipe or FIFO read end fd, with O_NONBLOCK
  * and O_CLOEXEC set on it alone: read() on it never blocks, while fd (shared with children

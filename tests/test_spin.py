@@ -1,6 +1,6 @@
 """Reads that spin before they sleep (framepipe._stream_errors.SPIN): with a writer that answers
 within microseconds they take every message in order on every path (blocking, timed, watched,
-bulk), and a reader whose writer is slow burns almost no CPU while it waits."""
+poll() first, bulk), and a reader whose writer is slow burns almost no CPU while it waits."""
 
 from __future__ import annotations
 
@@ -39,12 +39,23 @@ def _stop(proc) -> None:
         proc.join(TIMEOUT)
 
 
+def _receive(conn, read: str) -> bytes:
+    """The next message, read the way ``read`` names: a plain read, a timed one (also a
+    watched one), or poll() with a timeout first, as stdlib code does."""
+    if read == "blocking":
+        return conn.recv_bytes()
+    if read == "poll":
+        assert conn.poll(TIMEOUT), "poll() timed out"
+        return conn.recv_bytes()
+    return conn.recv_bytes(timeout=TIMEOUT)
+
+
 def _payload(i: int) -> bytes:
     n = SIZES[i % len(SIZES)]
     return (i.to_bytes(4, "little") * (n // 4 + 1))[:n]
 
 
-@pytest.mark.parametrize("read", ["blocking", "timed", "watched"])
+@pytest.mark.parametrize("read", ["blocking", "timed", "watched", "poll"])
 @pytest.mark.parametrize("duplex", [True, False], ids=["socketpair", "pipes"])
 def test_quick_answers_arrive_whole_and_in_order(impl, no_leftover_processes, read, duplex):
     rounds = 3000
@@ -66,11 +77,10 @@ def test_quick_answers_arrive_whole_and_in_order(impl, no_leftover_processes, re
             c.close()
         if read == "watched":
             inbox.watch(proc)
-        kwargs = {} if read == "blocking" else {"timeout": TIMEOUT}
         for i in range(rounds):
             sent = _payload(i)
             outbox.send_bytes(sent)
-            got = inbox.recv_bytes(**kwargs)
+            got = _receive(inbox, read)
             assert got == sent, f"round {i}: {len(got)} bytes back for {len(sent)}"
     finally:
         _stop(proc)
@@ -87,7 +97,7 @@ class _Joined:
         self.send_bytes = writer.send_bytes
 
 
-@pytest.mark.parametrize("read", ["blocking", "timed", "watched"])
+@pytest.mark.parametrize("read", ["blocking", "timed", "watched", "poll"])
 @pytest.mark.parametrize("duplex", [True, False], ids=["socketpair", "pipe"])
 def test_a_reader_waiting_for_a_slow_writer_burns_little_cpu(
     impl, no_leftover_processes, read, duplex
@@ -103,12 +113,11 @@ def test_a_reader_waiting_for_a_slow_writer_burns_little_cpu(
         w.close()
         if read == "watched":
             r.watch(proc)
-        kwargs = {} if read == "blocking" else {"timeout": TIMEOUT}
         for _ in range(200):
-            assert r.recv_bytes(**kwargs) == b"late"
+            assert _receive(r, read) == b"late"
         cpu0, t0 = time.thread_time(), time.monotonic()
         for _ in range(5):
-            assert r.recv_bytes(**kwargs) == b"late"
+            assert _receive(r, read) == b"late"
         cpu, waited = time.thread_time() - cpu0, time.monotonic() - t0
     finally:
         _stop(proc)

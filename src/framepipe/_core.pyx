@@ -73,7 +73,7 @@ cdef extern from "fp.h" nogil:
     bint FP_HAVE_PIPE_WAKE
     int fp_wake_pipe_reader(int fd)
     ssize_t fp_read(int fd, void *buf, size_t n, int mode)
-    ssize_t fp_read_spin(int fd, void *buf, size_t n, int mode, double until)
+    int fp_spin_readable(int fd, double until)
     int fp_reopen_nonblocking(int fd)
     int fp_writev(int fd, iovec **iov, int *iovcnt, int nowait, size_t *written)
     int fp_identity(int fd, uint64_t *dev, uint64_t *ino)
@@ -798,24 +798,45 @@ cdef class Engine:
             waited = SPIN_LONGEST_SAMPLE
         self._waited += (waited - self._waited) * SPIN_WEIGHT
 
-    cdef Py_ssize_t _spin_read(self, int fd, char *dst, Py_ssize_t n, double deadline) except -2:
-        """Before a read of the pipe or socket sleeps: non-blocking reads for up to SPIN
-        seconds (never past the deadline), when that pays (see SPIN). The byte count (0 at
-        end of file), or -1 when nothing came."""
-        cdef ssize_t r
-        cdef int err, mode = self._mode
-        cdef double begun, until
-        if mode == FP_MODE_BLOCK or self._dead or not self._waited < SPIN or not _may_spin():
-            return -1
-        if mode == FP_MODE_NONBLOCK:
-            fd = self._nfd
-        begun = fp_now()
-        until = begun + SPIN
+    cdef double _spin_until(self, double deadline) except -2.0:
+        """When a wait for data should spin first (see SPIN): until when (never past the
+        deadline); -1 when it should sleep at once."""
+        cdef double now, until
+        if self._dead or not self._waited < SPIN or not _may_spin():
+            return -1.0
+        now = fp_now()
+        until = now + SPIN
         if 0.0 <= deadline < until:
+            if deadline <= now:
+                return -1.0  # only a look: the caller's own
             until = deadline
+        return until
+
+    cdef Py_ssize_t _spin_read(self, int fd, char *dst, Py_ssize_t n, double deadline) except -2:
+        """Before a read of the pipe or socket sleeps: a read that does not block, then, when
+        it found nothing and that pays, a spin until ``fd`` is readable and a read. The byte
+        count (0 at end of file), or -1 when nothing came (the caller waits)."""
+        cdef ssize_t r
+        cdef int rc, err, rfd, mode = self._mode
+        cdef double begun, until
+        if mode == FP_MODE_BLOCK:
+            return -1
+        until = self._spin_until(deadline)
+        if until < 0:
+            return -1
+        begun = fp_now()
+        rfd = self._nfd if mode == FP_MODE_NONBLOCK else fd
         with nogil:
-            r = fp_read_spin(fd, dst, <size_t>n, mode, until)
+            r = fp_read(rfd, dst, <size_t>n, mode)
             err = errno
+            if r < 0 and err == EAGAIN:
+                rc = fp_spin_readable(fd, until)
+                err = errno
+                if rc > 0:
+                    r = fp_read(rfd, dst, <size_t>n, mode)
+                    err = errno
+                elif rc == 0:
+                    err = EAGAIN
         if r >= 0:
             self._note_wait(fp_now() - begun)
             return r
@@ -824,6 +845,24 @@ cdef class Engine:
         elif err != EAGAIN and err != EOPNOTSUPP and err != EINVAL:
             raise _oserror(err)
         return -1  # the reads after it say what the kernel cannot do
+
+    cdef bint _spin_ready(self, int fd, double deadline) except -1:
+        """Before poll() sleeps: a spin until ``fd`` is readable, when that pays. Whether it
+        became readable."""
+        cdef int rc, err
+        cdef double begun, until = self._spin_until(deadline)
+        if until < 0:
+            return False
+        begun = fp_now()
+        with nogil:
+            rc = fp_spin_readable(fd, until)
+            err = errno
+        if rc > 0:
+            self._note_wait(fp_now() - begun)
+            return True
+        if rc < 0:
+            _retry(err)  # EINTR: the handlers run, then the caller's wait
+        return False
 
     cdef int _open_private(self) except -1:
         """Switch timed and watched reads of the pipe to a private O_NONBLOCK description
@@ -1219,8 +1258,8 @@ cdef class Engine:
             raise timeout_error(timeout, *self._lost()) from None
 
     def poll(self, timeout=0.0):
-        cdef int fd
-        cdef double deadline
+        cdef int fd, rc
+        cdef double deadline, started
         self._check_readable()
         if self._bend > self._bstart and not self._pbulk:
             return True
@@ -1228,7 +1267,13 @@ cdef class Engine:
         deadline = _deadline(timeout)
         self._enter()
         try:
-            return self._wait_readable(fd, deadline) != W_TIMEOUT
+            started = fp_now()
+            if self._spin_ready(fd, deadline):
+                return True
+            rc = self._wait_readable(fd, deadline)
+            if rc == W_READY:
+                self._note_wait(fp_now() - started)
+            return rc != W_TIMEOUT
         finally:
             self._leave()
 

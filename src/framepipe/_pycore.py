@@ -305,7 +305,7 @@ class Engine:
         self._nfd = -1  # a private O_NONBLOCK description of the pipe (-1: not yet, -2: none)
         self._poll_first = False
         self._waited = 0.0  # moving average of how long reads waited for data (see SPIN)
-        self._spoller: Any = None  # a poll object of the read fd alone, for spins
+        self._spollers: dict[int, Any] = {}  # a poll object of each fd that spins, alone
         self._rlock = threading.Lock()
         self._wlock = threading.Lock()
         self._buf = bytearray()
@@ -745,20 +745,23 @@ class Engine:
         readable meanwhile."""
         if self._dead or not self._waited < SPIN or not _may_spin():
             return False
-        poller = self._spoller
-        if poller is None:
-            poller = self._spoller = select.poll()
-            poller.register(fd, _POLLIN)
         begun = time.monotonic()
         until = begun + SPIN
         if 0.0 <= deadline < until:
+            if deadline <= begun:
+                return False  # only a look: the caller's own
             until = deadline
+        poller = self._spollers.get(fd)
+        if poller is None:
+            poller = self._spollers[fd] = select.poll()
+            poller.register(fd, _POLLIN)
         while True:
             if poller.poll(0):
                 self._note_wait(time.monotonic() - begun)
                 return True
             if time.monotonic() >= until:
                 return False
+            os.sched_yield()  # a thread waiting for this CPU runs first
 
     def _fill(self, deadline: float, want: int) -> None:
         """Read up to ``want`` more bytes into the buffer; with read-ahead, up to a chunk."""
@@ -1062,7 +1065,13 @@ class Engine:
         deadline = _deadline(timeout)
         self._enter()
         try:
-            return self._poll_once(deadline, self._pbulk)
+            started = time.monotonic()
+            if self._spin(self._bfd if self._pbulk else self._fd, deadline):
+                return True
+            ready = self._poll_once(deadline, self._pbulk)
+            if ready:
+                self._note_wait(time.monotonic() - started)
+            return ready
         except _Dead:
             return True
         finally:
