@@ -26,9 +26,8 @@ from pickle import loads as _loads
 
 from ._args import check_send_args, check_timeout
 from ._stream_errors import DEATH_GRACE as _DEATH_GRACE, DEATH_SPIN as _DEATH_SPIN
-from ._stream_errors import SPIN as _SPIN, SPIN_CPU_CHECKS as _SPIN_CPU_CHECKS
-from ._stream_errors import SPIN_LONGEST_SAMPLE as _SPIN_LONGEST, SPIN_WEIGHT as _SPIN_WEIGHT
-from ._stream_errors import several_cpus
+from ._stream_errors import SPIN as _SPIN, SPIN_LONGEST_SAMPLE as _SPIN_LONGEST
+from ._stream_errors import SPIN_WEIGHT as _SPIN_WEIGHT, may_spin
 from ._stream_errors import (
     bad_header, blocking_send_under_async_send, broken, closed, closed_while_waiting,
     no_bulk_channel, sentinel_timeout, timeout_error, truncated, unallocatable,
@@ -100,19 +99,6 @@ cdef double POLL_WAITED = 20e-6  # a poll() that took longer had to wait for dat
 cdef double SPIN = _SPIN  # see _stream_errors
 cdef double SPIN_LONGEST_SAMPLE = _SPIN_LONGEST
 cdef double SPIN_WEIGHT = _SPIN_WEIGHT
-cdef bint _spin_cpus = False  # this process may run on more than one CPU
-cdef int _spin_checks = 0
-
-
-cdef bint _may_spin() except -1:
-    global _spin_cpus, _spin_checks
-    if SPIN <= 0.0:
-        return False
-    _spin_checks -= 1
-    if _spin_checks < 0:
-        _spin_checks = _SPIN_CPU_CHECKS
-        _spin_cpus = several_cpus()
-    return _spin_cpus
 
 
 # Locks held by threads of the parent stay held in a forked child, where those threads do not
@@ -121,9 +107,8 @@ cdef unsigned long long _fork_gen = 0
 
 
 def _after_fork_in_child():
-    global _fork_gen, _spin_checks
+    global _fork_gen
     _fork_gen += 1
-    _spin_checks = 0
 
 
 if hasattr(os, "register_at_fork"):
@@ -802,7 +787,7 @@ cdef class Engine:
         """When a wait for data should spin first (see SPIN): until when (never past the
         deadline); -1 when it should sleep at once."""
         cdef double now, until
-        if self._dead or not self._waited < SPIN or not _may_spin():
+        if SPIN <= 0.0 or self._dead or not self._waited < SPIN or not may_spin():
             return -1.0
         now = fp_now()
         until = now + SPIN
@@ -842,9 +827,11 @@ cdef class Engine:
             return r
         if err == EINTR:
             PyErr_CheckSignals()
-        elif err != EAGAIN and err != EOPNOTSUPP and err != EINVAL:
+        elif err == EOPNOTSUPP or err == EINVAL:
+            self._mode = FP_MODE_BLOCK  # this kernel cannot: read after a wait from now on
+        elif err != EAGAIN:
             raise _oserror(err)
-        return -1  # the reads after it say what the kernel cannot do
+        return -1
 
     cdef bint _spin_ready(self, int fd, double deadline) except -1:
         """Before poll() sleeps: a spin until ``fd`` is readable, when that pays. Whether it

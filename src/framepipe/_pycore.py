@@ -28,7 +28,6 @@ from ._stream_errors import (
     DEATH_GRACE,
     DEATH_SPIN,
     SPIN,
-    SPIN_CPU_CHECKS,
     SPIN_LONGEST_SAMPLE,
     SPIN_WEIGHT,
     bad_header,
@@ -36,9 +35,9 @@ from ._stream_errors import (
     broken,
     closed,
     closed_while_waiting,
+    may_spin,
     no_bulk_channel,
     sentinel_timeout,
-    several_cpus,
     timeout_error,
     truncated,
     unallocatable,
@@ -198,26 +197,12 @@ def _wake_pipe_reader(fd: int) -> None:
 # exist: a connection first used in a child after a fork takes fresh locks.
 _fork_gen = 0
 _fork_lock = threading.Lock()
-_spin_cpus = False  # this process may run on more than one CPU (see SPIN)
-_spin_checks = 0
-
-
-def _may_spin() -> bool:
-    global _spin_cpus, _spin_checks
-    if SPIN <= 0.0:
-        return False
-    _spin_checks -= 1
-    if _spin_checks < 0:
-        _spin_checks = SPIN_CPU_CHECKS
-        _spin_cpus = several_cpus()
-    return _spin_cpus
 
 
 def _after_fork_in_child() -> None:
-    global _fork_gen, _fork_lock, _spin_checks
+    global _fork_gen, _fork_lock
     _fork_gen += 1
     _fork_lock = threading.Lock()
-    _spin_checks = 0
 
 
 if hasattr(os, "register_at_fork"):
@@ -743,7 +728,7 @@ class Engine:
         """Before a read of ``fd`` sleeps: look without sleeping for up to SPIN seconds
         (never past the deadline), when that pays (see SPIN). True when ``fd`` became
         readable meanwhile."""
-        if self._dead or not self._waited < SPIN or not _may_spin():
+        if self._dead or not self._waited < SPIN or not may_spin():
             return False
         begun = time.monotonic()
         until = begun + SPIN

@@ -50,6 +50,32 @@ def several_cpus() -> bool:
         return (os.cpu_count() or 1) > 1
 
 
+_spin_cpus = False
+_spin_checks = 0  # decisions left before the next look-up
+
+
+def may_spin() -> bool:
+    """Whether a read of either engine may spin: SPIN is on and this process may run on more
+    than one CPU (looked up again every SPIN_CPU_CHECKS calls, and first thing after a fork)."""
+    global _spin_cpus, _spin_checks
+    if SPIN <= 0.0:
+        return False
+    _spin_checks -= 1
+    if _spin_checks < 0:
+        _spin_checks = SPIN_CPU_CHECKS
+        _spin_cpus = several_cpus()
+    return _spin_cpus
+
+
+def _look_again_after_fork() -> None:
+    global _spin_checks
+    _spin_checks = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_look_again_after_fork)
+
+
 def bad_check(seen: bytes, offset: int, where: str) -> FrameError:
     return FrameError(
         f"bad check bytes {seen.hex(' ')} {where} at stream offset {offset:,} (expected 00 00 "
