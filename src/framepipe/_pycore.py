@@ -672,7 +672,7 @@ class Engine:
         if deadline < 0 and not bulk and self._is_pipe and self._liveness is None:
             # No deadline, nobody to watch: wait in read() itself (see _wake_pipe_reader),
             # after a spin.
-            self._spin(fd, deadline)
+            timed = not self._spin(fd, deadline)  # a spin that saw the data counted its wait
             while True:
                 with self._slock:
                     self._woken()
@@ -684,9 +684,11 @@ class Engine:
                 finally:
                     self._blocked_reader = False
                 self._woken()  # closed meanwhile: what the read took (the wake) is dropped
-                self._note_wait(time.monotonic() - started)
+                if timed:
+                    self._note_wait(time.monotonic() - started)
                 return data
         spun = bulk  # the spin (see SPIN) is over, or not for this read
+        timed = not bulk  # this read's wait, if it waits, is still to be counted
         while True:
             self._woken()
             if not bulk and self._nfd == -1:
@@ -701,7 +703,7 @@ class Engine:
                 except BlockingIOError:
                     pass  # nothing after all (another reader of the pipe took it)
                 else:
-                    if spun and not bulk:
+                    if spun and timed:
                         self._note_wait(time.monotonic() - started)
                     return data
             if not spun:
@@ -709,6 +711,7 @@ class Engine:
                 started = time.monotonic()
                 if self._spin(fd, deadline):
                     ready = True
+                    timed = False  # the spin counted this wait
                     continue
             try:
                 if not self._poll_once(deadline, bulk):
