@@ -232,3 +232,20 @@ def unreadable_result(kind, delay=0.0):
 def items_with_an_unreadable_one(n, bad_at):
     for i in range(n):
         yield Unreadable("import") if i == bad_at else i
+
+
+def may_spin(_=None):
+    """Whether this worker's reads may spin before they sleep."""
+    from framepipe._stream_errors import may_spin as spin_allowed
+
+    return spin_allowed()
+
+
+class SpinDataset:
+    """Each item: whether the loader worker that loaded it may spin (see may_spin)."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return may_spin()

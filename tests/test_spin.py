@@ -182,3 +182,44 @@ def test_a_process_pinned_to_one_cpu_never_spins(no_leftover_processes):
             r.close()
     assert answers[cpus[0]] is False
     assert answers[None] is (len(cpus) > 1)
+
+
+def test_a_process_can_turn_the_spin_off():
+    from framepipe._stream_errors import allow_spin, may_spin, several_cpus
+
+    try:
+        allow_spin(False)
+        assert may_spin() is False
+        allow_spin(True)
+        assert may_spin() is (several_cpus() and _stream_errors.SPIN > 0)
+    finally:
+        allow_spin(True)
+
+
+def test_pool_workers_spin_only_when_they_leave_no_cpu_short(engine, no_leftover_processes):
+    # A worker spinning for its next task would take a CPU that the parent, or a dying
+    # worker's teardown, waits for: a pool whose workers and parent need more CPUs than there
+    # are turns the spin off in its workers.
+    from _worker_tasks import may_spin
+
+    from framepipe.workers import Pool
+
+    cpus = _stream_errors.usable_cpus()
+    with Pool(max_workers=cpus) as pool:
+        assert pool.submit(may_spin).result(TIMEOUT) is False
+    if cpus >= 2 and _stream_errors.SPIN > 0:
+        with Pool(max_workers=cpus - 1) as pool:
+            assert pool.submit(may_spin).result(TIMEOUT) is True
+
+
+def test_loader_workers_spin_only_when_they_leave_no_cpu_short(engine, no_leftover_processes):
+    from _worker_tasks import SpinDataset
+
+    from framepipe.workers import DataLoader
+
+    cpus = _stream_errors.usable_cpus()
+    loader = DataLoader(SpinDataset(), batch_size=None, num_workers=cpus)
+    assert list(loader) == [False, False]
+    if cpus >= 2 and _stream_errors.SPIN > 0:
+        loader = DataLoader(SpinDataset(), batch_size=None, num_workers=cpus - 1)
+        assert list(loader) == [True, True]

@@ -26,8 +26,9 @@ from pickle import loads as _loads
 
 from ._args import check_send_args, check_timeout
 from ._stream_errors import DEATH_GRACE as _DEATH_GRACE, DEATH_SPIN as _DEATH_SPIN
-from ._stream_errors import SPIN as _SPIN, SPIN_LONGEST_SAMPLE as _SPIN_LONGEST
-from ._stream_errors import SPIN_WEIGHT as _SPIN_WEIGHT, may_spin
+from ._stream_errors import SPIN as _SPIN, SPIN_FLOOR as _SPIN_FLOOR
+from ._stream_errors import SPIN_LONGEST_SAMPLE as _SPIN_LONGEST, SPIN_WEIGHT as _SPIN_WEIGHT
+from ._stream_errors import may_spin
 from ._stream_errors import (
     bad_header, blocking_send_under_async_send, broken, closed, closed_while_waiting,
     no_bulk_channel, sentinel_timeout, timeout_error, truncated, unallocatable,
@@ -97,6 +98,7 @@ cdef double DEATH_SPIN = _DEATH_SPIN
 cdef double LIVENESS_SLICE = 0.01
 cdef double POLL_WAITED = 20e-6  # a poll() that took longer had to wait for data
 cdef double SPIN = _SPIN  # see _stream_errors
+cdef double SPIN_FLOOR = _SPIN_FLOOR
 cdef double SPIN_LONGEST_SAMPLE = _SPIN_LONGEST
 cdef double SPIN_WEIGHT = _SPIN_WEIGHT
 
@@ -787,7 +789,7 @@ cdef class Engine:
         """When a wait for data should spin first (see SPIN): until when (never past the
         deadline); -1 when it should sleep at once."""
         cdef double now, until
-        if SPIN <= 0.0 or self._dead or not self._waited < SPIN or not may_spin():
+        if SPIN <= 0.0 or self._dead or not SPIN_FLOOR <= self._waited < SPIN or not may_spin():
             return -1.0
         now = fp_now()
         until = now + SPIN

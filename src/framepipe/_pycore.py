@@ -28,6 +28,7 @@ from ._stream_errors import (
     DEATH_GRACE,
     DEATH_SPIN,
     SPIN,
+    SPIN_FLOOR,
     SPIN_LONGEST_SAMPLE,
     SPIN_WEIGHT,
     bad_header,
@@ -731,7 +732,7 @@ class Engine:
         """Before a read of ``fd`` sleeps: look without sleeping for up to SPIN seconds
         (never past the deadline), when that pays (see SPIN). True when ``fd`` became
         readable meanwhile."""
-        if self._dead or not self._waited < SPIN or not may_spin():
+        if self._dead or not SPIN_FLOOR <= self._waited < SPIN or not may_spin():
             return False
         begun = time.monotonic()
         until = begun + SPIN

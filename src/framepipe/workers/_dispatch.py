@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .._lazy import asyncio  # imported on first use (see _lazy)
+from .._stream_errors import usable_cpus
 from ..errors import ReadTimeout, WriterDied
 from ..remote import dumps_exception, loads_exception
 from . import _process, _shm
@@ -656,7 +657,9 @@ class Core:
             cwd=cwd,
             log_dir=log_dir,
             tee=tee,
-            options={"max_rss": max_rss},
+            # Workers spin for their next task (see framepipe._stream_errors.SPIN) only when
+            # they and this process leave no CPU short.
+            options={"max_rss": max_rss, "spin": max_workers + 1 <= usable_cpus()},
         )
         self._loop = loop
         self.max_restarts = max_restarts

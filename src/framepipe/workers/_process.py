@@ -38,6 +38,7 @@ from typing import Any
 from .. import connection as _connection
 from .._proc import cgroup_oom_file as _cgroup_oom_file
 from .._proc import read_oom_kills as _read_oom_kills
+from .._stream_errors import allow_spin
 from ..errors import WriterDied
 from ._launch import die_with_group as _die_with_group
 from ._launch import parent_gone
@@ -338,6 +339,8 @@ def child_main(boot: _Boot) -> None:
         os.environ.update(boot.env)
     if boot.cwd:
         os.chdir(boot.cwd)
+    if boot.options.get("spin") is False:
+        allow_spin(False)
     _rebind_stream("stderr", 2)
     if boot.stdout_path:
         _rebind_stream("stdout", 1)
