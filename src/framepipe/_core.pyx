@@ -707,14 +707,13 @@ cdef class Engine:
         cdef bint poll_first = (self._bpoll_first if bulk else self._poll_first) if adaptive else True
         cdef bint ready = False  # a wait just found fd readable
         cdef bint spun = bulk  # the spin (see SPIN) is over, or not for this read
+        cdef bint timed = not bulk  # this read's wait, if it waits, is still to be counted
         cdef double started = 0.0
         if deadline < 0 and not bulk and self._is_pipe and self._liveness is None:
             # No deadline, nobody to watch: wait in read() itself (see fp_wake_pipe_reader),
-            # after a spin.
+            # after a spin (not for an eager read: its bytes are there).
             started = fp_now()
-            r = self._spin_read(fd, dst, n, deadline)
-            if r >= 0:
-                return r
+            timed = eager or not self._spin_ready(fd, deadline)  # a spin counted its wait
             while True:
                 self._woken()
                 self._blocked_reader = True
@@ -724,7 +723,8 @@ cdef class Engine:
                 self._blocked_reader = False
                 self._woken()  # closed meanwhile: what the read took (the wake) is dropped
                 if r >= 0:
-                    self._note_wait(fp_now() - started)
+                    if timed:
+                        self._note_wait(fp_now() - started)
                     return r
                 if err == EAGAIN:
                     break  # someone made the description non-blocking: wait in poll() below
@@ -742,7 +742,7 @@ cdef class Engine:
                     r = fp_read(rfd, dst, <size_t>n, mode)
                     err = errno
                 if r >= 0:
-                    if spun and not bulk:
+                    if spun and timed:
                         self._note_wait(fp_now() - started)
                     return r
                 if err == EOPNOTSUPP or err == EINVAL:
@@ -759,9 +759,10 @@ cdef class Engine:
             if not spun:
                 spun = True
                 started = fp_now()
-                r = self._spin_read(fd, dst, n, deadline)
-                if r >= 0:
-                    return r
+                if self._spin_ready(fd, deadline):
+                    ready = True
+                    timed = False  # the spin counted this wait
+                    continue
             rc = self._wait_readable(fd, deadline)
             if rc == W_DEAD:
                 lost, expected = self._lost()
@@ -785,64 +786,20 @@ cdef class Engine:
             waited = SPIN_LONGEST_SAMPLE
         self._waited += (waited - self._waited) * SPIN_WEIGHT
 
-    cdef double _spin_until(self, double deadline) except -2.0:
-        """When a wait for data should spin first (see SPIN): until when (never past the
-        deadline); -1 when it should sleep at once."""
-        cdef double now, until
-        if SPIN <= 0.0 or self._dead or not SPIN_FLOOR <= self._waited < SPIN or not may_spin():
-            return -1.0
-        now = fp_now()
-        until = now + SPIN
-        if 0.0 <= deadline < until:
-            if deadline <= now:
-                return -1.0  # only a look: the caller's own
-            until = deadline
-        return until
-
-    cdef Py_ssize_t _spin_read(self, int fd, char *dst, Py_ssize_t n, double deadline) except -2:
-        """Before a read of the pipe or socket sleeps: a read that does not block, then, when
-        it found nothing and that pays, a spin until ``fd`` is readable and a read. The byte
-        count (0 at end of file), or -1 when nothing came (the caller waits)."""
-        cdef ssize_t r
-        cdef int rc, err, rfd, mode = self._mode
-        cdef double begun, until
-        if mode == FP_MODE_BLOCK:
-            return -1
-        until = self._spin_until(deadline)
-        if until < 0:
-            return -1
-        begun = fp_now()
-        rfd = self._nfd if mode == FP_MODE_NONBLOCK else fd
-        with nogil:
-            r = fp_read(rfd, dst, <size_t>n, mode)
-            err = errno
-            if r < 0 and err == EAGAIN:
-                rc = fp_spin_readable(fd, until)
-                err = errno
-                if rc > 0:
-                    r = fp_read(rfd, dst, <size_t>n, mode)
-                    err = errno
-                elif rc == 0:
-                    err = EAGAIN
-        if r >= 0:
-            self._note_wait(fp_now() - begun)
-            return r
-        if err == EINTR:
-            PyErr_CheckSignals()
-        elif err == EOPNOTSUPP or err == EINVAL:
-            self._mode = FP_MODE_BLOCK  # this kernel cannot: read after a wait from now on
-        elif err != EAGAIN:
-            raise _oserror(err)
-        return -1
-
     cdef bint _spin_ready(self, int fd, double deadline) except -1:
-        """Before poll() sleeps: a spin until ``fd`` is readable, when that pays. Whether it
-        became readable."""
+        """Before a wait for ``fd`` sleeps: look without sleeping until it is readable, for
+        up to SPIN seconds (never past the deadline), when that pays (see SPIN). Whether it
+        became readable meanwhile."""
         cdef int rc, err
-        cdef double begun, until = self._spin_until(deadline)
-        if until < 0:
+        cdef double begun, until
+        if SPIN <= 0.0 or self._dead or not SPIN_FLOOR <= self._waited < SPIN or not may_spin():
             return False
         begun = fp_now()
+        until = begun + SPIN
+        if 0.0 <= deadline < until:
+            if deadline <= begun:
+                return False  # only a look: the caller's own
+            until = deadline
         with nogil:
             rc = fp_spin_readable(fd, until)
             err = errno

@@ -669,11 +669,12 @@ class Engine:
         watch waits in read(), woken by _wake_pipe_reader."""
         fd = self._bfd if bulk else self._fd
         ready = False  # a wait just found fd readable
-        started = time.monotonic()
+        started = 0.0
         if deadline < 0 and not bulk and self._is_pipe and self._liveness is None:
             # No deadline, nobody to watch: wait in read() itself (see _wake_pipe_reader),
-            # after a spin.
-            timed = not self._spin(fd, deadline)  # a spin that saw the data counted its wait
+            # after a spin (not for an eager read: its bytes are there).
+            started = time.monotonic()
+            timed = eager or not self._spin(fd, deadline)  # a spin counted its wait
             while True:
                 with self._slock:
                     self._woken()

@@ -73,6 +73,12 @@ def allow_spin(allowed: bool) -> None:
     _spin_allowed = allowed
 
 
+def workers_may_spin(workers: int) -> bool:
+    """Whether ``workers`` worker processes and this one fit on this process's CPUs: a pool or
+    loader lets its workers spin (see allow_spin) only then."""
+    return workers + 1 <= usable_cpus()
+
+
 def may_spin() -> bool:
     """Whether a read of either engine may spin: SPIN is on, the process allows it (see
     allow_spin) and may run on more than one CPU (looked up again every SPIN_CPU_CHECKS calls,

@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .._lazy import asyncio  # imported on first use (see _lazy)
-from .._stream_errors import usable_cpus
+from .._stream_errors import workers_may_spin
 from ..errors import ReadTimeout, WriterDied
 from ..remote import dumps_exception, loads_exception
 from . import _process, _shm
@@ -657,9 +657,7 @@ class Core:
             cwd=cwd,
             log_dir=log_dir,
             tee=tee,
-            # Workers spin for their next task (see framepipe._stream_errors.SPIN) only when
-            # they and this process leave no CPU short.
-            options={"max_rss": max_rss, "spin": max_workers + 1 <= usable_cpus()},
+            options={"max_rss": max_rss, "spin": workers_may_spin(max_workers)},
         )
         self._loop = loop
         self.max_restarts = max_restarts

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import connection as _connection
-from .._stream_errors import usable_cpus
+from .._stream_errors import workers_may_spin
 from ..errors import ReadTimeout, WriterDied
 from ..remote import add_note, dumps_exception, loads_exception
 from . import _shm
@@ -757,9 +757,7 @@ class _Workers:
             # memfds per worker: room for 8 large arrays in each of its batches in flight,
             # the one being used and the one being freed (more fall back to the bulk channel)
             "shm_slots": 8 * (loader.prefetch_factor + 2),
-            # no spin for the next batch's indices (see framepipe._stream_errors.SPIN) when the
-            # workers and this process would need more CPUs than there are
-            "spin": loader.num_workers + 1 <= usable_cpus(),
+            "spin": workers_may_spin(loader.num_workers),
         }
         _live.add(self)
         try:
