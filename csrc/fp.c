@@ -242,12 +242,26 @@ int fp_wake_pipe_reader(int fd)
 #endif
 }
 
+int fp_wake_socket_reader(int fd)
+{
+    return shutdown(fd, SHUT_RD) < 0 ? -1 : FP_OK;
+}
+
 ssize_t fp_read(int fd, void *buf, size_t n, int mode)
 {
     if (n > SSIZE_MAX)
         n = SSIZE_MAX;
     if (mode == FP_MODE_SOCKET)
         return recv(fd, buf, n, MSG_DONTWAIT);
+    if (mode == FP_MODE_RECORD || mode == FP_MODE_RECORD_WAIT) {
+        /* MSG_TRUNC: the record's whole length, even when it did not fit */
+        ssize_t r = recv(fd, buf, n, MSG_TRUNC | (mode == FP_MODE_RECORD ? MSG_DONTWAIT : 0));
+        if (r > (ssize_t)n) {
+            errno = EMSGSIZE;
+            return -1;
+        }
+        return r;
+    }
     if (mode == FP_MODE_NONBLOCK)
         return read(fd, buf, n);
     if (mode == FP_MODE_PIPE) {
@@ -352,13 +366,32 @@ static ssize_t writev_once(int fd, const struct iovec *iov, int cnt, int nowait)
 #endif
 }
 
-int fp_writev(int fd, struct iovec **iov, int *iovcnt, int nowait, size_t *written)
+int fp_writev(int fd, struct iovec **iov, int *iovcnt, int nowait, size_t cap, size_t *written)
 {
     ssize_t w;
+    struct iovec *last;
+    size_t kept, sum;
+    int cnt;
 
     iov_advance(iov, iovcnt, 0); /* empty entries first: a frame may have an empty payload */
     while (*iovcnt > 0) {
-        w = writev_once(fd, *iov, *iovcnt, nowait);
+        cnt = *iovcnt;
+        last = NULL;
+        kept = 0;
+        if (cap > 0) { /* end this write at cap bytes: trim the entry that crosses it */
+            sum = 0;
+            for (cnt = 0; cnt < *iovcnt && sum < cap; cnt++) {
+                if ((*iov)[cnt].iov_len > cap - sum) {
+                    last = &(*iov)[cnt];
+                    kept = last->iov_len;
+                    last->iov_len = cap - sum;
+                }
+                sum += (*iov)[cnt].iov_len;
+            }
+        }
+        w = writev_once(fd, *iov, cnt, nowait);
+        if (last != NULL)
+            last->iov_len = kept;
         if (w < 0)
             return -1;
         if (written != NULL)

@@ -57,6 +57,8 @@ typedef struct fp_header {
 #define FP_MODE_SOCKET 1  /* recv(MSG_DONTWAIT): per call, no shared O_NONBLOCK flag */
 #define FP_MODE_PIPE 2    /* preadv2(RWF_NOWAIT): per call, for pipes (Linux) */
 #define FP_MODE_NONBLOCK 3 /* read() on a private O_NONBLOCK description (fp_reopen_nonblocking) */
+#define FP_MODE_RECORD 4  /* recv(MSG_DONTWAIT | MSG_TRUNC): a SOCK_SEQPACKET socket, one record */
+#define FP_MODE_RECORD_WAIT 5 /* recv(MSG_TRUNC): the same, waiting in recv() for the record */
 
 /* Seconds on the monotonic clock. */
 double fp_now(void);
@@ -99,9 +101,19 @@ int fp_wake(int wfd);
  * are worth this. FP_OK, or -1 with errno (no /proc, not a pipe, no fd left). */
 int fp_wake_pipe_reader(int fd);
 
+/* Wake a thread blocked in recv() on the socket fd, which no wake fd can reach: shut the
+ * socket's reading down (shutdown(SHUT_RD)), so that this recv() and every later one return end
+ * of file. Unlike fp_wake_pipe_reader this lasts, for every process that holds the socket, so a
+ * connection does it only when it closes while one of its own threads waits in recv(). FP_OK, or
+ * -1 with errno. */
+int fp_wake_socket_reader(int fd);
+
 /* One read of at most n bytes: > 0 bytes read, 0 at end of file, -1 with errno. With
- * FP_MODE_SOCKET or FP_MODE_PIPE it does not block: errno EAGAIN when there is nothing, and
- * EOPNOTSUPP or EINVAL when the kernel cannot read this fd without blocking. */
+ * FP_MODE_SOCKET, FP_MODE_RECORD or FP_MODE_PIPE it does not block: errno EAGAIN when there is
+ * nothing, and EOPNOTSUPP or EINVAL when the kernel cannot read this fd without blocking.
+ * FP_MODE_RECORD (FP_MODE_RECORD_WAIT: waiting for it) reads one record of a SOCK_SEQPACKET
+ * socket, whole: errno EMSGSIZE when it was longer than n (the kernel dropped the rest, so the
+ * stream is broken). */
 ssize_t fp_read(int fd, void *buf, size_t n, int mode);
 
 /* Look without sleeping until fd is readable (data, end of file or an error) or until the
@@ -122,11 +134,13 @@ int fp_reopen_nonblocking(int fd);
 
 /* Write the bytes described by *iov (*iovcnt entries) to fd, looping over short writes. On
  * return *iov and *iovcnt describe what is left and *written (when not NULL) grew by the bytes
- * written. FP_OK once all is written, or -1 with errno: after EINTR the caller runs its signal
- * handlers and calls again to finish the same frame. With nowait, no write blocks (pwritev2
+ * written. With cap > 0, no single write is longer than cap bytes: on a SOCK_SEQPACKET socket
+ * each write is one record, and a reader takes records of at most RECORD_MAX bytes
+ * (framepipe._wire). FP_OK once all is written, or -1 with errno: after EINTR the caller runs
+ * its signal handlers and calls again to finish the same frame. With nowait, no write blocks (pwritev2
  * with RWF_NOWAIT, a per-call flag, so the shared description stays blocking): errno EAGAIN
  * when fd is full, EOPNOTSUPP where this system cannot. */
-int fp_writev(int fd, struct iovec **iov, int *iovcnt, int nowait, size_t *written);
+int fp_writev(int fd, struct iovec **iov, int *iovcnt, int nowait, size_t cap, size_t *written);
 
 /* The identity of fd's open file (device and inode), for fp_close_if_same. FP_OK, or -1 with
  * errno (EBADF: not an open fd). */

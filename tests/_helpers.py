@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+import time
 
 TIMEOUT = 30.0  # a hang guard only: a correct core never waits this long
 
@@ -47,10 +48,28 @@ class Background:
         return self.result
 
 
-def reuse_fd(fd: int, avoid: tuple[int, ...] = ()) -> tuple[int, int]:
-    """Put the read end of a new pipe at number ``fd`` (now free): (fd, the new write end).
-    The write end is placed above ``fd`` and every number in ``avoid``. Tests use it to check
-    that a closed Connection never closes an fd number that has been reused."""
+def _is_open(fd: int) -> bool:
+    try:
+        fcntl.fcntl(fd, fcntl.F_GETFD)
+    except OSError:
+        return False
+    return True
+
+
+def reuse_fd(fd: int, avoid: tuple[int, ...] = (), wait: float = 30.0) -> tuple[int, int]:
+    """Put the read end of a new pipe at number ``fd``: (fd, the new write end). The write
+    end is placed above ``fd`` and every number in ``avoid``. Tests use it to check that a
+    closed Connection never closes an fd number that has been reused.
+
+    A program can only be given a number that is free, so this first waits (up to ``wait``
+    seconds) until ``fd`` is: a Connection closed while another thread is inside a call keeps
+    its fds until that call has left, and taking the number before then (dup2 over an open
+    fd) would race with that thread's own close of it."""
+    end = time.monotonic() + wait
+    while _is_open(fd):
+        if time.monotonic() > end:
+            raise AssertionError(f"fd {fd} was still open {wait:g} s after its close")
+        time.sleep(0.001)
     nr, nw = os.pipe()
     floor = max((fd, *avoid)) + 1
     high_r = fcntl.fcntl(nr, fcntl.F_DUPFD_CLOEXEC, floor)

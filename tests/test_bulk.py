@@ -23,6 +23,7 @@ import pytest
 from _fault_children import kill_and_wait_dead
 
 from framepipe import FrameError, ReadTimeout, WriterDied
+from framepipe._wire import RECORD_MAX
 from framepipe.errors import MessageTooLong
 
 WAIT = 60.0  # upper bound on any blocking wait; a healthy run never comes close
@@ -157,19 +158,38 @@ def test_select_and_wait_see_a_bulk_frame(impl):
         assert mpc.wait([r], 0) == []
 
 
-def test_a_duplex_pipe_is_one_socketpair_that_carries_every_frame(impl):
-    # Two fds in all: frames of every size travel in order on the socket, with no bulk channel.
+def read_records(fd: int, n: int) -> list[bytes]:
+    """Records of the SOCK_SEQPACKET socket ``fd``, each read whole, until ``n`` bytes."""
+    out: list[bytes] = []
+    with socket.fromfd(fd, socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        while sum(map(len, out)) < n:
+            r, _, _ = select.select([fd], [], [], WAIT)
+            assert r, f"nothing to read after {WAIT} s"
+            record = s.recv(4 * RECORD_MAX)
+            assert record, "unexpected end of file"
+            out.append(record)
+    return out
+
+
+def test_a_duplex_pipe_is_one_seqpacket_socketpair_that_carries_frames_in_records(impl):
+    # Two fds in all, no bulk channel: every frame travels in order on the socket, cut into
+    # records of at most RECORD_MAX bytes, and a small frame is one record, header and payload.
     r, w = pair(impl, True)
     with r, w:
         assert r._handles()[2:] == (-1, -1)
         assert stat.S_ISSOCK(os.fstat(r.fileno()).st_mode)
+        with socket.fromfd(r.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            assert s.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE) == socket.SOCK_SEQPACKET
+        assert r._records and w._records
         w.send_bytes(payload(MIB))
         w.send_bytes(b"small")
-        fd = r.fileno()
-        assert read_exactly(fd, 12) == b"\x00\x00" + LEN.pack(MIB) + b"\x00\x00"
-        assert read_exactly(fd, MIB) == payload(MIB)
-        assert read_exactly(fd, 17) == b"\x00\x00" + LEN.pack(5) + b"\x00\x00" + b"small"
-        assert nothing_left(fd)
+        small = b"\x00\x00" + LEN.pack(5) + b"\x00\x00" + b"small"
+        records = read_records(r.fileno(), 12 + MIB + len(small))
+        assert b"".join(records) == b"\x00\x00" + LEN.pack(MIB) + b"\x00\x00" + payload(MIB) + small
+        assert [len(x) for x in records[:-2]] == [RECORD_MAX] * (len(records) - 2)
+        assert len(records[-2]) == (12 + MIB) % RECORD_MAX
+        assert records[-1] == small
+        assert nothing_left(r.fileno())
 
 
 # -- round trips -------------------------------------------------------------------------------

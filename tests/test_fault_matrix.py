@@ -18,6 +18,7 @@ import random
 import resource
 import select
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -137,7 +138,8 @@ def test_close_while_another_thread_reads_fails_that_read_promptly(impl):
     time.sleep(0.2)  # the reader is blocked waiting for data
     started = time.monotonic()
     conn.close()
-    # The fd number is free: a new pipe takes it at once, with a whole frame waiting in it.
+    # Once the woken read has left, the number is free: a new pipe takes it, with a whole
+    # frame waiting in it.
     fd, nw = reuse_fd(r, avoid=(w,))
     try:
         os.write(nw, b"\x00\x00" + (5).to_bytes(8, sys.byteorder) + b"\x00\x00wrong")
@@ -153,7 +155,7 @@ def test_close_while_another_thread_reads_fails_that_read_promptly(impl):
 
 def test_close_while_another_thread_reads_never_reads_a_reused_fd(impl):
     # Whatever the read raises, it must never return the frame of the pipe that took its
-    # fd number after close().
+    # fd number after close(), nor close that pipe.
     r, w = os.pipe()
     conn = impl.Connection(r, writable=False)
     reader = Background(lambda: conn.recv_bytes(timeout=1.0))
@@ -186,15 +188,19 @@ BLOCKING_CALLS = {
 
 
 @pytest.mark.parametrize("call", BLOCKING_CALLS)
-@pytest.mark.parametrize("where", ["pipe", "socketpair", "bulk-payload", "watched"])
+@pytest.mark.parametrize("where", ["pipe", "socketpair", "stream", "bulk-payload", "watched"])
 def test_close_wakes_every_blocked_call_and_releases_the_fds_after_it(impl, fd_count, call, where):
     # Each way a call can wait for the other end: close() from another thread ends it with
     # OSError, whether it has a deadline or not, and the fds are closed once it has left.
     framepipe.watch.watcher()  # the process's watcher thread keeps fds of its own
     before = fd_count()
     sleeper = _sleeper() if where == "watched" else None
-    if where == "socketpair":
+    if where == "socketpair":  # SOCK_SEQPACKET: reads wait in recv(), woken by a shutdown
         conn, other = impl.pipe(True)
+        assert conn._records
+    elif where == "stream":  # a SOCK_STREAM socket's reads wait in recv() too
+        a, b = socket.socketpair()
+        conn, other = impl.Connection(a.detach()), impl.Connection(b.detach())
     else:
         conn, other = impl.pipe(False)
     try:

@@ -289,6 +289,42 @@ def test_fork_while_a_thread_is_blocked_in_a_timed_recv(impl):
                 os.waitpid(pid, 0)
 
 
+def test_a_close_in_a_forked_child_never_wakes_the_parents_blocked_read(impl):
+    # Forked while a parent thread waits in recv() on a duplex Pipe(), the child closes its copy
+    # of that connection while a thread of its own polls it: the child's thread is woken, and
+    # the parent's read is not (no shutdown of the socket both hold), so it gets its message.
+    a, b = impl.pipe(True)
+    with a, b:
+        blocked = Background(a.recv_bytes)
+        time.sleep(0.1)  # the parent's thread waits in recv()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                poller = Background(a.poll, 30)
+                time.sleep(0.1)
+                a.close()
+                try:
+                    poller.join()
+                    code = 2  # the poll was not woken by the close
+                except OSError:
+                    code = 0
+            except BaseException:
+                code = 3
+            finally:
+                os._exit(code)
+        try:
+            _, status = os.waitpid(pid, 0)
+            pid = 0
+            assert os.waitstatus_to_exitcode(status) == 0
+            b.send_bytes(b"for the parent")
+            assert blocked.join() == b"for the parent"
+        finally:
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+
+
 def _recv_with_timeout(conn):
     try:
         conn.recv_bytes(timeout=TIMEOUT)

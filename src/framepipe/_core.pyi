@@ -31,6 +31,7 @@ class Engine(ConnectionHooks):
     _readable: bool
     _writable: bool
     _read_ahead: bool
+    _records: bool  # reads take whole records: a SOCK_SEQPACKET socket (see _wire.RECORD_MAX)
     _max_size: int | None
     _liveness: Liveness | None
     _sentinel_sent: int  # bytes of DEAD sentinels the watcher wrote through this write end

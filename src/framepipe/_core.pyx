@@ -15,7 +15,7 @@ from cpython.pythread cimport (
     NOWAIT_LOCK, PyThread_acquire_lock, PyThread_allocate_lock, PyThread_free_lock,
     PyThread_get_thread_ident, PyThread_release_lock, PyThread_type_lock,
 )
-from libc.errno cimport EAGAIN, EINTR, EINVAL, ENOSYS, EOPNOTSUPP, errno
+from libc.errno cimport EAGAIN, EINTR, EINVAL, EMSGSIZE, ENOSYS, EOPNOTSUPP, errno
 from libc.stdint cimport uint64_t
 from libc.string cimport memcpy, memmove, strerror
 
@@ -31,9 +31,10 @@ from ._stream_errors import SPIN_LONGEST_SAMPLE as _SPIN_LONGEST, SPIN_WEIGHT as
 from ._stream_errors import may_spin
 from ._stream_errors import (
     bad_header, blocking_send_under_async_send, broken, closed, closed_while_waiting,
-    no_bulk_channel, sentinel_timeout, timeout_error, truncated, unallocatable,
+    no_bulk_channel, record_too_long, sentinel_timeout, timeout_error, truncated, unallocatable,
 )
-from ._wire import BULK_MIN as _BULK_MIN, KIND_BULK, frame_cap
+from ._wire import BULK_MIN as _BULK_MIN, KIND_BULK, READ_BUFFER, RECORD_MAX as _RECORD_MAX
+from ._wire import READ_WAITS_PIPE, frame_cap, read_waits, record_limit
 from .errors import BufferTooShort, MessageTooLong
 
 __all__ = ["ENGINE", "Engine"]
@@ -59,7 +60,8 @@ cdef extern from "fp.h" nogil:
     int FP_KIND_DATA, FP_KIND_TIMEOUT, FP_KIND_DEAD, FP_KIND_BUFFER, FP_KIND_BULK
     int FP_HEADER_SIZE
     int FP_READ, FP_WRITE
-    int FP_MODE_BLOCK, FP_MODE_SOCKET, FP_MODE_PIPE, FP_MODE_NONBLOCK
+    int FP_MODE_BLOCK, FP_MODE_SOCKET, FP_MODE_PIPE, FP_MODE_NONBLOCK, FP_MODE_RECORD
+    int FP_MODE_RECORD_WAIT
     ctypedef struct fp_header:
         int kind
         uint64_t value
@@ -72,10 +74,11 @@ cdef extern from "fp.h" nogil:
     int fp_wake(int wfd)
     bint FP_HAVE_PIPE_WAKE
     int fp_wake_pipe_reader(int fd)
+    int fp_wake_socket_reader(int fd)
     ssize_t fp_read(int fd, void *buf, size_t n, int mode)
     int fp_spin_readable(int fd, double until)
     int fp_reopen_nonblocking(int fd)
-    int fp_writev(int fd, iovec **iov, int *iovcnt, int nowait, size_t *written)
+    int fp_writev(int fd, iovec **iov, int *iovcnt, int nowait, size_t cap, size_t *written)
     int fp_identity(int fd, uint64_t *dev, uint64_t *ino)
     int fp_close_if_same(int fd, uint64_t dev, uint64_t ino)
 
@@ -89,6 +92,8 @@ cdef enum:
     DIRECT_MIN = 16384  # a remainder at least this large is read straight into its frame
 
 assert KIND_BULK == FP_KIND_BULK  # _wire's kinds are fp.h's
+assert READ_CHUNK == READ_BUFFER  # a record (see _wire.RECORD_MAX) fits the read buffer
+cdef Py_ssize_t RECORD_MAX = _RECORD_MAX
 cdef Py_ssize_t BULK_MIN = _BULK_MIN
 
 cdef enum:  # what _wait_readable saw
@@ -192,6 +197,8 @@ cdef class Engine:
     cdef readonly bint _readable, _writable
     cdef bint _closefd
     cdef int _mode
+    cdef readonly bint _records  # reads take whole records (SOCK_SEQPACKET, see _wire)
+    cdef size_t _wcap  # the longest write to the write fd: a record's limit (0: none)
     cdef unsigned long _async_owner  # the thread whose asyncio send holds the write lock, or 0
     cdef int _nfd  # a private O_NONBLOCK description of the pipe (-1: not yet, -2: none)
     cdef readonly bint _read_ahead
@@ -233,7 +240,7 @@ cdef class Engine:
     cdef int _dfd[5]
     cdef object _dliveness
     cdef int _wake_r, _wake_w  # the wake fd of waits, made when a call first has to wait
-    cdef bint _is_pipe  # reads without a deadline wait in read() (see fp_wake_pipe_reader)
+    cdef int _read_waits  # how reads without a deadline wait in read() (READ_WAITS_*), if they do
     cdef bint _blocked_reader  # a thread is in such a read
     cdef object __weakref__
 
@@ -290,8 +297,12 @@ cdef class Engine:
         self._closefd = closefd
         self._read_ahead = read_ahead
         self._nowait_writes = True  # until the kernel says otherwise (EOPNOTSUPP)
-        self._is_pipe = FP_HAVE_PIPE_WAKE and stat.S_ISFIFO(mode)
-        if stat.S_ISSOCK(mode):
+        self._read_waits = read_waits(mode, FP_HAVE_PIPE_WAKE)
+        self._records = stat.S_ISSOCK(mode) and record_limit(fd) > 0
+        self._wcap = record_limit(wfd) if wfd >= 0 else 0
+        if self._records:
+            self._mode = FP_MODE_RECORD
+        elif stat.S_ISSOCK(mode):
             self._mode = FP_MODE_SOCKET
         elif stat.S_ISFIFO(mode):
             self._mode = FP_MODE_PIPE
@@ -342,7 +353,10 @@ cdef class Engine:
             if self._wake_w >= 0:
                 fp_wake(self._wake_w)
             if self._blocked_reader:
-                fp_wake_pipe_reader(fd)
+                if self._read_waits == READ_WAITS_PIPE:
+                    fp_wake_pipe_reader(fd)
+                else:
+                    fp_wake_socket_reader(fd)
             return
         err = self._close_now(fd, wfd, bfd, bwfd, nfd, liveness)
         if err:
@@ -500,6 +514,7 @@ cdef class Engine:
         # left open, as after any close() that follows a fork. The wake fd is the parent's
         # (one eventfd shared by both): a close here must not wake the parent's calls.
         self._users = 0
+        self._blocked_reader = False  # a parent thread's read: a close must not wake it
         self._deferred = False
         self._dliveness = None
         self._close_wake()
@@ -537,7 +552,8 @@ cdef class Engine:
             self._woken()
             fd = self._bwfd if bulk else self._wfd
             with nogil:
-                rc = fp_writev(fd, &iov, &cnt, self._nowait_writes, NULL)
+                rc = fp_writev(fd, &iov, &cnt, self._nowait_writes, 0 if bulk else self._wcap,
+                               NULL)
                 err = errno
             if rc == FP_OK:
                 return 0
@@ -694,9 +710,9 @@ cdef class Engine:
         deadline, WriterDied when the watched writer died with nothing left to read, and
         OSError when another thread closes the connection. ``bulk`` reads the bulk fd
         instead of the pipe; ``eager`` tries a read before any wait. The waiting is in
-        _wait_readable, where a close() wakes it, after a spin (see SPIN); only a pipe read
-        without a deadline or a watch waits in read(), woken by a close() through
-        fp_wake_pipe_reader."""
+        _wait_readable, where a close() wakes it, after a spin (see SPIN); only a read of a pipe
+        or socket without a deadline or a watch waits in read(), woken by a close() through
+        fp_wake_pipe_reader or fp_wake_socket_reader."""
         cdef ssize_t r
         cdef int rc, err, rfd, fd = self._bfd if bulk else self._fd
         cdef int mode = self._bmode if bulk else self._mode
@@ -709,16 +725,17 @@ cdef class Engine:
         cdef bint spun = bulk  # the spin (see SPIN) is over, or not for this read
         cdef bint timed = not bulk  # this read's wait, if it waits, is still to be counted
         cdef double started = 0.0
-        if deadline < 0 and not bulk and self._is_pipe and self._liveness is None:
-            # No deadline, nobody to watch: wait in read() itself (see fp_wake_pipe_reader),
-            # after a spin (not for an eager read: its bytes are there).
+        if deadline < 0 and not bulk and self._read_waits and self._liveness is None:
+            # No deadline, nobody to watch: wait in read() itself (see fp_wake_pipe_reader and
+            # fp_wake_socket_reader), after a spin (not for an eager read: its bytes are there).
             started = fp_now()
             timed = eager or not self._spin_ready(fd, deadline)  # a spin counted its wait
             while True:
                 self._woken()
                 self._blocked_reader = True
                 with nogil:
-                    r = fp_read(fd, dst, <size_t>n, FP_MODE_BLOCK)
+                    r = fp_read(fd, dst, <size_t>n,
+                                FP_MODE_RECORD_WAIT if self._records else FP_MODE_BLOCK)
                     err = errno
                 self._blocked_reader = False
                 self._woken()  # closed meanwhile: what the read took (the wake) is dropped
@@ -728,6 +745,8 @@ cdef class Engine:
                     return r
                 if err == EAGAIN:
                     break  # someone made the description non-blocking: wait in poll() below
+                if err == EMSGSIZE:
+                    raise self._break(record_too_long(READ_CHUNK, self._consumed))
                 _retry(err)
         while True:
             self._woken()
@@ -745,6 +764,8 @@ cdef class Engine:
                     if spun and timed:
                         self._note_wait(fp_now() - started)
                     return r
+                if err == EMSGSIZE:
+                    raise self._break(record_too_long(READ_CHUNK, self._consumed))
                 if err == EOPNOTSUPP or err == EINVAL:
                     mode = FP_MODE_BLOCK  # this kernel cannot: read after a wait from now on
                     if bulk:
@@ -835,7 +856,7 @@ cdef class Engine:
                 memmove(self._buf, self._buf + self._bstart, avail)
             self._bstart = 0
             self._bend = avail
-        if self._read_ahead or want > READ_CHUNK - self._bend:
+        if self._read_ahead or self._records or want > READ_CHUNK - self._bend:
             want = READ_CHUNK - self._bend
         k = self._read_some(self._buf + self._bend, want, deadline)
         if k == 0:
@@ -974,7 +995,9 @@ cdef class Engine:
                 self._pgot = got + take
                 if self._bstart == self._bend:
                     self._bstart = self._bend = 0
-            elif not self._pdiscard and (n - got >= DIRECT_MIN or not self._read_ahead):
+            elif not self._pdiscard and (
+                n - got >= RECORD_MAX if self._records else n - got >= DIRECT_MIN or not self._read_ahead
+            ):
                 # the payload's first bytes came with its header: read before polling
                 k = self._read_some(self._pptr + got, n - got, deadline, False, got == 0)
                 if k == 0:
@@ -1256,16 +1279,17 @@ cdef class Engine:
         cdef _Iov v
         cdef iovec *iov
         cdef int rc, err, fd, cnt
-        cdef size_t written = 0
+        cdef size_t written = 0, cap
         self._check_writable()
         fd = self._bwfd if bulk else self._wfd
+        cap = 0 if bulk else self._wcap
         v = _Iov(parts, min(len(parts), 1024))
         iov = v.iov
         cnt = <int>v.count
         self._enter()
         try:
             with nogil:
-                rc = fp_writev(fd, &iov, &cnt, 1, &written)
+                rc = fp_writev(fd, &iov, &cnt, 1, cap, &written)
                 err = errno
         finally:
             v.release()

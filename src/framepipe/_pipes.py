@@ -43,8 +43,16 @@ def _pipe_size(fd: int) -> None:
 def _stream_pair(both_ways: bool = False) -> tuple[int, int]:
     """A stream socketpair whose buffers are raised to 4 MiB where the system allows:
     ``(a, b)``. A bulk channel uses it one way (``a`` reads, ``b`` writes); ``both_ways``
-    raises both buffers of both ends, for a duplex connection over the pair."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    raises both buffers of both ends, for a duplex connection over the pair, and makes it a
+    SOCK_SEQPACKET pair where the system has one (see ``_wire.RECORD_MAX``)."""
+    a = b = None
+    if both_ways:
+        try:
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except OSError:
+            pass  # no SOCK_SEQPACKET here: a stream, as the stdlib's
+    if a is None or b is None:
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         opts: tuple[tuple[socket.socket, int], ...] = ((a, socket.SO_RCVBUF), (b, socket.SO_SNDBUF))
         if both_ways:
@@ -75,17 +83,19 @@ def make_pipe(Connection: type[Any]) -> Callable[..., tuple[Any, Any]]:
         duplex: bool = True, *, read_ahead: bool = False, pipes: bool = False
     ) -> tuple[Any, Any]:
         """A pair of connected Connections, like ``multiprocessing.Pipe``: ``(reader, writer)``
-        over an ``os.pipe()``, or when ``duplex``, two connections over one stream socketpair,
-        as the stdlib makes them (2 fds in all, ``fileno()`` a Unix socket, so
-        ``multiprocessing.reduction.send_handle``/``recv_handle`` work over it; 4 MiB socket
-        buffers carry large frames as fast as a separate bulk channel would). A one-way pipe
-        also gets a bulk channel, a socketpair that carries the payloads of frames of 16 KiB
+        over an ``os.pipe()``, or when ``duplex``, two connections over one socketpair, as the
+        stdlib makes them (2 fds in all, ``fileno()`` a Unix socket, so
+        ``multiprocessing.reduction.send_handle``/``recv_handle`` work over it). The pair is
+        SOCK_SEQPACKET where the system has it: a frame under RECORD_MAX is one record, read in
+        one call, and no read takes a byte past its frame (see ``_wire.RECORD_MAX``); 4 MiB
+        socket buffers carry large frames as fast as a separate bulk channel would. A one-way
+        pipe gets a bulk channel, a socketpair that carries the payloads of frames of 16 KiB
         and more (over twice the throughput of a pipe for large frames) while their headers
         stay in the pipe: 4 fds in all.
 
         ``pipes=True`` (duplex only) builds each direction as a one-way pipe with its own bulk
-        channel instead: 8 fds and ``fileno()`` a pipe (so no ``send_handle``), but about twice
-        the small-message rate of a socketpair. The worker layer uses it for its channels."""
+        channel instead: 8 fds and ``fileno()`` a pipe (so no ``send_handle``). The worker
+        layer uses it for its channels."""
         fds: list[int] = []
         try:
             if duplex and pipes:

@@ -17,6 +17,7 @@ import errno
 import os
 import pickle
 import select
+import socket
 import stat
 import sys
 import threading
@@ -38,6 +39,7 @@ from ._stream_errors import (
     closed_while_waiting,
     may_spin,
     no_bulk_channel,
+    record_too_long,
     sentinel_timeout,
     timeout_error,
     truncated,
@@ -53,10 +55,16 @@ from ._wire import (
     KIND_TIMEOUT,
     MORE,
     OK,
+    READ_BUFFER,
+    READ_WAITS_PIPE,
+    RECORD_MAX,
     TIMEOUT,
     decode_header,
     frame_cap,
     header,
+    read_waits,
+    record_limit,
+    socket_view,
 )
 from .errors import BufferTooShort, MessageTooLong
 
@@ -64,7 +72,7 @@ __all__ = ["ENGINE", "Engine"]
 
 ENGINE = "python"
 
-_READ_CHUNK = 64 * 1024  # read-ahead buffer: many small frames per read()
+_READ_CHUNK = READ_BUFFER  # read-ahead buffer: many small frames per read(), a whole record
 _DIRECT_MIN = 16 * 1024  # a remainder at least this large is read straight into its frame
 _IOV_MAX = 1024
 _LIVENESS_SLICE = 0.01  # without a pidfd, a dead writer is noticed within this many seconds
@@ -73,6 +81,27 @@ _RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None) if hasattr(os, "pwrite
 _PRECISE_BELOW = 0.1  # waits shorter than this use select(), whose timeout is in microseconds
 _FD_SETSIZE = 1024  # select() cannot watch fds from this number up
 _POLL_WAITED = 20e-6  # a poll() that took longer had to wait for data
+_RECORD_FLAGS = socket.MSG_DONTWAIT | socket.MSG_TRUNC  # a record's whole length, even if cut
+
+
+class _RecordSocket(socket.socket):
+    """A view of a SOCK_SEQPACKET connection's fd (see ``socket_view``) for ``recv_into`` with
+    flags, which ``os.read`` has not. It never closes the fd, which stays the connection's."""
+
+    def __del__(self) -> None:
+        self.detach()
+
+
+def _capped(views: list[memoryview], cap: int) -> list[memoryview]:
+    """The first ``cap`` bytes of ``views`` (one record's worth, see ``_wire.RECORD_MAX``)."""
+    out = []
+    for v in views:
+        if v.nbytes >= cap:
+            out.append(v[:cap])
+            break
+        out.append(v)
+        cap -= v.nbytes
+    return out
 
 
 def _reopen_nonblocking(fd: int) -> int:
@@ -131,20 +160,22 @@ def _deadline(timeout: float | None) -> float:
     return time.monotonic() + max(t, 0.0)
 
 
-def _writev(fd: int, views: list[memoryview], nowait: bool = False) -> int:
+def _writev(fd: int, views: list[memoryview], nowait: bool = False, cap: int = 0) -> int:
     """Write the bytes of ``views`` to ``fd`` as ``fp_writev`` (csrc/fp.c) does, looping over
-    short writes; ``views`` is left holding what is not written. Returns the bytes written.
-    With ``nowait`` no write blocks (RWF_NOWAIT, a per-call flag): BlockingIOError when the fd
-    is full. A description someone made non-blocking raises it as well."""
+    short writes, no write longer than ``cap`` bytes when it is not 0; ``views`` is left
+    holding what is not written. Returns the bytes written. With ``nowait`` no write blocks
+    (RWF_NOWAIT, a per-call flag): BlockingIOError when the fd is full. A description someone
+    made non-blocking raises it as well."""
     written = 0
     while views and not views[0].nbytes:  # empty parts first: a frame may have no payload
         views.pop(0)
     while views:
+        batch = views[:_IOV_MAX] if not cap else _capped(views[:_IOV_MAX], cap)
         try:
             if nowait:
-                n = os.pwritev(fd, views[:_IOV_MAX], -1, _RWF_NOWAIT)  # type: ignore[arg-type]
+                n = os.pwritev(fd, batch, -1, _RWF_NOWAIT)  # type: ignore[arg-type]
             else:
-                n = os.writev(fd, views[:_IOV_MAX])
+                n = os.writev(fd, batch)
         except BlockingIOError as exc:
             exc.characters_written = written
             raise
@@ -194,6 +225,18 @@ def _wake_pipe_reader(fd: int) -> None:
         os.close(wfd)
 
 
+def _wake_socket_reader(fd: int) -> None:
+    """Wake a thread blocked in recv() on the socket ``fd`` as ``fp_wake_socket_reader``
+    (csrc/fp.h) does: shut the socket's reading down, for good."""
+    sock = socket_view(fd, socket.SOCK_STREAM, socket.socket)
+    try:
+        sock.shutdown(socket.SHUT_RD)
+    except OSError:
+        pass
+    finally:
+        sock.detach()
+
+
 # Locks held by threads of the parent stay held in a forked child, where those threads do not
 # exist: a connection first used in a child after a fork takes fresh locks.
 _fork_gen = 0
@@ -235,7 +278,7 @@ class Engine:
     _sentinel_sent = 0
     _users = 0
     _wake_r = _wake_w = -1
-    _is_pipe = False  # reads without a deadline wait in read() (see _wake_pipe_reader)
+    _read_waits = 0  # how reads without a deadline wait in read() (READ_WAITS_*), if they do
     _blocked_reader = False  # a thread is in such a read
     _eof_until = -1.0  # end of the grace for a watched writer's death after end of file
 
@@ -283,9 +326,17 @@ class Engine:
         self._closefd = bool(closefd)
         self._read_ahead = bool(read_ahead)
         try:
-            self._is_pipe = _HAVE_PIPE_WAKE and stat.S_ISFIFO(os.fstat(fd).st_mode)
+            self._read_waits = read_waits(os.fstat(fd).st_mode, _HAVE_PIPE_WAKE)
         except OSError:
-            self._is_pipe = False  # like the stdlib: a bad handle fails on first use
+            self._read_waits = 0  # like the stdlib: a bad handle fails on first use
+        # Reads take whole records (a SOCK_SEQPACKET socket, see _wire.RECORD_MAX); writes
+        # are cut to records no longer than _wcap.
+        self._records = record_limit(fd) > 0
+        self._rsock: _RecordSocket | None = None
+        self._rscratch: bytearray | None = None
+        if self._records:
+            self._rsock = socket_view(fd, socket.SOCK_SEQPACKET, _RecordSocket)
+        self._wcap = record_limit(wfd) if wfd >= 0 else 0
         self._ids = tuple(_fd_identity(f) if f >= 0 else None for f in (fd, wfd, bfd, bwfd))
         self._async_owner = 0  # the thread whose asyncio send holds the write lock, or 0
         self._nfd = -1  # a private O_NONBLOCK description of the pipe (-1: not yet, -2: none)
@@ -335,11 +386,15 @@ class Engine:
                 if self._wake_w >= 0:
                     _wake(self._wake_w)
                 if self._blocked_reader:
-                    _wake_pipe_reader(fds[0])
+                    if self._read_waits == READ_WAITS_PIPE:
+                        _wake_pipe_reader(fds[0])
+                    else:
+                        _wake_socket_reader(fds[0])
                 return
         self._close_now(fds, nfd, liveness)
 
     def _close_now(self, fds: tuple[int, int, int, int], nfd: int, liveness: Any) -> None:
+        self._rsock = None  # it never closes the fd (see _RecordSocket)
         if nfd >= 0:
             os.close(nfd)  # ours whatever closefd says
         self._close_wake()
@@ -480,6 +535,7 @@ class Engine:
                 # parent's calls.
                 self._slock = threading.Lock()
                 self._users = 0
+                self._blocked_reader = False  # a parent thread's read: a close must not wake it
                 self._deferred = None
                 self._close_wake()
                 self._poller = self._bpoller = None  # may be marked busy by a parent thread
@@ -500,7 +556,7 @@ class Engine:
         while True:
             self._woken()
             try:
-                _writev(fd, views, self._nowait_writes)
+                _writev(fd, views, self._nowait_writes, self._wcap if fd == self._wfd else 0)
                 return
             except BlockingIOError:
                 pass
@@ -589,7 +645,8 @@ class Engine:
             return -1
         self._enter()
         try:
-            return _writev(fd, list(parts[:_IOV_MAX]), nowait=True)
+            cap = 0 if bulk else self._wcap
+            return _writev(fd, list(parts[:_IOV_MAX]), nowait=True, cap=cap)
         except BlockingIOError as exc:
             return exc.characters_written
         except OSError as exc:
@@ -665,14 +722,14 @@ class Engine:
         OSError when another thread closes the connection. ``bulk`` reads the bulk fd instead
         of the pipe; ``eager`` tries a read before any wait. The waiting is in _poll_once, where
         a close() wakes it (a fd without a private non-blocking description is read once a wait
-        found it readable), after a spin (see SPIN); only a pipe read without a deadline or a
-        watch waits in read(), woken by _wake_pipe_reader."""
+        found it readable), after a spin (see SPIN); only a read of a pipe or socket without a
+        deadline or a watch waits in read(), woken by _wake_pipe_reader or _wake_socket_reader."""
         fd = self._bfd if bulk else self._fd
         ready = False  # a wait just found fd readable
         started = 0.0
-        if deadline < 0 and not bulk and self._is_pipe and self._liveness is None:
-            # No deadline, nobody to watch: wait in read() itself (see _wake_pipe_reader),
-            # after a spin (not for an eager read: its bytes are there).
+        if deadline < 0 and not bulk and self._read_waits and self._liveness is None:
+            # No deadline, nobody to watch: wait in read() itself (see _wake_pipe_reader and
+            # _wake_socket_reader), after a spin (not for an eager read: its bytes are there).
             started = time.monotonic()
             timed = eager or not self._spin(fd, deadline)  # a spin counted its wait
             while True:
@@ -680,7 +737,12 @@ class Engine:
                     self._woken()
                     self._blocked_reader = True
                 try:
-                    data = os.read(fd, want) if view is None else os.readv(fd, [view])
+                    if self._records:
+                        data = self._recv_record(view, want, wait=True)
+                    elif view is None:
+                        data = os.read(fd, want)
+                    else:
+                        data = os.readv(fd, [view])
                 except BlockingIOError:
                     break  # someone made the description non-blocking: wait in poll() below
                 finally:
@@ -696,12 +758,18 @@ class Engine:
             if not bulk and self._nfd == -1:
                 self._nfd = _reopen_nonblocking(fd)
             nfd = -2 if bulk else self._nfd
+            records = self._records and not bulk
             # Try a read first when the last poll found data already there: a reader behind
             # its writer then makes one syscall per read.
-            if ready or (nfd >= 0 and (eager or not self._poll_first)):
+            if ready or ((nfd >= 0 or records) and (eager or not self._poll_first)):
                 rfd = nfd if nfd >= 0 else fd
                 try:
-                    data = os.read(rfd, want) if view is None else os.readv(rfd, [view])
+                    if records:
+                        data = self._recv_record(view, want)
+                    elif view is None:
+                        data = os.read(rfd, want)
+                    else:
+                        data = os.readv(rfd, [view])
                 except BlockingIOError:
                     pass  # nothing after all (another reader of the pipe took it)
                 else:
@@ -724,6 +792,24 @@ class Engine:
             ready = True
             if not bulk:
                 self._poll_first = time.monotonic() - started > _POLL_WAITED
+
+    def _recv_record(self, view: memoryview | None, want: int, wait: bool = False) -> Any:
+        """One record, whole, without blocking unless ``wait`` (BlockingIOError when there is
+        none): into ``view`` (the byte count), or when ``view`` is None, as bytes (at most
+        ``want``)."""
+        sock = self._rsock
+        if sock is None:
+            raise closed()
+        if view is None:
+            if self._rscratch is None:
+                self._rscratch = bytearray(_READ_CHUNK)
+            into = memoryview(self._rscratch)[:want]
+        else:
+            into = view
+        n = sock.recv_into(into, into.nbytes, socket.MSG_TRUNC if wait else _RECORD_FLAGS)
+        if n > into.nbytes:  # the kernel dropped the rest of the record
+            raise self._break(record_too_long(_READ_CHUNK, self._consumed))
+        return n if view is not None else into[:n].tobytes()
 
     def _note_wait(self, waited: float) -> None:
         """Count a wait for data of ``waited`` seconds into the average that decides spins."""
@@ -758,7 +844,7 @@ class Engine:
         if self._bstart:
             del self._buf[: self._bstart]
             self._bstart = 0
-        if self._read_ahead or want > _READ_CHUNK:
+        if self._read_ahead or self._records or want > _READ_CHUNK:
             want = _READ_CHUNK
         data = self._read_into(None, deadline, want)
         if not data:
@@ -885,7 +971,11 @@ class Engine:
                 self._bstart += take
                 self._consumed += take
                 self._pgot = got + take
-            elif not self._pdiscard and (n - got >= _DIRECT_MIN or not self._read_ahead):
+            elif not self._pdiscard and (
+                n - got >= RECORD_MAX
+                if self._records
+                else n - got >= _DIRECT_MIN or not self._read_ahead
+            ):
                 # the payload's first bytes came with its header: read before polling
                 k = self._read_into(memoryview(self._pdest)[got:n], deadline, eager=got == 0)
                 if k == 0:

@@ -166,6 +166,16 @@ def truncated(got: int, expected: int) -> FrameError:
     )
 
 
+def record_too_long(room: int, consumed: int) -> FrameError:
+    """A SOCK_SEQPACKET record did not fit the read buffer: the kernel dropped its rest."""
+    return FrameError(
+        f"a record of the socket was longer than the {room:,}-byte read buffer after byte "
+        f"{consumed:,} of the stream, so the kernel dropped its rest: the writer is not a "
+        "framepipe connection (whose records are shorter); give such a writer a SOCK_STREAM "
+        "socket"
+    )
+
+
 def broken(reason: BaseException) -> FrameError:
     return FrameError(f"connection is broken by an earlier protocol error: {reason}")
 

@@ -8,7 +8,11 @@ appear instead. The compiled engine decodes headers in C (``csrc/fp.h``) with th
 
 from __future__ import annotations
 
+import os
+import socket
+import stat
 import struct
+from typing import TypeVar
 
 CHECK = b"\x00\x00"  # a data frame
 TIMEOUT = b"\x01\x01"  # reference writers' timeout sentinel, alone at a frame boundary
@@ -31,6 +35,69 @@ DEAD_SIZE = 2 + LENGTH.size
 # keeps the lower latency of small frames. Measured crossover: 4 KiB payloads move faster on
 # the pipe, 16 KiB and more on the socket.
 BULK_MIN = 16 * 1024
+
+# On a SOCK_SEQPACKET socket (a duplex Pipe()) every write is one record, which a read takes
+# whole or loses the rest of. Writers cut frames into records of at most RECORD_MAX bytes, and
+# readers read into a buffer of at least READ_BUFFER bytes (or straight into a payload with at
+# least RECORD_MAX bytes still to come). A frame under RECORD_MAX then arrives, header and
+# payload, in one read, and a read never takes a byte past its frame's record.
+READ_BUFFER = 64 * 1024
+RECORD_MAX = READ_BUFFER - 64
+
+
+# Python makes a socket object's fd non-blocking when socket.setdefaulttimeout() has set a
+# timeout, unless the type it is given carries SOCK_NONBLOCK: then it leaves the fd alone.
+_LEAVE_FLAGS = getattr(socket, "SOCK_NONBLOCK", 0)
+
+
+_Socket = TypeVar("_Socket", bound=socket.socket)
+
+
+def socket_view(fd: int, kind: int, cls: type[_Socket]) -> _Socket:
+    """A ``cls`` socket object over the socket ``fd`` that leaves the fd's flags alone;
+    ``detach()`` it when done, so that it never closes ``fd``. Its calls never wait on their
+    own (timeout 0): the fd's own blocking mode decides whether a call without MSG_DONTWAIT
+    blocks."""
+    return cls(socket.AF_UNIX, kind | _LEAVE_FLAGS, 0, fd)
+
+
+def record_limit(fd: int) -> int:
+    """The longest record a write to ``fd`` may make: 0 (no limit) unless ``fd`` is a
+    SOCK_SEQPACKET socket; there, RECORD_MAX, or less when its send buffer cannot hold that."""
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            return 0
+    except OSError:
+        return 0  # like the stdlib: a bad handle fails on first use
+    sock = socket_view(fd, socket.SOCK_STREAM, socket.socket)
+    try:
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE) != socket.SOCK_SEQPACKET:
+            return 0
+        try:  # the kernel refuses a record longer than the send buffer
+            room = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2
+        except OSError:
+            room = RECORD_MAX
+        return max(min(RECORD_MAX, room), 1024)
+    except OSError:
+        return 0
+    finally:
+        sock.detach()
+
+
+# How a read with no deadline and no watch waits for data: in poll() (0), where a close() in
+# another thread wakes it through the wake fd, or in read() itself, one system call instead of
+# two, where the close() has to reach it through the fd: a pipe's by writing into it, a
+# socket's by shutting its reading down.
+READ_WAITS_NONE, READ_WAITS_PIPE, READ_WAITS_SOCKET = 0, 1, 2
+
+
+def read_waits(mode: int, pipe_wake: bool) -> int:
+    """How reads of a fd whose ``st_mode`` is ``mode`` wait (READ_WAITS_*); ``pipe_wake``:
+    whether this system can write into a pipe it only reads (Linux's /proc/self/fd)."""
+    if stat.S_ISFIFO(mode):
+        return READ_WAITS_PIPE if pipe_wake else READ_WAITS_NONE
+    return READ_WAITS_SOCKET if stat.S_ISSOCK(mode) else READ_WAITS_NONE
+
 
 # The frame cap: the largest payload a frame may announce on a connection without max_size.
 # Both engines refuse a longer length before allocating anything (no process can hold 2**62

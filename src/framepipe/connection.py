@@ -56,8 +56,9 @@ def Pipe(duplex: bool = True, *, read_ahead: bool = False, pipes: bool = False) 
     With ``duplex=False`` the first can only read and the second can only write.
     ``read_ahead=True`` trades visibility to a foreign ``select()`` for small-message speed
     (see :class:`Connection`). A duplex pair is one Unix socketpair, as the stdlib's (so
-    ``multiprocessing.reduction.send_handle`` works over it); ``pipes=True`` makes it two
-    one-way pipes instead, each with a bulk channel: twice the small-message rate, 8 fds.
+    ``multiprocessing.reduction.send_handle`` works over it), of SOCK_SEQPACKET records where
+    the system has them: a small frame in one read. ``pipes=True`` makes it two one-way pipes
+    instead, each with a bulk channel: 8 fds, and ``fileno()`` a pipe.
     """
     return _impl.core.pipe(duplex, read_ahead=read_ahead, pipes=pipes)
 
