@@ -366,7 +366,8 @@ static ssize_t writev_once(int fd, const struct iovec *iov, int cnt, int nowait)
 #endif
 }
 
-int fp_writev(int fd, struct iovec **iov, int *iovcnt, int nowait, size_t cap, size_t *written)
+int fp_writev(int fd, struct iovec **iov, int *iovcnt, int nowait, size_t cap, size_t cap_after,
+              size_t *written)
 {
     ssize_t w;
     struct iovec *last;
@@ -392,6 +393,7 @@ int fp_writev(int fd, struct iovec **iov, int *iovcnt, int nowait, size_t cap, s
         w = writev_once(fd, *iov, cnt, nowait);
         if (last != NULL)
             last->iov_len = kept;
+        cap = cap_after;
         if (w < 0)
             return -1;
         if (written != NULL)

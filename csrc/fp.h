@@ -134,13 +134,15 @@ int fp_reopen_nonblocking(int fd);
 
 /* Write the bytes described by *iov (*iovcnt entries) to fd, looping over short writes. On
  * return *iov and *iovcnt describe what is left and *written (when not NULL) grew by the bytes
- * written. With cap > 0, no single write is longer than cap bytes: on a SOCK_SEQPACKET socket
- * each write is one record, and a reader takes records of at most RECORD_MAX bytes
- * (framepipe._wire). FP_OK once all is written, or -1 with errno: after EINTR the caller runs
+ * written. With cap > 0, the first write is at most cap bytes long, and with cap_after > 0, each
+ * later one at most cap_after: on a SOCK_SEQPACKET socket each write is one record, and a
+ * reader takes a frame's first record, and any record of several frames, into a buffer of
+ * READ_BUFFER bytes (framepipe._wire). FP_OK once all is written, or -1 with errno: after EINTR the caller runs
  * its signal handlers and calls again to finish the same frame. With nowait, no write blocks (pwritev2
  * with RWF_NOWAIT, a per-call flag, so the shared description stays blocking): errno EAGAIN
  * when fd is full, EOPNOTSUPP where this system cannot. */
-int fp_writev(int fd, struct iovec **iov, int *iovcnt, int nowait, size_t cap, size_t *written);
+int fp_writev(int fd, struct iovec **iov, int *iovcnt, int nowait, size_t cap, size_t cap_after,
+              size_t *written);
 
 /* The identity of fd's open file (device and inode), for fp_close_if_same. FP_OK, or -1 with
  * errno (EBADF: not an open fd). */

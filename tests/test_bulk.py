@@ -23,7 +23,7 @@ import pytest
 from _fault_children import kill_and_wait_dead
 
 from framepipe import FrameError, ReadTimeout, WriterDied
-from framepipe._wire import RECORD_MAX
+from framepipe._wire import FRAME_RECORD_MAX, RECORD_MAX
 from framepipe.errors import MessageTooLong
 
 WAIT = 60.0  # upper bound on any blocking wait; a healthy run never comes close
@@ -165,7 +165,7 @@ def read_records(fd: int, n: int) -> list[bytes]:
         while sum(map(len, out)) < n:
             r, _, _ = select.select([fd], [], [], WAIT)
             assert r, f"nothing to read after {WAIT} s"
-            record = s.recv(4 * RECORD_MAX)
+            record = s.recv(2 * FRAME_RECORD_MAX)
             assert record, "unexpected end of file"
             out.append(record)
     return out
@@ -173,7 +173,8 @@ def read_records(fd: int, n: int) -> list[bytes]:
 
 def test_a_duplex_pipe_is_one_seqpacket_socketpair_that_carries_frames_in_records(impl):
     # Two fds in all, no bulk channel: every frame travels in order on the socket, cut into
-    # records of at most RECORD_MAX bytes, and a small frame is one record, header and payload.
+    # records: a large frame's first of RECORD_MAX bytes, its others of at most
+    # FRAME_RECORD_MAX, and a small frame is one record, header and payload.
     r, w = pair(impl, True)
     with r, w:
         assert r._handles()[2:] == (-1, -1)
@@ -186,8 +187,9 @@ def test_a_duplex_pipe_is_one_seqpacket_socketpair_that_carries_frames_in_record
         small = b"\x00\x00" + LEN.pack(5) + b"\x00\x00" + b"small"
         records = read_records(r.fileno(), 12 + MIB + len(small))
         assert b"".join(records) == b"\x00\x00" + LEN.pack(MIB) + b"\x00\x00" + payload(MIB) + small
-        assert [len(x) for x in records[:-2]] == [RECORD_MAX] * (len(records) - 2)
-        assert len(records[-2]) == (12 + MIB) % RECORD_MAX
+        assert len(records[0]) == RECORD_MAX
+        assert 2 <= len(records) - 1 <= 1 + MIB // RECORD_MAX  # the 1 MiB frame, then "small"
+        assert max(len(x) for x in records[1:-1]) <= FRAME_RECORD_MAX
         assert records[-1] == small
         assert nothing_left(r.fileno())
 

@@ -129,12 +129,33 @@ def test_records_that_hold_several_frames_or_cross_a_frames_end(impl):
         assert conn.recv_bytes(timeout=WAIT) == after
 
 
+def test_a_frames_later_records_may_be_long_but_never_run_past_its_end(impl):
+    # After a frame's first record (read into the buffer), its records may be as long as the
+    # rest of the frame: a reader takes them straight into the payload. One that also holds
+    # the next frame's start cannot be read whole there: FrameError, not a hole in the stream.
+    a, b = seqpacket_pair()
+    conn = impl.Connection(a.detach())
+    with conn, b:
+        data = payload(3 * RECORD_MAX)
+        stream = frame(data)
+        b.send(stream[:RECORD_MAX])
+        b.send(stream[RECORD_MAX:])  # over two RECORD_MAX long, the frame's end
+        assert conn.recv_bytes(timeout=WAIT) == data
+        b.send(stream[:RECORD_MAX])
+        b.send(stream[RECORD_MAX:] + frame(b"next"))  # runs past the frame's end
+        with pytest.raises(FrameError, match="record of the socket was longer"):
+            conn.recv_bytes(timeout=WAIT)
+
+
 def test_a_record_too_long_to_read_breaks_the_stream_with_an_error_that_says_so(impl):
     a, b = seqpacket_pair()
     conn = impl.Connection(a.detach())
     with conn, b:
         b.send(frame(payload(2 * RECORD_MAX)))  # one record: longer than any read's room
-        with pytest.raises(FrameError, match=r"record of the socket was longer than the 65,536"):
+        with pytest.raises(
+            FrameError,
+            match=r"record of the socket was longer than the 65,5\d\d bytes its read had room",
+        ):
             conn.recv_bytes(timeout=WAIT)
         b.send(frame(b"later"))
         with pytest.raises(FrameError, match="broken"):

@@ -34,7 +34,7 @@ from ._stream_errors import (
     no_bulk_channel, record_too_long, sentinel_timeout, timeout_error, truncated, unallocatable,
 )
 from ._wire import BULK_MIN as _BULK_MIN, KIND_BULK, READ_BUFFER, RECORD_MAX as _RECORD_MAX
-from ._wire import READ_WAITS_PIPE, frame_cap, read_waits, record_limit
+from ._wire import READ_WAITS_PIPE, frame_cap, read_waits, record_limits
 from .errors import BufferTooShort, MessageTooLong
 
 __all__ = ["ENGINE", "Engine"]
@@ -78,7 +78,8 @@ cdef extern from "fp.h" nogil:
     ssize_t fp_read(int fd, void *buf, size_t n, int mode)
     int fp_spin_readable(int fd, double until)
     int fp_reopen_nonblocking(int fd)
-    int fp_writev(int fd, iovec **iov, int *iovcnt, int nowait, size_t cap, size_t *written)
+    int fp_writev(int fd, iovec **iov, int *iovcnt, int nowait, size_t cap, size_t cap_after,
+                  size_t *written)
     int fp_identity(int fd, uint64_t *dev, uint64_t *ino)
     int fp_close_if_same(int fd, uint64_t dev, uint64_t ino)
 
@@ -198,7 +199,7 @@ cdef class Engine:
     cdef bint _closefd
     cdef int _mode
     cdef readonly bint _records  # reads take whole records (SOCK_SEQPACKET, see _wire)
-    cdef size_t _wcap  # the longest write to the write fd: a record's limit (0: none)
+    cdef size_t _wcap, _wframe  # the longest records of the write fd (see _wire.record_limits)
     cdef unsigned long _async_owner  # the thread whose asyncio send holds the write lock, or 0
     cdef int _nfd  # a private O_NONBLOCK description of the pipe (-1: not yet, -2: none)
     cdef readonly bint _read_ahead
@@ -298,8 +299,8 @@ cdef class Engine:
         self._read_ahead = read_ahead
         self._nowait_writes = True  # until the kernel says otherwise (EOPNOTSUPP)
         self._read_waits = read_waits(mode, FP_HAVE_PIPE_WAKE)
-        self._records = stat.S_ISSOCK(mode) and record_limit(fd) > 0
-        self._wcap = record_limit(wfd) if wfd >= 0 else 0
+        self._records = stat.S_ISSOCK(mode) and record_limits(fd)[0] > 0
+        self._wcap, self._wframe = record_limits(wfd) if wfd >= 0 else (0, 0)
         if self._records:
             self._mode = FP_MODE_RECORD
         elif stat.S_ISSOCK(mode):
@@ -537,23 +538,26 @@ cdef class Engine:
         try:
             self._lock_write()
             try:
-                self._writev_locked(iov, cnt, False)
+                self._writev_locked(iov, cnt, False, True)
             finally:
                 PyThread_release_lock(self._wlock)
         finally:
             self._leave()
         return 0
 
-    cdef int _writev_locked(self, iovec *iov, int cnt, bint bulk) except -1:
+    cdef int _writev_locked(self, iovec *iov, int cnt, bint bulk, bint one_frame=False) except -1:
         """Write all of iov to the pipe (the bulk fd when ``bulk``); the caller holds the
-        write lock. A full fd is waited for in fp_wait, so a close() wakes the writer."""
+        write lock. ``one_frame``: iov is one whole frame, whose records after its first may
+        be longer (see _wire.record_limits). A full fd is waited for in fp_wait, so a close()
+        wakes the writer."""
+        cdef size_t cap = 0 if bulk else self._wcap
+        cdef size_t cap_after = self._wframe if one_frame else cap
         cdef int rc, err, fd, wake
         while True:
             self._woken()
             fd = self._bwfd if bulk else self._wfd
             with nogil:
-                rc = fp_writev(fd, &iov, &cnt, self._nowait_writes, 0 if bulk else self._wcap,
-                               NULL)
+                rc = fp_writev(fd, &iov, &cnt, self._nowait_writes, cap, cap_after, NULL)
                 err = errno
             if rc == FP_OK:
                 return 0
@@ -746,7 +750,7 @@ cdef class Engine:
                 if err == EAGAIN:
                     break  # someone made the description non-blocking: wait in poll() below
                 if err == EMSGSIZE:
-                    raise self._break(record_too_long(READ_CHUNK, self._consumed))
+                    raise self._break(record_too_long(n, self._consumed))
                 _retry(err)
         while True:
             self._woken()
@@ -765,7 +769,7 @@ cdef class Engine:
                         self._note_wait(fp_now() - started)
                     return r
                 if err == EMSGSIZE:
-                    raise self._break(record_too_long(READ_CHUNK, self._consumed))
+                    raise self._break(record_too_long(n, self._consumed))
                 if err == EOPNOTSUPP or err == EINVAL:
                     mode = FP_MODE_BLOCK  # this kernel cannot: read after a wait from now on
                     if bulk:
@@ -1289,7 +1293,7 @@ cdef class Engine:
         self._enter()
         try:
             with nogil:
-                rc = fp_writev(fd, &iov, &cnt, 1, cap, &written)
+                rc = fp_writev(fd, &iov, &cnt, 1, cap, cap, &written)
                 err = errno
         finally:
             v.release()

@@ -63,7 +63,7 @@ from ._wire import (
     frame_cap,
     header,
     read_waits,
-    record_limit,
+    record_limits,
     socket_view,
 )
 from .errors import BufferTooShort, MessageTooLong
@@ -160,15 +160,20 @@ def _deadline(timeout: float | None) -> float:
     return time.monotonic() + max(t, 0.0)
 
 
-def _writev(fd: int, views: list[memoryview], nowait: bool = False, cap: int = 0) -> int:
+def _writev(
+    fd: int, views: list[memoryview], nowait: bool = False, cap: int = 0, cap_after: int = -1
+) -> int:
     """Write the bytes of ``views`` to ``fd`` as ``fp_writev`` (csrc/fp.c) does, looping over
-    short writes, no write longer than ``cap`` bytes when it is not 0; ``views`` is left
-    holding what is not written. Returns the bytes written. With ``nowait`` no write blocks
-    (RWF_NOWAIT, a per-call flag): BlockingIOError when the fd is full. A description someone
-    made non-blocking raises it as well."""
+    short writes: the first write at most ``cap`` bytes long when it is not 0, the later ones
+    at most ``cap_after`` (-1: ``cap``); ``views`` is left holding what is not written.
+    Returns the bytes written. With ``nowait`` no write blocks (RWF_NOWAIT, a per-call flag):
+    BlockingIOError when the fd is full. A description someone made non-blocking raises it as
+    well."""
     written = 0
     while views and not views[0].nbytes:  # empty parts first: a frame may have no payload
         views.pop(0)
+    if cap_after < 0:
+        cap_after = cap
     while views:
         batch = views[:_IOV_MAX] if not cap else _capped(views[:_IOV_MAX], cap)
         try:
@@ -180,6 +185,7 @@ def _writev(fd: int, views: list[memoryview], nowait: bool = False, cap: int = 0
             exc.characters_written = written
             raise
         written += n
+        cap = cap_after
         while views and n >= views[0].nbytes:
             n -= views[0].nbytes
             views.pop(0)
@@ -331,12 +337,12 @@ class Engine:
             self._read_waits = 0  # like the stdlib: a bad handle fails on first use
         # Reads take whole records (a SOCK_SEQPACKET socket, see _wire.RECORD_MAX); writes
         # are cut to records no longer than _wcap.
-        self._records = record_limit(fd) > 0
+        self._records = record_limits(fd)[0] > 0
         self._rsock: _RecordSocket | None = None
         self._rscratch: bytearray | None = None
         if self._records:
             self._rsock = socket_view(fd, socket.SOCK_SEQPACKET, _RecordSocket)
-        self._wcap = record_limit(wfd) if wfd >= 0 else 0
+        self._wcap, self._wframe = record_limits(wfd) if wfd >= 0 else (0, 0)
         self._ids = tuple(_fd_identity(f) if f >= 0 else None for f in (fd, wfd, bfd, bwfd))
         self._async_owner = 0  # the thread whose asyncio send holds the write lock, or 0
         self._nfd = -1  # a private O_NONBLOCK description of the pipe (-1: not yet, -2: none)
@@ -550,13 +556,15 @@ class Engine:
                 raise blocking_send_under_async_send()
             self._wlock.acquire()
 
-    def _write_locked(self, fd: int, views: list[memoryview]) -> None:
+    def _write_locked(self, fd: int, views: list[memoryview], one_frame: bool = False) -> None:
         """Write all of ``views`` to ``fd``; the caller holds the write lock. A full fd is
         waited for in a poll() with the wake fd, so a close() wakes the writer."""
         while True:
             self._woken()
             try:
-                _writev(fd, views, self._nowait_writes, self._wcap if fd == self._wfd else 0)
+                cap = self._wcap if fd == self._wfd else 0
+                after = self._wframe if cap and one_frame else cap  # see _wire.record_limits
+                _writev(fd, views, self._nowait_writes, cap, after)
                 return
             except BlockingIOError:
                 pass
@@ -573,13 +581,15 @@ class Engine:
                 poller.register(wake, select.POLLIN)
             poller.poll()
 
-    def _write_parts(self, parts: list[Any]) -> None:
+    def _write_parts(self, parts: list[Any], one_frame: bool = False) -> None:
+        """Write ``parts`` under the write lock; ``one_frame``: they are one whole frame (see
+        _wire.record_limits)."""
         views = [memoryview(p).cast("B") for p in parts]
         self._enter()
         try:
             self._lock_write()
             try:
-                self._write_locked(self._wfd, views)
+                self._write_locked(self._wfd, views, one_frame)
             finally:
                 self._wlock.release()
         finally:
@@ -611,7 +621,7 @@ class Engine:
             payload = m[offset : offset + size]
             self._write_segments([[header(KIND_BULK, size)], payload, []])
             return
-        self._write_parts([header(KIND_DATA, size), m[offset : offset + size]])
+        self._write_parts([header(KIND_DATA, size), m[offset : offset + size]], True)
 
     def _send_segments(self, segments: list[Any]) -> None:
         """Write one message given as ``[pipe_parts, bulk_payload, pipe_parts, ...]``."""
@@ -808,7 +818,7 @@ class Engine:
             into = view
         n = sock.recv_into(into, into.nbytes, socket.MSG_TRUNC if wait else _RECORD_FLAGS)
         if n > into.nbytes:  # the kernel dropped the rest of the record
-            raise self._break(record_too_long(_READ_CHUNK, self._consumed))
+            raise self._break(record_too_long(into.nbytes, self._consumed))
         return n if view is not None else into[:n].tobytes()
 
     def _note_wait(self, waited: float) -> None:

@@ -167,11 +167,12 @@ def truncated(got: int, expected: int) -> FrameError:
 
 
 def record_too_long(room: int, consumed: int) -> FrameError:
-    """A SOCK_SEQPACKET record did not fit the read buffer: the kernel dropped its rest."""
+    """A SOCK_SEQPACKET record did not fit the read: the kernel dropped its rest."""
     return FrameError(
-        f"a record of the socket was longer than the {room:,}-byte read buffer after byte "
-        f"{consumed:,} of the stream, so the kernel dropped its rest: the writer is not a "
-        "framepipe connection (whose records are shorter); give such a writer a SOCK_STREAM "
+        f"a record of the socket was longer than the {room:,} bytes its read had room for (the "
+        f"read buffer, or the rest of a frame) after byte {consumed:,} of the stream, so the "
+        "kernel dropped its rest: the writer does not cut its records as a framepipe "
+        "connection does (see framepipe._wire.RECORD_MAX); give such a writer a SOCK_STREAM "
         "socket"
     )
 

@@ -37,12 +37,16 @@ DEAD_SIZE = 2 + LENGTH.size
 BULK_MIN = 16 * 1024
 
 # On a SOCK_SEQPACKET socket (a duplex Pipe()) every write is one record, which a read takes
-# whole or loses the rest of. Writers cut frames into records of at most RECORD_MAX bytes, and
-# readers read into a buffer of at least READ_BUFFER bytes (or straight into a payload with at
-# least RECORD_MAX bytes still to come). A frame under RECORD_MAX then arrives, header and
-# payload, in one read, and a read never takes a byte past its frame's record.
+# whole or loses the rest of. Readers read at a frame's start, and whenever less than
+# RECORD_MAX bytes of the frame are still to come, into a buffer of READ_BUFFER bytes; else
+# straight into the payload, with room for all that is still to come. So writers cut their
+# bytes into records of at most RECORD_MAX, except that a record of one frame that is not its
+# first may be as long as FRAME_RECORD_MAX (it never runs past the frame's end). A frame under
+# RECORD_MAX then arrives, header and payload, in one read, a read never takes a byte past its
+# frame's record, and a large frame moves in few records.
 READ_BUFFER = 64 * 1024
 RECORD_MAX = READ_BUFFER - 64
+FRAME_RECORD_MAX = 1 << 20
 
 
 # Python makes a socket object's fd non-blocking when socket.setdefaulttimeout() has set a
@@ -61,25 +65,27 @@ def socket_view(fd: int, kind: int, cls: type[_Socket]) -> _Socket:
     return cls(socket.AF_UNIX, kind | _LEAVE_FLAGS, 0, fd)
 
 
-def record_limit(fd: int) -> int:
-    """The longest record a write to ``fd`` may make: 0 (no limit) unless ``fd`` is a
-    SOCK_SEQPACKET socket; there, RECORD_MAX, or less when its send buffer cannot hold that."""
+def record_limits(fd: int) -> tuple[int, int]:
+    """The longest records a write to ``fd`` may make: ``(any record, a record of one frame
+    that is not its first)``, ``(0, 0)`` (no limit) unless ``fd`` is a SOCK_SEQPACKET socket;
+    there RECORD_MAX and FRAME_RECORD_MAX, or less when its send buffer cannot hold that."""
     try:
         if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-            return 0
+            return 0, 0
     except OSError:
-        return 0  # like the stdlib: a bad handle fails on first use
+        return 0, 0  # like the stdlib: a bad handle fails on first use
     sock = socket_view(fd, socket.SOCK_STREAM, socket.socket)
     try:
         if sock.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE) != socket.SOCK_SEQPACKET:
-            return 0
+            return 0, 0
         try:  # the kernel refuses a record longer than the send buffer
             room = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2
         except OSError:
             room = RECORD_MAX
-        return max(min(RECORD_MAX, room), 1024)
+        first = max(min(RECORD_MAX, room), 1024)
+        return first, max(min(FRAME_RECORD_MAX, room), first)
     except OSError:
-        return 0
+        return 0, 0
     finally:
         sock.detach()
 

@@ -207,10 +207,13 @@ def _pipe_function(module: ModuleType) -> Callable[..., tuple[Any, Any]]:
 
 
 def _transport(pipe: Callable[..., tuple[Any, Any]], **kwargs: Any) -> str:
-    """What ``pipe(**kwargs)`` is made of: ``os.pipe`` or ``socketpair``."""
+    """What ``pipe(**kwargs)`` is made of: ``os.pipe``, ``socketpair`` or ``seqpacket
+    socketpair`` (records, see ``framepipe._wire.RECORD_MAX``)."""
     a, b = pipe(**kwargs)
     try:
-        return "socketpair" if stat.S_ISSOCK(os.fstat(a.fileno()).st_mode) else "os.pipe"
+        if not stat.S_ISSOCK(os.fstat(a.fileno()).st_mode):
+            return "os.pipe"
+        return "seqpacket socketpair" if a._records else "socketpair"
     finally:
         a.close()
         b.close()
