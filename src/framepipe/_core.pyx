@@ -90,6 +90,10 @@ cdef extern from "unistd.h" nogil:
 
 cdef enum:
     READ_CHUNK = 65536  # the read buffer: with read-ahead, many small frames per read()
+    # A read or write that cannot block and moves at most this many bytes keeps the GIL: it
+    # takes less time than releasing the GIL and taking it back (two futex calls when another
+    # thread waits for it), and no thread waits on it for long.
+    GIL_HELD_IO = 65536
     DIRECT_MIN = 16384  # a remainder at least this large is read straight into its frame
 
 assert KIND_BULK == FP_KIND_BULK  # _wire's kinds are fp.h's
@@ -552,13 +556,20 @@ cdef class Engine:
         wakes the writer."""
         cdef size_t cap = 0 if bulk else self._wcap
         cdef size_t cap_after = self._wframe if one_frame else cap
-        cdef int rc, err, fd, wake
+        cdef size_t total = 0
+        cdef int rc, err, fd, wake, i
+        for i in range(cnt):
+            total += iov[i].iov_len
         while True:
             self._woken()
             fd = self._bwfd if bulk else self._wfd
-            with nogil:
-                rc = fp_writev(fd, &iov, &cnt, self._nowait_writes, cap, cap_after, NULL)
+            if self._nowait_writes and total <= GIL_HELD_IO:  # cannot block (see GIL_HELD_IO)
+                rc = fp_writev(fd, &iov, &cnt, 1, cap, cap_after, NULL)
                 err = errno
+            else:
+                with nogil:
+                    rc = fp_writev(fd, &iov, &cnt, self._nowait_writes, cap, cap_after, NULL)
+                    err = errno
             if rc == FP_OK:
                 return 0
             if err == EOPNOTSUPP:  # no non-blocking writes here: blocking ones from now on
@@ -761,9 +772,13 @@ cdef class Engine:
             # only once a wait found it readable.
             if ready or ((eager or not poll_first) and mode != FP_MODE_BLOCK):
                 rfd = self._nfd if mode == FP_MODE_NONBLOCK else fd
-                with nogil:
+                if n <= GIL_HELD_IO and mode != FP_MODE_BLOCK:  # cannot block (see GIL_HELD_IO)
                     r = fp_read(rfd, dst, <size_t>n, mode)
                     err = errno
+                else:
+                    with nogil:
+                        r = fp_read(rfd, dst, <size_t>n, mode)
+                        err = errno
                 if r >= 0:
                     if spun and timed:
                         self._note_wait(fp_now() - started)
