@@ -17,11 +17,13 @@ import select
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
 from framepipe import FrameError
 from framepipe._wire import RECORD_MAX
+from framepipe.errors import MessageTooLong
 
 WAIT = 60.0
 LEN = struct.Struct("Q")
@@ -160,6 +162,50 @@ def test_a_record_too_long_to_read_breaks_the_stream_with_an_error_that_says_so(
         b.send(frame(b"later"))
         with pytest.raises(FrameError, match="broken"):
             conn.recv_bytes(timeout=WAIT)
+
+
+def test_a_message_over_maxlength_is_dropped_whole_and_the_connection_goes_on(impl):
+    # Its records after the first are longer than the read buffer: they are dropped whole.
+    r, w = impl.pipe(True)
+    with r, w:
+        big = payload(3_000_000)
+        t = threading.Thread(target=lambda: (w.send_bytes(big), w.send_bytes(b"after")))
+        t.start()
+        with pytest.raises(MessageTooLong):
+            r.recv_bytes(10, timeout=WAIT)
+        assert r.recv_bytes(timeout=WAIT) == b"after"
+        t.join(WAIT)
+        assert not t.is_alive()
+
+
+def _owned_by_the_caller(impl):
+    a, b = seqpacket_pair()
+    return a, b, impl.Connection(a.fileno(), closefd=False)
+
+
+def test_closing_a_connection_over_a_callers_socket_leaves_the_socket_working(impl):
+    # closefd=False: a close() that wakes a thread waiting for data must not shut the
+    # caller's socket down (its reads wait in poll(), woken by the wake fd).
+    a, b, conn = _owned_by_the_caller(impl)
+    with a, b:
+        result: list[BaseException] = []
+        t = threading.Thread(target=lambda: _catch(conn.recv_bytes, result))
+        t.start()
+        time.sleep(0.1)  # let it block (if not yet, it sees the close anyway)
+        conn.close()
+        t.join(WAIT)
+        assert not t.is_alive() and isinstance(result[0], OSError)
+        b.send(b"still")  # both ways still work on the caller's sockets
+        assert a.recv(10) == b"still"
+        a.send(b"back")
+        assert b.recv(10) == b"back"
+
+
+def _catch(fn, into: list[BaseException]) -> None:
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - checked by the test
+        into.append(exc)
 
 
 def test_a_small_send_buffer_cuts_smaller_records(impl):

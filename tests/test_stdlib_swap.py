@@ -325,6 +325,42 @@ def test_a_close_in_a_forked_child_never_wakes_the_parents_blocked_read(impl):
                 os.waitpid(pid, 0)
 
 
+def test_a_forked_childs_close_of_its_copy_never_shuts_the_socket_down(impl):
+    # The child inherits the parent's end of a duplex Pipe(); a thread of the child waits in a
+    # plain read of it, and the child closes it. The parent's end must go on working both ways
+    # (a shutdown of the socket, which both processes hold, would end it for the parent too).
+    a, b = impl.pipe(True)
+    with a, b:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                reader = Background(a.recv_bytes)
+                time.sleep(0.1)
+                a.close()
+                try:
+                    reader.join()
+                    code = 2  # the read was not woken by the close
+                except OSError:
+                    code = 0
+            except BaseException:
+                code = 3
+            finally:
+                os._exit(code)
+        try:
+            _, status = os.waitpid(pid, 0)
+            pid = 0
+            assert os.waitstatus_to_exitcode(status) == 0
+            b.send_bytes(b"to the parent")
+            assert a.recv_bytes(timeout=TIMEOUT) == b"to the parent"
+            a.send_bytes(b"and back")
+            assert b.recv_bytes(timeout=TIMEOUT) == b"and back"
+        finally:
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+
+
 def _recv_with_timeout(conn):
     try:
         conn.recv_bytes(timeout=TIMEOUT)

@@ -34,7 +34,8 @@ from ._stream_errors import (
     no_bulk_channel, record_too_long, sentinel_timeout, timeout_error, truncated, unallocatable,
 )
 from ._wire import BULK_MIN as _BULK_MIN, KIND_BULK, READ_BUFFER, RECORD_MAX as _RECORD_MAX
-from ._wire import READ_WAITS_PIPE, frame_cap, read_waits, record_limits
+from ._wire import FRAME_RECORD_MAX as _FRAME_RECORD_MAX, READ_WAITS_NONE, READ_WAITS_PIPE
+from ._wire import READ_WAITS_SOCKET, frame_cap, read_waits, record_limits
 from .errors import BufferTooShort, MessageTooLong
 
 __all__ = ["ENGINE", "Engine"]
@@ -99,6 +100,7 @@ cdef enum:
 assert KIND_BULK == FP_KIND_BULK  # _wire's kinds are fp.h's
 assert READ_CHUNK == READ_BUFFER  # a record (see _wire.RECORD_MAX) fits the read buffer
 cdef Py_ssize_t RECORD_MAX = _RECORD_MAX
+cdef Py_ssize_t FRAME_RECORD_MAX = _FRAME_RECORD_MAX
 cdef Py_ssize_t BULK_MIN = _BULK_MIN
 
 cdef enum:  # what _wait_readable saw
@@ -302,7 +304,7 @@ cdef class Engine:
         self._closefd = closefd
         self._read_ahead = read_ahead
         self._nowait_writes = True  # until the kernel says otherwise (EOPNOTSUPP)
-        self._read_waits = read_waits(mode, FP_HAVE_PIPE_WAKE)
+        self._read_waits = read_waits(mode, FP_HAVE_PIPE_WAKE, closefd)
         self._records = stat.S_ISSOCK(mode) and record_limits(fd)[0] > 0
         self._wcap, self._wframe = record_limits(wfd) if wfd >= 0 else (0, 0)
         if self._records:
@@ -520,6 +522,8 @@ cdef class Engine:
         # (one eventfd shared by both): a close here must not wake the parent's calls.
         self._users = 0
         self._blocked_reader = False  # a parent thread's read: a close must not wake it
+        if self._read_waits == READ_WAITS_SOCKET:
+            self._read_waits = READ_WAITS_NONE  # the parent holds the socket too (see read_waits)
         self._deferred = False
         self._dliveness = None
         self._close_wake()
@@ -1000,6 +1004,7 @@ cdef class Engine:
     cdef int _pump(self, double deadline) except -1:
         """Fill the pending frame's destination until it is complete."""
         cdef Py_ssize_t n = self._plen, got, avail, take, k
+        cdef char *scratch
         if self._pbulk:
             return self._pump_bulk(deadline)
         while self._pgot < n:
@@ -1019,6 +1024,20 @@ cdef class Engine:
             ):
                 # the payload's first bytes came with its header: read before polling
                 k = self._read_some(self._pptr + got, n - got, deadline, False, got == 0)
+                if k == 0:
+                    self._at_eof(deadline)
+                self._pgot = got + k
+                self._consumed += k
+            elif self._pdiscard and self._records and n - got >= RECORD_MAX:
+                # dropped, but whole: a frame's later record may be longer than the buffer
+                k = min(n - got, FRAME_RECORD_MAX)
+                scratch = <char *>PyMem_Malloc(k)
+                if scratch == NULL:
+                    raise MemoryError()
+                try:
+                    k = self._read_some(scratch, k, deadline)
+                finally:
+                    PyMem_Free(scratch)
                 if k == 0:
                     self._at_eof(deadline)
                 self._pgot = got + k

@@ -47,6 +47,7 @@ from ._stream_errors import (
 )
 from ._wire import (
     BULK_MIN,
+    FRAME_RECORD_MAX,
     HEADER_SIZE,
     KIND_BUFFER,
     KIND_BULK,
@@ -57,6 +58,7 @@ from ._wire import (
     OK,
     READ_BUFFER,
     READ_WAITS_PIPE,
+    READ_WAITS_SOCKET,
     RECORD_MAX,
     TIMEOUT,
     decode_header,
@@ -332,7 +334,7 @@ class Engine:
         self._closefd = bool(closefd)
         self._read_ahead = bool(read_ahead)
         try:
-            self._read_waits = read_waits(os.fstat(fd).st_mode, _HAVE_PIPE_WAKE)
+            self._read_waits = read_waits(os.fstat(fd).st_mode, _HAVE_PIPE_WAKE, bool(closefd))
         except OSError:
             self._read_waits = 0  # like the stdlib: a bad handle fails on first use
         # Reads take whole records (a SOCK_SEQPACKET socket, see _wire.RECORD_MAX); writes
@@ -542,6 +544,8 @@ class Engine:
                 self._slock = threading.Lock()
                 self._users = 0
                 self._blocked_reader = False  # a parent thread's read: a close must not wake it
+                if self._read_waits == READ_WAITS_SOCKET:
+                    self._read_waits = 0  # the parent holds the socket too (see read_waits)
                 self._deferred = None
                 self._close_wake()
                 self._poller = self._bpoller = None  # may be marked busy by a parent thread
@@ -813,7 +817,8 @@ class Engine:
         if view is None:
             if self._rscratch is None:
                 self._rscratch = bytearray(_READ_CHUNK)
-            into = memoryview(self._rscratch)[:want]
+            # a frame's later record may be longer than the buffer (see _wire.record_limits)
+            into = memoryview(self._rscratch if want <= _READ_CHUNK else bytearray(want))[:want]
         else:
             into = view
         n = sock.recv_into(into, into.nbytes, socket.MSG_TRUNC if wait else _RECORD_FLAGS)
@@ -988,6 +993,13 @@ class Engine:
             ):
                 # the payload's first bytes came with its header: read before polling
                 k = self._read_into(memoryview(self._pdest)[got:n], deadline, eager=got == 0)
+                if k == 0:
+                    self._at_eof(deadline)
+                self._pgot = got + k
+                self._consumed += k
+            elif self._pdiscard and self._records and n - got >= RECORD_MAX:
+                # dropped, but whole: a frame's later record may be longer than the buffer
+                k = len(self._read_into(None, deadline, min(n - got, FRAME_RECORD_MAX)))
                 if k == 0:
                     self._at_eof(deadline)
                 self._pgot = got + k

@@ -93,16 +93,20 @@ def record_limits(fd: int) -> tuple[int, int]:
 # How a read with no deadline and no watch waits for data: in poll() (0), where a close() in
 # another thread wakes it through the wake fd, or in read() itself, one system call instead of
 # two, where the close() has to reach it through the fd: a pipe's by writing into it, a
-# socket's by shutting its reading down.
+# socket's by shutting its reading down (see read_waits for when).
 READ_WAITS_NONE, READ_WAITS_PIPE, READ_WAITS_SOCKET = 0, 1, 2
 
 
-def read_waits(mode: int, pipe_wake: bool) -> int:
+def read_waits(mode: int, pipe_wake: bool, owned: bool) -> int:
     """How reads of a fd whose ``st_mode`` is ``mode`` wait (READ_WAITS_*); ``pipe_wake``:
-    whether this system can write into a pipe it only reads (Linux's /proc/self/fd)."""
+    whether this system can write into a pipe it only reads (Linux's /proc/self/fd); ``owned``:
+    whether the connection owns the fd (``closefd``). A socket's reads wait in recv() only on a
+    socket the connection owns, used in the process that opened it (a forked child's copy
+    waits in poll(): see the engines' _renew_locks_after_fork), because the wake shuts the
+    socket's reading down for every process that holds it."""
     if stat.S_ISFIFO(mode):
         return READ_WAITS_PIPE if pipe_wake else READ_WAITS_NONE
-    return READ_WAITS_SOCKET if stat.S_ISSOCK(mode) else READ_WAITS_NONE
+    return READ_WAITS_SOCKET if stat.S_ISSOCK(mode) and owned else READ_WAITS_NONE
 
 
 # The frame cap: the largest payload a frame may announce on a connection without max_size.
