@@ -289,70 +289,55 @@ def test_fork_while_a_thread_is_blocked_in_a_timed_recv(impl):
                 os.waitpid(pid, 0)
 
 
-def test_a_close_in_a_forked_child_never_wakes_the_parents_blocked_read(impl):
-    # Forked while a parent thread waits in recv() on a duplex Pipe(), the child closes its copy
-    # of that connection while a thread of its own polls it: the child's thread is woken, and
-    # the parent's read is not (no shutdown of the socket both hold), so it gets its message.
-    a, b = impl.pipe(True)
-    with a, b:
-        blocked = Background(a.recv_bytes)
-        time.sleep(0.1)  # the parent's thread waits in recv()
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                poller = Background(a.poll, 30)
-                time.sleep(0.1)
-                a.close()
-                try:
-                    poller.join()
-                    code = 2  # the poll was not woken by the close
-                except OSError:
-                    code = 0
-            except BaseException:
-                code = 3
-            finally:
-                os._exit(code)
+def _child_closes_while_its_thread_waits(conn, call) -> int:
+    """Fork a child in which a thread waits in ``call(conn)`` and the main thread closes
+    ``conn`` (the child's copy): returns the child's pid; it exits 0 when its thread was woken
+    with OSError, 2 when it was not woken."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
         try:
-            _, status = os.waitpid(pid, 0)
-            pid = 0
-            assert os.waitstatus_to_exitcode(status) == 0
-            b.send_bytes(b"for the parent")
-            assert blocked.join() == b"for the parent"
+            waiting = Background(call, conn)
+            time.sleep(0.1)
+            conn.close()
+            try:
+                waiting.join()
+                code = 2
+            except OSError:
+                code = 0
+        except BaseException:
+            code = 3
         finally:
-            if pid:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
+            os._exit(code)
+    return pid
 
 
-def test_a_forked_childs_close_of_its_copy_never_shuts_the_socket_down(impl):
-    # The child inherits the parent's end of a duplex Pipe(); a thread of the child waits in a
-    # plain read of it, and the child closes it. The parent's end must go on working both ways
-    # (a shutdown of the socket, which both processes hold, would end it for the parent too).
+@pytest.mark.parametrize(
+    "parent_waits, child_call",
+    [(True, lambda c: c.poll(30)), (False, lambda c: c.recv_bytes())],
+    ids=["parent-in-recv-child-in-poll", "child-in-recv"],
+)
+def test_a_forked_childs_close_of_its_copy_leaves_the_parents_connection_working(
+    impl, parent_waits, child_call
+):
+    # The child inherits the parent's end of a duplex Pipe() and closes it while a thread of its
+    # own waits on it. The child's thread is woken; the parent's end (with or without a thread
+    # of its own waiting in recv() meanwhile) goes on working both ways: no shutdown of the
+    # socket both processes hold, and no wake meant for the child's thread reaches the parent.
     a, b = impl.pipe(True)
     with a, b:
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                reader = Background(a.recv_bytes)
-                time.sleep(0.1)
-                a.close()
-                try:
-                    reader.join()
-                    code = 2  # the read was not woken by the close
-                except OSError:
-                    code = 0
-            except BaseException:
-                code = 3
-            finally:
-                os._exit(code)
+        blocked = Background(a.recv_bytes) if parent_waits else None
+        time.sleep(0.1)  # the parent's thread waits in recv()
+        pid = _child_closes_while_its_thread_waits(a, child_call)
         try:
             _, status = os.waitpid(pid, 0)
             pid = 0
-            assert os.waitstatus_to_exitcode(status) == 0
+            assert os.waitstatus_to_exitcode(status) == 0  # 2: the child's wait went on
             b.send_bytes(b"to the parent")
-            assert a.recv_bytes(timeout=TIMEOUT) == b"to the parent"
+            if blocked is not None:
+                assert blocked.join() == b"to the parent"
+            else:
+                assert a.recv_bytes(timeout=TIMEOUT) == b"to the parent"
             a.send_bytes(b"and back")
             assert b.recv_bytes(timeout=TIMEOUT) == b"and back"
         finally:
