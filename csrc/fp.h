@@ -137,10 +137,10 @@ int fp_reopen_nonblocking(int fd);
  * written. With cap > 0, the first write is at most cap bytes long, and with cap_after > 0, each
  * later one at most cap_after: on a SOCK_SEQPACKET socket each write is one record, and a
  * reader takes a frame's first record, and any record of several frames, into a buffer of
- * READ_BUFFER bytes (framepipe._wire). FP_OK once all is written, or -1 with errno: after EINTR the caller runs
- * its signal handlers and calls again to finish the same frame. With nowait, no write blocks (pwritev2
- * with RWF_NOWAIT, a per-call flag, so the shared description stays blocking): errno EAGAIN
- * when fd is full, EOPNOTSUPP where this system cannot. */
+ * READ_BUFFER bytes (framepipe._wire). FP_OK once all is written, or -1 with errno: after
+ * EINTR the caller runs its signal handlers and calls again to finish the same frame. With
+ * nowait, no write blocks (pwritev2 with RWF_NOWAIT, a per-call flag, so the shared description
+ * stays blocking): errno EAGAIN when fd is full, EOPNOTSUPP where this system cannot. */
 int fp_writev(int fd, struct iovec **iov, int *iovcnt, int nowait, size_t cap, size_t cap_after,
               size_t *written);
 

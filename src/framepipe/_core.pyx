@@ -35,7 +35,7 @@ from ._stream_errors import (
 )
 from ._wire import BULK_MIN as _BULK_MIN, KIND_BULK, READ_BUFFER, RECORD_MAX as _RECORD_MAX
 from ._wire import FRAME_RECORD_MAX as _FRAME_RECORD_MAX, READ_WAITS_NONE, READ_WAITS_PIPE
-from ._wire import READ_WAITS_SOCKET, frame_cap, read_waits, record_limits
+from ._wire import READ_WAITS_SOCKET, frame_cap, read_waits, records_of
 from .errors import BufferTooShort, MessageTooLong
 
 __all__ = ["ENGINE", "Engine"]
@@ -305,8 +305,7 @@ cdef class Engine:
         self._read_ahead = read_ahead
         self._nowait_writes = True  # until the kernel says otherwise (EOPNOTSUPP)
         self._read_waits = read_waits(mode, FP_HAVE_PIPE_WAKE, closefd)
-        self._records = stat.S_ISSOCK(mode) and record_limits(fd)[0] > 0
-        self._wcap, self._wframe = record_limits(wfd) if wfd >= 0 else (0, 0)
+        self._records, self._wcap, self._wframe = records_of(fd, wfd)
         if self._records:
             self._mode = FP_MODE_RECORD
         elif stat.S_ISSOCK(mode):
@@ -1004,7 +1003,6 @@ cdef class Engine:
     cdef int _pump(self, double deadline) except -1:
         """Fill the pending frame's destination until it is complete."""
         cdef Py_ssize_t n = self._plen, got, avail, take, k
-        cdef char *scratch
         if self._pbulk:
             return self._pump_bulk(deadline)
         while self._pgot < n:
@@ -1019,25 +1017,14 @@ cdef class Engine:
                 self._pgot = got + take
                 if self._bstart == self._bend:
                     self._bstart = self._bend = 0
-            elif not self._pdiscard and (
-                n - got >= RECORD_MAX if self._records else n - got >= DIRECT_MIN or not self._read_ahead
+            elif (
+                n - got >= RECORD_MAX if self._records
+                else not self._pdiscard and (n - got >= DIRECT_MIN or not self._read_ahead)
             ):
-                # the payload's first bytes came with its header: read before polling
-                k = self._read_some(self._pptr + got, n - got, deadline, False, got == 0)
-                if k == 0:
-                    self._at_eof(deadline)
-                self._pgot = got + k
-                self._consumed += k
-            elif self._pdiscard and self._records and n - got >= RECORD_MAX:
-                # dropped, but whole: a frame's later record may be longer than the buffer
-                k = min(n - got, FRAME_RECORD_MAX)
-                scratch = <char *>PyMem_Malloc(k)
-                if scratch == NULL:
-                    raise MemoryError()
-                try:
-                    k = self._read_some(scratch, k, deadline)
-                finally:
-                    PyMem_Free(scratch)
+                if self._pdiscard:  # a record dropped whole: it may be longer than the buffer
+                    k = self._read_dropped(min(n - got, FRAME_RECORD_MAX), deadline, False)
+                else:  # the payload's first bytes came with its header: read before polling
+                    k = self._read_some(self._pptr + got, n - got, deadline, False, got == 0)
                 if k == 0:
                     self._at_eof(deadline)
                 self._pgot = got + k
@@ -1049,24 +1036,27 @@ cdef class Engine:
     cdef int _pump_bulk(self, double deadline) except -1:
         """Read the pending frame's payload from the bulk fd, straight into its destination."""
         cdef Py_ssize_t n = self._plen, got, k
-        cdef char *scratch = NULL
+        while self._pgot < n:
+            got = self._pgot
+            if self._pdiscard:
+                k = self._read_dropped(min(n - got, READ_CHUNK), deadline, True)
+            else:
+                k = self._read_some(self._pptr + got, n - got, deadline, True)
+            if k == 0:
+                self._at_eof(deadline)
+            self._pgot = got + k
+        return 0
+
+    cdef Py_ssize_t _read_dropped(self, Py_ssize_t n, double deadline, bint bulk) except -1:
+        """One read of at most ``n`` bytes of a payload being dropped, into a scratch buffer
+        of its own: the byte count, 0 at end of file."""
+        cdef char *scratch = <char *>PyMem_Malloc(n)
+        if scratch == NULL:
+            raise MemoryError()
         try:
-            while self._pgot < n:
-                got = self._pgot
-                if self._pdiscard:
-                    if scratch == NULL:
-                        scratch = <char *>PyMem_Malloc(READ_CHUNK)
-                        if scratch == NULL:
-                            raise MemoryError()
-                    k = self._read_some(scratch, min(n - got, READ_CHUNK), deadline, True)
-                else:
-                    k = self._read_some(self._pptr + got, n - got, deadline, True)
-                if k == 0:
-                    self._at_eof(deadline)
-                self._pgot = got + k
+            return self._read_some(scratch, n, deadline, bulk)
         finally:
             PyMem_Free(scratch)
-        return 0
 
     cdef int _frame(self, double deadline, Py_ssize_t maxlength, char *into,
                     Py_ssize_t intolen, bint mutable) except -1:

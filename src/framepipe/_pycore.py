@@ -57,6 +57,7 @@ from ._wire import (
     MORE,
     OK,
     READ_BUFFER,
+    READ_WAITS_NONE,
     READ_WAITS_PIPE,
     READ_WAITS_SOCKET,
     RECORD_MAX,
@@ -65,7 +66,7 @@ from ._wire import (
     frame_cap,
     header,
     read_waits,
-    record_limits,
+    records_of,
     socket_view,
 )
 from .errors import BufferTooShort, MessageTooLong
@@ -336,15 +337,14 @@ class Engine:
         try:
             self._read_waits = read_waits(os.fstat(fd).st_mode, _HAVE_PIPE_WAKE, bool(closefd))
         except OSError:
-            self._read_waits = 0  # like the stdlib: a bad handle fails on first use
+            self._read_waits = READ_WAITS_NONE  # like the stdlib: a bad handle fails on first use
         # Reads take whole records (a SOCK_SEQPACKET socket, see _wire.RECORD_MAX); writes
         # are cut to records no longer than _wcap.
-        self._records = record_limits(fd)[0] > 0
+        self._records, self._wcap, self._wframe = records_of(fd, wfd)
         self._rsock: _RecordSocket | None = None
         self._rscratch: bytearray | None = None
         if self._records:
             self._rsock = socket_view(fd, socket.SOCK_SEQPACKET, _RecordSocket)
-        self._wcap, self._wframe = record_limits(wfd) if wfd >= 0 else (0, 0)
         self._ids = tuple(_fd_identity(f) if f >= 0 else None for f in (fd, wfd, bfd, bwfd))
         self._async_owner = 0  # the thread whose asyncio send holds the write lock, or 0
         self._nfd = -1  # a private O_NONBLOCK description of the pipe (-1: not yet, -2: none)
@@ -545,7 +545,7 @@ class Engine:
                 self._users = 0
                 self._blocked_reader = False  # a parent thread's read: a close must not wake it
                 if self._read_waits == READ_WAITS_SOCKET:
-                    self._read_waits = 0  # the parent holds the socket too (see read_waits)
+                    self._read_waits = READ_WAITS_NONE  # the parent holds it too (see read_waits)
                 self._deferred = None
                 self._close_wake()
                 self._poller = self._bpoller = None  # may be marked busy by a parent thread
@@ -986,20 +986,15 @@ class Engine:
                 self._bstart += take
                 self._consumed += take
                 self._pgot = got + take
-            elif not self._pdiscard and (
+            elif (
                 n - got >= RECORD_MAX
                 if self._records
-                else n - got >= _DIRECT_MIN or not self._read_ahead
+                else not self._pdiscard and (n - got >= _DIRECT_MIN or not self._read_ahead)
             ):
-                # the payload's first bytes came with its header: read before polling
-                k = self._read_into(memoryview(self._pdest)[got:n], deadline, eager=got == 0)
-                if k == 0:
-                    self._at_eof(deadline)
-                self._pgot = got + k
-                self._consumed += k
-            elif self._pdiscard and self._records and n - got >= RECORD_MAX:
-                # dropped, but whole: a frame's later record may be longer than the buffer
-                k = len(self._read_into(None, deadline, min(n - got, FRAME_RECORD_MAX)))
+                if self._pdiscard:  # a record dropped whole: it may be longer than the buffer
+                    k = len(self._read_into(None, deadline, min(n - got, FRAME_RECORD_MAX)))
+                else:  # the payload's first bytes came with its header: read before polling
+                    k = self._read_into(memoryview(self._pdest)[got:n], deadline, eager=got == 0)
                 if k == 0:
                     self._at_eof(deadline)
                 self._pgot = got + k

@@ -90,6 +90,14 @@ def record_limits(fd: int) -> tuple[int, int]:
         sock.detach()
 
 
+def records_of(fd: int, wfd: int) -> tuple[bool, int, int]:
+    """For a connection reading ``fd`` and writing ``wfd`` (-1: none): ``(whether its reads
+    take whole records, its writes' record_limits)``."""
+    reads = record_limits(fd)
+    writes = reads if wfd == fd else record_limits(wfd) if wfd >= 0 else (0, 0)
+    return reads[0] > 0, writes[0], writes[1]
+
+
 # How a read with no deadline and no watch waits for data: in poll() (0), where a close() in
 # another thread wakes it through the wake fd, or in read() itself, one system call instead of
 # two, where the close() has to reach it through the fd: a pipe's by writing into it, a
