@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import queue
 import resource
 import signal
@@ -254,6 +255,32 @@ def test_a_death_inside_a_guard_is_named_by_its_label(how: str, no_leftover_proc
     assert str(err).startswith(f"shard-7 {process.pid} {what}"), str(err)
     assert err.label == "shard-7" and err.native_traceback is None
     assert not os.path.exists(fault_path(process.pid))  # read once, then removed
+
+
+def test_an_error_looked_at_after_close_still_names_the_guard(no_leftover_processes: Any) -> None:
+    # A WriterDied reads the guard's fault file when first looked at, not when raised; a
+    # Liveness closed before anyone looked reads it then (removing the file) and keeps it.
+    process = multiprocessing.get_context("fork").Process(
+        target=_exit_inside, args=("shard-9", "kill")
+    )
+    process.start()
+    try:
+        liveness = Liveness(process)
+        process.join(WAIT)
+        assert os.path.exists(fault_path(process.pid))  # nothing read it yet
+        err = liveness.error(lost_bytes=5, expected_bytes=20)
+        liveness.close()
+        assert not os.path.exists(fault_path(process.pid))
+    finally:
+        if process.is_alive():
+            process.kill()
+        process.join(WAIT)
+    assert err.label == "shard-9" and err.native_traceback is None and err.exitcode == -9
+    text = f"shard-9 {process.pid} was killed by signal SIGKILL (9) while a frame was being read"
+    assert str(err).startswith(text) and err.args == (str(err),)
+    assert repr(err) == f"WriterDied({str(err)!r})"
+    again = pickle.loads(pickle.dumps(err))
+    assert str(again) == str(err) and again.label == "shard-9" and again.lost_bytes == 5
 
 
 def test_an_explicit_label_wins_and_no_guard_means_worker(no_leftover_processes: Any) -> None:

@@ -19,6 +19,7 @@ one layer down.
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing.process
 import os
 import select
@@ -437,6 +438,8 @@ class Liveness:
         fd, self.fd = self.fd, None
         if fd is not None:
             os.close(fd)
+        if self._dead:
+            self._read_fault()  # kept for a WriterDied not yet looked at; its file removed
 
     # -- death ----------------------------------------------------------------------------------
 
@@ -638,17 +641,21 @@ class Liveness:
         when known), whether the OOM killer did it, and the native traceback of a crash.
 
         The message names the writer by ``label``; when it is None, by the label of the guard
-        that was open in the writer as it died (see :meth:`guard_label`), else ``"worker"``."""
+        that was open in the writer as it died (see :meth:`guard_label`), else ``"worker"``.
+        Only the exit status is read now: the rest (a file look-up, a cgroup counter) when the
+        error is first looked at, so that a reader raises as soon as it knows."""
         exitcode, core_dumped = self.status()
-        if label is None:
-            label = self.guard_label() or "worker"
         return WriterDied(
             self.pid,
             exitcode,
             core_dumped=core_dumped,
             lost_bytes=lost_bytes,
             expected_bytes=expected_bytes,
-            oom_killed=self.oom_killed(),
-            native_traceback=self.native_traceback(),
-            label=label,
+            details=functools.partial(self._details, label),
         )
+
+    def _details(self, label: str | None) -> tuple[str, bool | None, str | None]:
+        """What a WriterDied reads on first use: its label, OOM kill and native traceback."""
+        if label is None:
+            label = self.guard_label() or "worker"
+        return label, self.oom_killed(), self.native_traceback()

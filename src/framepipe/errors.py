@@ -9,6 +9,7 @@ Each class is also the stdlib class that existing code already catches: a read t
 from __future__ import annotations
 
 import signal as _signal
+from collections.abc import Callable
 from multiprocessing import BufferTooShort
 
 __all__ = [
@@ -77,9 +78,15 @@ class WriterDied(FramepipeError, EOFError, OSError):
     ``pid``, ``exitcode`` (negative for a signal, as ``subprocess.Popen`` reports it; ``None``
     when the exit status could not be read), ``signal_name``, ``core_dumped``, ``lost_bytes``
     (bytes of a partial frame that had arrived), ``expected_bytes`` (the size of that frame,
-    header included, when known), ``oom_killed`` (``True`` when the cgroup's OOM-kill counter
-    rose while the writer lived, ``None`` when unknown) and ``native_traceback`` (the
-    faulthandler dump of a worker run under :func:`framepipe.guard`, when it crashed in C code).
+    header included, when known), ``label`` (what the message calls the writer),
+    ``oom_killed`` (``True`` when the cgroup's OOM-kill counter rose while the writer lived,
+    ``None`` when unknown) and ``native_traceback`` (the faulthandler dump of a worker run
+    under :func:`framepipe.guard`, when it crashed in C code).
+
+    ``details``, when given, is called once, on first use of ``label``, ``oom_killed``,
+    ``native_traceback`` or the message, and returns those three: a reader that meets a death
+    raises at once and reads the dead writer's diagnostics (a file look-up and a cgroup
+    counter) only when someone looks at them.
     """
 
     def __init__(
@@ -93,20 +100,60 @@ class WriterDied(FramepipeError, EOFError, OSError):
         oom_killed: bool | None = None,
         native_traceback: str | None = None,
         label: str = "worker",
+        details: Callable[[], tuple[str, bool | None, str | None]] | None = None,
     ) -> None:
+        super().__init__()
         self.pid = pid
         self.exitcode = exitcode
         self.core_dumped = core_dumped
         self.lost_bytes = lost_bytes
         self.expected_bytes = expected_bytes
-        self.oom_killed = oom_killed
-        self.native_traceback = native_traceback
-        self.label = label
         self.signal_name = signal_name(-exitcode) if exitcode is not None and exitcode < 0 else None
-        super().__init__(self._message())
+        self._details = details
+        self._resolved = (label, oom_killed, native_traceback)
+        self._message_text: str | None = None
+
+    def _resolve(self) -> tuple[str, bool | None, str | None]:
+        details, self._details = self._details, None
+        if details is not None:
+            try:
+                self._resolved = details()
+            except Exception:  # noqa: BLE001 - a diagnostic that fails must never hide the death
+                pass
+        return self._resolved
+
+    @property
+    def label(self) -> str:
+        return self._resolve()[0]
+
+    @property
+    def oom_killed(self) -> bool | None:
+        return self._resolve()[1]
+
+    @property
+    def native_traceback(self) -> str | None:
+        return self._resolve()[2]
+
+    @property
+    def args(self) -> tuple[str]:
+        return (str(self),)
+
+    @args.setter
+    def args(self, value: tuple[object, ...]) -> None:
+        BaseException.args.__set__(self, value)  # type: ignore[attr-defined]
+        self._message_text = None if not value else str(value[0])
+
+    def __str__(self) -> str:
+        if self._message_text is None:
+            self._message_text = self._message()
+        return self._message_text
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self)!r})"
 
     def _message(self) -> str:
-        who = f"{self.label} {self.pid}" if self.pid is not None else f"the {self.label}"
+        label, oom_killed, native_traceback = self._resolve()
+        who = f"{label} {self.pid}" if self.pid is not None else f"the {label}"
         if self.exitcode is None:
             how = "died (its exit status could not be read)"
         elif self.exitcode < 0:
@@ -126,20 +173,21 @@ class WriterDied(FramepipeError, EOFError, OSError):
         else:
             when = " before writing another frame"
         msg = f"{who} {how}{when}"
-        if self.oom_killed:
+        if oom_killed:
             msg += "; likely killed by the OOM killer (the cgroup's oom_kill counter rose)"
-        if self.native_traceback:
-            msg += "\n\nNative traceback of the worker:\n" + self.native_traceback.rstrip()
+        if native_traceback:
+            msg += "\n\nNative traceback of the worker:\n" + native_traceback.rstrip()
         return msg
 
     def __reduce__(self):  # type: ignore[override]
+        label, oom_killed, native_traceback = self._resolve()
         kwargs = dict(
             core_dumped=self.core_dumped,
             lost_bytes=self.lost_bytes,
             expected_bytes=self.expected_bytes,
-            oom_killed=self.oom_killed,
-            native_traceback=self.native_traceback,
-            label=self.label,
+            oom_killed=oom_killed,
+            native_traceback=native_traceback,
+            label=label,
         )
         return (_rebuild_writer_died, (self.pid, self.exitcode, kwargs))
 

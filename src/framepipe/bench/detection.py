@@ -4,11 +4,15 @@
 Each kill starts a small child (a fresh interpreter from the ``spawn`` context) holding the
 write end of a framepipe pipe and of a stdlib pipe, waits until it runs, and SIGKILLs it while
 two observers are blocked: a thread of this process in the watched ``recv_bytes()`` (which
-raises WriterDied with the exit status), and a forked helper process in the stdlib's
+raises WriterDied with the exit status), and a helper process in the stdlib's
 ``wait([conn, sentinel])`` (a process of its own, so neither observer waits for the other's
-GIL). Each notes ``time.monotonic()`` (CLOCK_MONOTONIC, one clock for every process) when it
-knows; the row is the median over the kills of the time from ``os.kill`` to that moment. Most
-of it is the kernel tearing the child down, the same for both.
+GIL). The helper comes from the ``forkserver`` context, not forked from this process: a fork
+would share this process's memory copy-on-write, and every page framepipe's reader then touched
+after the kill would cost it a page fault and a copy (about 80 of them, some 0.3 ms, on the way
+to the WriterDied), a cost of the harness that no reader without such a fork pays. Each notes
+``time.monotonic()`` (CLOCK_MONOTONIC, one clock for every process) when it knows; the row is
+the median over the kills of the time from ``os.kill`` to that moment. Most of it is the kernel
+tearing the child down, the same for both.
 
 ``--full`` adds observers measured on kills of their own: the read while this process still
 holds a copy of the write end (where the stdlib's read hangs forever), framepipe's watcher
@@ -29,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait as mp_wait
+from multiprocessing.reduction import DupFd
 from typing import Any
 
 from ..errors import WriterDied
@@ -57,14 +62,27 @@ def _sleeper(ready: Any, *held: Any) -> None:
     hold(*held)
 
 
-def _observe_stdlib(
-    conn: Any, sentinel: int, ready_fd: int, out_fd: int, hold_fd: int, parents_hold: int
-) -> None:
+class _Fd:
+    """A file descriptor that a ``forkserver`` child receives as its own copy (as
+    ``multiprocessing`` passes a Connection's): the child gets an int."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Callable[[Any], int], tuple[Any]]:
+        return _detach_fd, (DupFd(self.fd),)
+
+
+def _detach_fd(dup: Any) -> int:
+    fd: int = dup.detach()
+    return fd
+
+
+def _observe_stdlib(conn: Any, sentinel: int, ready_fd: int, out_fd: int, hold_fd: int) -> None:
     """The helper process: blocks in the stdlib's wait until the child dies, then writes the
     moment it woke, and exits only once the parent lets it (end of file on ``hold_fd``): its
-    exit (the kernel freeing its copy of the parent's memory) must not take a CPU from
-    framepipe's reader, which is still at work on the same death."""
-    os.close(parents_hold)  # forked with the parent's end: else no end of file ever comes
+    exit must not take a CPU from framepipe's reader, which is still at work on the same
+    death."""
     os.write(ready_fd, b"r")
     mp_wait([conn, sentinel], _WAIT)
     os.write(out_fd, struct.pack("d", time.monotonic()))
@@ -136,7 +154,7 @@ def _reap(proc: Any) -> None:
 def same_kill(impl: Impl) -> tuple[float, float]:
     """One kill seen by both observers: ``(framepipe seconds, stdlib seconds)``."""
     spawn = multiprocessing.get_context("spawn")
-    fork = multiprocessing.get_context("fork")
+    server = multiprocessing.get_context("forkserver")
     reader, writer = impl.oneway()
     mp_r, mp_w = multiprocessing.Pipe(duplex=False)
     proc = helper = None
@@ -148,9 +166,9 @@ def same_kill(impl: Impl) -> tuple[float, float]:
         writer.close()
         mp_w.close()
         reader.watch(proc)
-        helper = fork.Process(
+        helper = server.Process(
             target=_observe_stdlib,
-            args=(mp_r, proc.sentinel, ready_w, out_w, hold_r, hold_w),
+            args=(mp_r, _Fd(proc.sentinel), _Fd(ready_w), _Fd(out_w), _Fd(hold_r)),
             daemon=True,
         )
         helper.start()
@@ -167,7 +185,7 @@ def same_kill(impl: Impl) -> tuple[float, float]:
         (stdlib_seen,) = struct.unpack("d", woke)
         return seen - t0, stdlib_seen - t0
     finally:
-        for fd in (ready_r, ready_w, out_r, out_w, hold_r, hold_w):  # hold_w: the helper may go
+        for fd in (ready_r, ready_w, out_r, out_w, hold_r, hold_w):  # hold_w: lets the helper go
             if fd >= 0:
                 os.close(fd)
         if proc is not None:
