@@ -88,7 +88,7 @@ int fp_header_decode(const unsigned char *p, size_t avail, uint64_t cap, fp_head
         return FP_OK;
     if (p[10] != p[0] || p[11] != p[1])
         return FP_MISMATCH;
-    if (h->value > cap)
+    if (h->value > (kind == FP_KIND_PAD ? FP_PAD_MIN : cap))
         return FP_TOO_LARGE;
     return FP_OK;
 }

@@ -32,7 +32,11 @@
 #define FP_KIND_OBJECT 4  /* a pickle whose large buffers follow as BUFFER frames */
 #define FP_KIND_BUFFER 5  /* one out-of-band buffer of the OBJECT frame before it */
 #define FP_KIND_BULK 6    /* a DATA or BUFFER frame whose payload is on the bulk channel */
-#define FP_KIND_MAX 6
+#define FP_KIND_PAD 7     /* filler after a small message, skipped (framepipe._wire.PAD_MIN) */
+#define FP_KIND_MAX 7
+
+/* A PAD frame's length is under this; a message's first write is padded to it. */
+#define FP_PAD_MIN 256
 
 /* A frame header is CHECK(2) + u64 length in native order + CHECK(2). */
 #define FP_HEADER_SIZE 12
@@ -68,7 +72,8 @@ void fp_header_encode(unsigned char *out, int kind, uint64_t length);
 
 /* Decode the header or sentinel at the start of p (avail bytes, at a frame boundary): FP_OK
  * with *h filled in; FP_MORE when avail is short (h->size: the bytes needed); FP_BAD_CHECK,
- * FP_MISMATCH, or FP_TOO_LARGE when the header's length is over cap (h->value: that length). */
+ * FP_MISMATCH, or FP_TOO_LARGE when the header's length is over cap, or a PAD frame's over
+ * FP_PAD_MIN (h->value: that length). */
 int fp_header_decode(const unsigned char *p, size_t avail, uint64_t cap, fp_header *h);
 
 /* Wait until fd is ready in direction (FP_READ, FP_WRITE), or until liveness_fd (when >= 0)

@@ -23,7 +23,7 @@ import pytest
 from _fault_children import kill_and_wait_dead
 
 from framepipe import FrameError, ReadTimeout, WriterDied
-from framepipe._wire import FRAME_RECORD_MAX, RECORD_MAX
+from framepipe._wire import FRAME_RECORD_MAX, RECORD_MAX, pad_frame
 from framepipe.errors import MessageTooLong
 
 WAIT = 60.0  # upper bound on any blocking wait; a healthy run never comes close
@@ -129,8 +129,10 @@ def test_large_frame_header_in_pipe_payload_on_bulk_fd(impl):
         w.send_bytes(b"small")
         rfd, _, bfd, _ = r._handles()
         assert bfd >= 0
-        assert read_exactly(rfd, 12) == bulk_header(MIB)
-        assert read_exactly(rfd, 17) == b"\x00\x00" + LEN.pack(5) + b"\x00\x00" + b"small"
+        # each message's first write padded to 256 bytes (see test_padding)
+        assert read_exactly(rfd, 256) == bulk_header(MIB) + pad_frame(12)
+        small = b"\x00\x00" + LEN.pack(5) + b"\x00\x00" + b"small"
+        assert read_exactly(rfd, 256) == small + pad_frame(17)
         assert nothing_left(rfd)
         assert read_exactly(bfd, MIB) == data
         assert nothing_left(bfd)

@@ -46,6 +46,7 @@ from _fault_children import (
 
 import framepipe.connection as fpc
 from framepipe import ReadTimeout, WriterDied
+from framepipe._wire import PAD_MIN
 from framepipe.watch import Liveness, dead_status_word
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Linux processes and signals")
@@ -498,7 +499,7 @@ def test_waiters_see_a_death_behind_the_last_frame(impl, waiter):
     with running("fork", send_then_die, w, [5], ("exit", 0)) as proc:
         r.watch(proc)
         assert mpc.wait([proc.sentinel], WAIT) == [proc.sentinel]
-        frame = 12 + 5
+        frame = PAD_MIN  # the 17-byte frame, padded (see test_padding)
         wait_until(lambda: unread(r.fileno()) == frame + 10, "the DEAD sentinel")
         assert r.recv_bytes(timeout=WAIT) == payload(5)
         assert _wait_with(waiter, r, READY), f"{waiter} does not see the DEAD sentinel"

@@ -104,9 +104,9 @@ def _alarm(signum, frame):
 
 # --- the model: what the README's wire format says each read does -----------------------------
 
-# Check values a model stream may hold: data, TIMEOUT, DEAD, and values that are not a check.
+# Check values a model stream may hold: data, TIMEOUT, DEAD, PAD, and values that are not a check.
 MODEL_BYTES = [0, 1, 2, *range(7, 256)]
-VALID_CHECKS = {b"\x00\x00", b"\x01\x01", b"\x02\x02"}
+VALID_CHECKS = {b"\x00\x00", b"\x01\x01", b"\x02\x02", b"\x07\x07"}
 
 
 @dataclass
@@ -141,6 +141,17 @@ class Model:
                     return self._short(rest)
                 self.pos += F.DEAD_SIZE
                 return ("error", WriterDied)
+            if check == b"\x07\x07":  # a PAD: skipped whole, at most PAD_MIN bytes
+                if len(rest) < F.HEADER_SIZE:
+                    return self._short(rest)
+                (length,) = LEN.unpack_from(rest, 2)
+                if rest[10:12] != check or length > F.PAD_MIN:
+                    self.broken = True
+                    return ("error", FrameError)
+                if len(rest) < F.HEADER_SIZE + length:
+                    return self._short(rest)
+                self.pos += F.HEADER_SIZE + length
+                return self.read(how, maxlength, into)
             if len(rest) < F.HEADER_SIZE:
                 return self._short(rest)
             (length,) = LEN.unpack_from(rest, 2)
@@ -204,6 +215,7 @@ pieces = st.one_of(
     st.sampled_from(HUGE).map(lambda n: ("huge", n)),
     st.just(("timeout", None)),
     st.integers(0, 2**64 - 1).map(lambda s: ("dead", s)),
+    st.sampled_from([0, 1, 244, 256, 257, 1 << 40]).map(lambda n: ("pad", n)),
     model_junk.map(lambda b: ("junk", b)),
 )
 
@@ -223,6 +235,8 @@ def render(piece) -> bytes:
         return b"\x01\x01"
     if kind == "dead":
         return b"\x02\x02" + LEN.pack(arg)
+    if kind == "pad":
+        return header(arg, b"\x07\x07") + bytes(min(arg, 300))
     return arg
 
 

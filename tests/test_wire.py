@@ -313,11 +313,13 @@ def test_any_frames_in_any_chunking_read_back_exactly(impl, sizes, chunks, seed)
         (b"\x01\x01", ("OK", 1, 0, 2)),
         (b"\x02\x02" + LEN.pack(7)[:5], ("MORE", 2, 0, 10)),
         (b"\x02\x02" + LEN.pack(7), ("OK", 2, 7, 10)),
-        (b"\x07\x07" + bytes(10), ("BAD_CHECK", -1, 0, 0)),
+        (b"\x08\x08" + bytes(10), ("BAD_CHECK", -1, 0, 0)),
         (b"\x00\x01" + bytes(10), ("BAD_CHECK", -1, 0, 0)),
         (b"\x00\x00" + LEN.pack(5) + b"\x00\x03", ("MISMATCH", 0, 0, 12)),
         (b"\x00\x00" + LEN.pack(101) + b"\x00\x00", ("TOO_LARGE", 0, 101, 12)),
         (b"\x00\x00" + LEN.pack(2**64 - 1) + b"\x00\x00", ("TOO_LARGE", 0, 2**64 - 1, 12)),
+        (b"\x07\x07" + LEN.pack(256) + b"\x07\x07", ("OK", 7, 256, 12)),  # a PAD, over cap
+        (b"\x07\x07" + LEN.pack(257) + b"\x07\x07", ("TOO_LARGE", 7, 257, 12)),
     ],
     ids=[
         "empty",
@@ -333,6 +335,8 @@ def test_any_frames_in_any_chunking_read_back_exactly(impl, sizes, chunks, seed)
         "mismatch",
         "over-cap",
         "2**64-1",
+        "pad",
+        "pad-over-256",
     ],
 )
 def test_decode_header(data, want):

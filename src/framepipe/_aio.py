@@ -23,7 +23,7 @@ from ._args import check_send_args
 from ._lazy import asyncio  # imported on first use (see _lazy)
 from ._objects import dumps, dumps_bulk
 from ._stream_errors import closed, timeout_error
-from ._wire import BULK_MIN, KIND_BULK, KIND_DATA, header
+from ._wire import BULK_MIN, KIND_BULK, KIND_DATA, header, padded
 from .errors import ReadTimeout
 
 _CONTENDED = 0.0005  # how often an async send looks again at a write lock a thread holds
@@ -158,7 +158,7 @@ async def _send(conn: Any, segments: list[Any]) -> None:
     frame, the rest is written in the background (and the locks released after it): the stream
     never holds half a frame.
     """
-    message = _Message(segments)
+    message = _Message(padded(segments) if conn._wpad else segments)
     loop = asyncio.get_running_loop()
     owner, lock = _locks.get(conn, (None, None))
     if lock is None or owner is not loop:

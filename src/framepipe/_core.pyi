@@ -32,6 +32,8 @@ class Engine(ConnectionHooks):
     _writable: bool
     _read_ahead: bool
     _records: bool  # reads take whole records: a SOCK_SEQPACKET socket (see _wire.RECORD_MAX)
+    _rpad: bool  # reads padded messages (see _wire.PAD_MIN)
+    _wpad: bool  # writes them
     _max_size: int | None
     _liveness: Liveness | None
     _sentinel_sent: int  # bytes of DEAD sentinels the watcher wrote through this write end

@@ -36,6 +36,7 @@ from ._stream_errors import (
 from ._wire import BULK_MIN as _BULK_MIN, KIND_BULK, READ_BUFFER, RECORD_MAX as _RECORD_MAX
 from ._wire import FRAME_RECORD_MAX as _FRAME_RECORD_MAX, READ_WAITS_NONE, READ_WAITS_PIPE
 from ._wire import READ_WAITS_SOCKET, frame_cap, read_waits, records_of
+from ._wire import KIND_PAD, PAD_MIN as _PAD_MIN, padded, pads
 from .errors import BufferTooShort, MessageTooLong
 
 __all__ = ["ENGINE", "Engine"]
@@ -58,7 +59,8 @@ cdef extern from "sys/uio.h" nogil:
 
 cdef extern from "fp.h" nogil:
     int FP_OK, FP_TIMEOUT, FP_LIVENESS, FP_MORE, FP_WOKEN
-    int FP_KIND_DATA, FP_KIND_TIMEOUT, FP_KIND_DEAD, FP_KIND_BUFFER, FP_KIND_BULK
+    int FP_KIND_DATA, FP_KIND_TIMEOUT, FP_KIND_DEAD, FP_KIND_BUFFER, FP_KIND_BULK, FP_KIND_PAD
+    enum: FP_PAD_MIN
     int FP_HEADER_SIZE
     int FP_READ, FP_WRITE
     int FP_MODE_BLOCK, FP_MODE_SOCKET, FP_MODE_PIPE, FP_MODE_NONBLOCK, FP_MODE_RECORD
@@ -97,11 +99,14 @@ cdef enum:
     GIL_HELD_IO = 65536
     DIRECT_MIN = 16384  # a remainder at least this large is read straight into its frame
 
-assert KIND_BULK == FP_KIND_BULK  # _wire's kinds are fp.h's
+assert KIND_BULK == FP_KIND_BULK and KIND_PAD == FP_KIND_PAD  # _wire's kinds are fp.h's
+assert _PAD_MIN == FP_PAD_MIN
 assert READ_CHUNK == READ_BUFFER  # a record (see _wire.RECORD_MAX) fits the read buffer
 cdef Py_ssize_t RECORD_MAX = _RECORD_MAX
 cdef Py_ssize_t FRAME_RECORD_MAX = _FRAME_RECORD_MAX
 cdef Py_ssize_t BULK_MIN = _BULK_MIN
+cdef Py_ssize_t PAD_MIN = _PAD_MIN
+cdef char PAD_ZEROS[FP_PAD_MIN]  # a PAD frame's payload (static: zeros)
 
 cdef enum:  # what _wait_readable saw
     W_READY, W_TIMEOUT, W_DEAD
@@ -205,11 +210,13 @@ cdef class Engine:
     cdef bint _closefd
     cdef int _mode
     cdef readonly bint _records  # reads take whole records (SOCK_SEQPACKET, see _wire)
+    cdef readonly bint _rpad, _wpad  # reads / writes of padded messages (see _wire.PAD_MIN)
     cdef size_t _wcap, _wframe  # the longest records of the write fd (see _wire.record_limits)
     cdef unsigned long _async_owner  # the thread whose asyncio send holds the write lock, or 0
     cdef int _nfd  # a private O_NONBLOCK description of the pipe (-1: not yet, -2: none)
     cdef readonly bint _read_ahead
     cdef bint _poll_first
+    cdef bint _streaming  # the last read without a deadline found its bytes there at once
     cdef double _waited  # moving average of how long reads waited for data (see SPIN)
     cdef long long _max
     cdef readonly object _max_size
@@ -306,6 +313,7 @@ cdef class Engine:
         self._nowait_writes = True  # until the kernel says otherwise (EOPNOTSUPP)
         self._read_waits = read_waits(mode, FP_HAVE_PIPE_WAKE, closefd)
         self._records, self._wcap, self._wframe = records_of(fd, wfd)
+        self._rpad, self._wpad = pads(fd, wfd, bfd, bwfd)
         if self._records:
             self._mode = FP_MODE_RECORD
         elif stat.S_ISSOCK(mode):
@@ -593,16 +601,17 @@ cdef class Engine:
                 self._drain_wake()
 
     cdef int _write_bulk(self, unsigned char *hdr, iovec *payload) except -1:
-        """A BULK frame: its header to the pipe, then its payload to the bulk fd, under one
-        hold of the write lock."""
-        cdef iovec head
-        head.iov_base = hdr
-        head.iov_len = FP_HEADER_SIZE
+        """A BULK frame: its header to the pipe (padded, see _pad), then its payload to the
+        bulk fd, under one hold of the write lock."""
+        cdef iovec head[3]
+        cdef unsigned char pad[12]
+        head[0].iov_base = hdr
+        head[0].iov_len = FP_HEADER_SIZE
         self._enter()
         try:
             self._lock_write()
             try:
-                self._writev_locked(&head, 1, False)
+                self._writev_locked(head, 1 + self._pad(FP_HEADER_SIZE, pad, &head[1]), False)
                 self._writev_locked(payload, 1, True)
             finally:
                 PyThread_release_lock(self._wlock)
@@ -610,11 +619,29 @@ cdef class Engine:
             self._leave()
         return 0
 
+    cdef inline int _pad(self, Py_ssize_t first, unsigned char *hdr, iovec *iov) noexcept:
+        """Fill iov[0], iov[1] with the PAD frame that ends a message whose first write is
+        ``first`` bytes (header in ``hdr``), and return 2; 0 when it needs none (see
+        _wire.PAD_MIN)."""
+        cdef Py_ssize_t n
+        if not self._wpad or first >= PAD_MIN:
+            return 0
+        n = PAD_MIN - first - FP_HEADER_SIZE
+        if n < 0:
+            n = 0
+        fp_header_encode(hdr, FP_KIND_PAD, <uint64_t>n)
+        iov[0].iov_base = hdr
+        iov[0].iov_len = FP_HEADER_SIZE
+        iov[1].iov_base = PAD_ZEROS
+        iov[1].iov_len = <size_t>n
+        return 2
+
     def send_bytes(self, buf, Py_ssize_t offset=0, size=None):
         cdef Py_buffer view
         cdef Py_ssize_t n
         cdef unsigned char hdr[12]
-        cdef iovec iov[2]
+        cdef unsigned char pad[12]
+        cdef iovec iov[4]
         self._check_writable()
         PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
         try:
@@ -631,7 +658,7 @@ cdef class Engine:
             fp_header_encode(hdr, FP_KIND_DATA, <uint64_t>n)
             iov[0].iov_base = hdr
             iov[0].iov_len = FP_HEADER_SIZE
-            self._writev(iov, 2)
+            self._writev(iov, 2 + self._pad(FP_HEADER_SIZE + n, pad, &iov[2]))
         finally:
             PyBuffer_Release(&view)
 
@@ -742,8 +769,16 @@ cdef class Engine:
         cdef bint ready = False  # a wait just found fd readable
         cdef bint spun = bulk  # the spin (see SPIN) is over, or not for this read
         cdef bint timed = not bulk  # this read's wait, if it waits, is still to be counted
-        cdef double started = 0.0
+        cdef double started = 0.0, waited
         if deadline < 0 and not bulk and self._read_waits and self._liveness is None:
+            if self._streaming and n <= GIL_HELD_IO:
+                # The writer keeps ahead: read without waiting, the GIL kept and no clock read
+                # (two reads of the clock and a GIL hand-off cost as much as the read itself).
+                r = self._read_now(fd, dst, n)
+                if r >= 0:
+                    if not eager:
+                        self._note_wait(0.0)
+                    return r
             # No deadline, nobody to watch: wait in read() itself (see fp_wake_pipe_reader and
             # fp_wake_socket_reader), after a spin (not for an eager read: its bytes are there).
             started = fp_now()
@@ -758,8 +793,10 @@ cdef class Engine:
                 self._blocked_reader = False
                 self._woken()  # closed meanwhile: what the read took (the wake) is dropped
                 if r >= 0:
+                    waited = fp_now() - started
                     if timed:
-                        self._note_wait(fp_now() - started)
+                        self._note_wait(waited)
+                    self._streaming = waited < SPIN_FLOOR  # too short for any sleep
                     return r
                 if err == EAGAIN:
                     break  # someone made the description non-blocking: wait in poll() below
@@ -822,6 +859,32 @@ cdef class Engine:
                     self._bpoll_first = poll_first
                 else:
                     self._poll_first = poll_first
+
+    cdef Py_ssize_t _read_now(self, int fd, char *dst, Py_ssize_t n) except -2:
+        """One read of the data fd that never waits: the byte count, 0 at end of file, -1 when
+        there is nothing to read now (then reads wait again until one finds its bytes there
+        at once: see _streaming)."""
+        cdef ssize_t r
+        cdef int err, mode
+        while True:
+            self._woken()
+            mode = self._mode
+            if mode == FP_MODE_BLOCK:
+                self._streaming = False
+                return -1
+            r = fp_read(self._nfd if mode == FP_MODE_NONBLOCK else fd, dst, <size_t>n, mode)
+            err = errno
+            if r >= 0:
+                return r
+            if err == EAGAIN:
+                self._streaming = False
+                return -1
+            if err == EMSGSIZE:
+                raise self._break(record_too_long(n, self._consumed))
+            if err == EOPNOTSUPP or err == EINVAL:
+                self._mode = FP_MODE_BLOCK  # this kernel cannot: read after a wait from now on
+                continue
+            _retry(err)
 
     cdef inline void _note_wait(self, double waited) noexcept:
         """Count a wait for data of ``waited`` seconds into the average that decides spins."""
@@ -961,6 +1024,32 @@ cdef class Engine:
         self._broken = exc
         return exc
 
+    cdef int _skip_pad(self, double deadline) except -1:
+        """Drop the PAD frame that starts in the buffer (see _pad): its bytes came in the same
+        write as the message before it, so reading its rest never waits."""
+        cdef Py_ssize_t avail, size
+        cdef fp_header h
+        cdef int rc
+        while True:
+            avail = self._bend - self._bstart
+            rc = fp_header_decode(<unsigned char *>self._buf + self._bstart, <size_t>avail,
+                                  <uint64_t>self._max, &h)
+            if rc == FP_OK:
+                size = FP_HEADER_SIZE + <Py_ssize_t>h.value
+                if avail >= size:
+                    break
+            elif rc == FP_MORE:
+                size = 2 if avail < 2 else <Py_ssize_t>h.size
+            else:
+                head = (<unsigned char *>self._buf + self._bstart)[:min(avail, FP_HEADER_SIZE)]
+                raise self._break(bad_header(rc, head, h.value, self._max_size, self._consumed))
+            self._fill(deadline, size - avail)
+        self._bstart += size
+        self._consumed += size
+        if self._bstart == self._bend:
+            self._bstart = self._bend = 0
+        return 0
+
     cdef int _read_header(self, double deadline) except -1:
         cdef unsigned char *p
         cdef Py_ssize_t avail
@@ -975,9 +1064,14 @@ cdef class Engine:
             if rc != FP_MORE:
                 head = p[:avail if avail < FP_HEADER_SIZE else FP_HEADER_SIZE]
                 raise self._break(bad_header(rc, head, h.value, self._max_size, self._consumed))
-            # The kind unknown yet, ask for a whole header: one read takes most frames' header.
-            self._fill(deadline, (FP_HEADER_SIZE if avail < 2 else <Py_ssize_t>h.size) - avail)
+            if avail == 0 and self._rpad and self._object is None:
+                self._fill(deadline, PAD_MIN)  # a message's start: small ones whole (see _pad)
+            else:  # the kind unknown yet, ask for a whole header: most frames' header in one read
+                self._fill(deadline, (FP_HEADER_SIZE if avail < 2 else <Py_ssize_t>h.size) - avail)
         kind = h.kind
+        if kind == FP_KIND_PAD:
+            self._skip_pad(deadline)
+            return self._read_header(deadline)
         if kind == FP_KIND_TIMEOUT or kind == FP_KIND_DEAD:
             self._bstart += h.size
             self._consumed += h.size
@@ -1106,6 +1200,11 @@ cdef class Engine:
         self._pkind = -1
         self._pbulk = False
         self._pptr = NULL
+        if self._bend > self._bstart and self._buf[self._bstart] == FP_KIND_PAD:
+            try:  # the fd readable again only if a message is there
+                self._skip_pad(deadline)
+            except Exception:
+                pass  # this frame is whole: the next read reports what is wrong after it
         if self._pdiscard:
             raise MessageTooLong(n, self._pmaxlen)
         if self._pexternal:
@@ -1281,6 +1380,8 @@ cdef class Engine:
     def _send_segments(self, list segments):
         """Write one message given as ``[pipe_parts, bulk_payload, pipe_parts, ...]``."""
         self._check_writable()
+        if self._wpad:
+            segments = padded(segments)
         if len(segments) > 1:
             self._write_segments(segments)
         else:

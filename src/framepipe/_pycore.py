@@ -53,9 +53,11 @@ from ._wire import (
     KIND_BULK,
     KIND_DATA,
     KIND_DEAD,
+    KIND_PAD,
     KIND_TIMEOUT,
     MORE,
     OK,
+    PAD_MIN,
     READ_BUFFER,
     READ_WAITS_NONE,
     READ_WAITS_PIPE,
@@ -65,6 +67,9 @@ from ._wire import (
     decode_header,
     frame_cap,
     header,
+    pad_frame,
+    padded,
+    pads,
     read_waits,
     records_of,
     socket_view,
@@ -341,6 +346,7 @@ class Engine:
         # Reads take whole records (a SOCK_SEQPACKET socket, see _wire.RECORD_MAX); writes
         # are cut to records no longer than _wcap.
         self._records, self._wcap, self._wframe = records_of(fd, wfd)
+        self._rpad, self._wpad = pads(fd, wfd, bfd, bwfd)  # see _wire.PAD_MIN
         self._rsock: _RecordSocket | None = None
         self._rscratch: bytearray | None = None
         if self._records:
@@ -622,14 +628,19 @@ class Engine:
             m = m.cast("B")
         size = check_send_args(m.nbytes, offset, size)
         if size >= BULK_MIN and self._bwfd >= 0:
-            payload = m[offset : offset + size]
-            self._write_segments([[header(KIND_BULK, size)], payload, []])
+            segments = [[header(KIND_BULK, size)], m[offset : offset + size], []]
+            self._write_segments(padded(segments) if self._wpad else segments)
             return
-        self._write_parts([header(KIND_DATA, size), m[offset : offset + size]], True)
+        parts = [header(KIND_DATA, size), m[offset : offset + size]]
+        if self._wpad:
+            parts.append(pad_frame(HEADER_SIZE + size))
+        self._write_parts(parts, True)
 
     def _send_segments(self, segments: list[Any]) -> None:
         """Write one message given as ``[pipe_parts, bulk_payload, pipe_parts, ...]``."""
         self._check_writable()
+        if self._wpad:
+            segments = padded(segments)
         if len(segments) > 1:
             self._write_segments(segments)
         else:
@@ -928,17 +939,32 @@ class Engine:
             raise truncated(lost, expected if expected is not None else HEADER_SIZE)
         raise EOFError
 
-    def _consume(self, n: int) -> bytes:
-        s = self._bstart
-        data = bytes(self._buf[s : s + n])
-        self._bstart = s + n
+    def _consume(self, n: int) -> None:
+        """Drop the buffer's next ``n`` bytes."""
+        self._bstart += n
         self._consumed += n
-        return data
 
     def _break(self, exc: BaseException) -> BaseException:
         """Mark the stream broken by ``exc`` (every later read raises it); returns ``exc``."""
         self._broken = exc
         return exc
+
+    def _skip_pad(self, deadline: float) -> None:
+        """Drop the PAD frame that starts in the buffer (see _wire.PAD_MIN): its bytes came in
+        the same write as the message before it, so reading its rest never waits."""
+        while True:
+            s = self._bstart
+            avail = len(self._buf) - s
+            status, kind, value, size = decode_header(self._buf, s, self._cap)
+            if status == OK:
+                size = HEADER_SIZE + value
+                if avail >= size:
+                    break
+            elif status != MORE:
+                head = bytes(self._buf[s : s + HEADER_SIZE])
+                raise self._break(bad_header(status, head, value, self._max_size, self._consumed))
+            self._fill(deadline, size - avail)
+        self._consume(size)
 
     def _read_header(self, deadline: float) -> None:
         while True:
@@ -949,8 +975,15 @@ class Engine:
             if status != MORE:
                 head = bytes(self._buf[s : s + HEADER_SIZE])
                 raise self._break(bad_header(status, head, value, self._max_size, self._consumed))
-            # The kind unknown yet, ask for a whole header: one read takes most frames' header.
-            self._fill(deadline, (HEADER_SIZE if kind < 0 else size) - (len(self._buf) - s))
+            avail = len(self._buf) - s
+            if avail == 0 and self._rpad and self._object is None:
+                self._fill(deadline, PAD_MIN)  # a message's start: small ones whole (PAD_MIN)
+            else:  # the kind unknown yet, ask for a whole header: most frames' header in one read
+                self._fill(deadline, (HEADER_SIZE if kind < 0 else size) - avail)
+        if kind == KIND_PAD:
+            self._skip_pad(deadline)
+            self._read_header(deadline)
+            return
         if kind == KIND_TIMEOUT:
             self._consume(size)
             raise sentinel_timeout()
@@ -1049,6 +1082,12 @@ class Engine:
             raise
         kind, dest, n = self._pkind, self._pdest, self._plen
         self._pkind, self._pdest, self._pbulk = -1, None, False
+        s = self._bstart
+        if len(self._buf) > s and self._buf[s] == KIND_PAD:
+            try:  # the fd readable again only if a message is there
+                self._skip_pad(deadline)
+            except Exception:  # noqa: BLE001 - reported by the next read
+                pass  # this frame is whole: the next read reports what is wrong after it
         if self._pdiscard:
             raise MessageTooLong(n, dest)
         if self._pexternal:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from ._wire import BAD_CHECK, CHECK_BY_KIND, FRAME_CAP, MISMATCH
+from ._wire import BAD_CHECK, CHECK_BY_KIND, FRAME_CAP, KIND_PAD, MISMATCH, PAD_MIN
 from .errors import FrameError, ReadTimeout
 
 # At end of file on a watched connection, the writer's fds have closed; whether it died (so
@@ -143,6 +143,12 @@ def bad_header(
         return bad_check(head[:2], offset, "at a frame boundary")
     if status == MISMATCH:
         return mismatched_checks(head[:2], head[10:12], offset)
+    if head[:2] == CHECK_BY_KIND[KIND_PAD]:
+        return FrameError(
+            f"a PAD frame (07 07) at stream offset {offset:,} announces {length:,} bytes, over "
+            f"the {PAD_MIN} a PAD frame may hold: the writer does not pad as framepipe's do "
+            "(see framepipe._wire.PAD_MIN); the connection is now broken"
+        )
     return too_large(length, max_size, offset)
 
 

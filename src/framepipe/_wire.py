@@ -4,6 +4,9 @@ A frame is ``CHECK`` + u64 length (native byte order, ``struct`` format ``"Q"``)
 payload, where ``CHECK`` is two equal bytes naming the frame's kind. At a frame boundary a
 TIMEOUT sentinel (``01 01`` alone) or a DEAD sentinel (``02 02`` + u64 exit status word) may
 appear instead. The compiled engine decodes headers in C (``csrc/fp.h``) with the same rules.
+
+A connection with a bulk channel over a pipe (``Pipe(duplex=False)``, ``Pipe(pipes=True)``)
+pads small messages: see PAD_MIN.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ ERROR = b"\x03\x03"  # a serialized exception (framepipe.remote)
 OBJECT = b"\x04\x04"  # a pickle whose large buffers follow as BUFFER frames
 BUFFER = b"\x05\x05"  # one out-of-band buffer of the OBJECT frame before it
 BULK = b"\x06\x06"  # a data or buffer frame whose payload travels on the bulk channel
+PAD = b"\x07\x07"  # filler after a small message, which readers skip (see PAD_MIN)
 
 KIND_DATA, KIND_TIMEOUT, KIND_DEAD, KIND_ERROR, KIND_OBJECT, KIND_BUFFER = 0, 1, 2, 3, 4, 5
-KIND_BULK = 6
-CHECK_BY_KIND = dict(enumerate((CHECK, TIMEOUT, DEAD, ERROR, OBJECT, BUFFER, BULK)))
+KIND_BULK, KIND_PAD = 6, 7
+CHECK_BY_KIND = dict(enumerate((CHECK, TIMEOUT, DEAD, ERROR, OBJECT, BUFFER, BULK, PAD)))
 
 LENGTH = struct.Struct("Q")
 HEADER_SIZE = 2 + LENGTH.size + 2
@@ -47,6 +51,51 @@ BULK_MIN = 16 * 1024
 READ_BUFFER = 64 * 1024
 RECORD_MAX = READ_BUFFER - 64
 FRAME_RECORD_MAX = 1 << 20
+
+# A pipe reader that must never take a byte past the message it returns reads a frame's header
+# first and its payload next: two read() calls a message. Where both ends are framepipe's (a
+# connection with a bulk channel already speaks a wire of its own: its BULK frames), writers
+# make the first write of every message at least PAD_MIN bytes long, ending a shorter one with
+# a PAD frame (``07 07`` + u64 length + ``07 07`` + that many zero bytes, at least a header),
+# and readers read PAD_MIN bytes at a message's start. One read() then takes a small message
+# whole, never past its end, and the PAD that follows it, which readers drop at once: the fd
+# stays readable exactly while a message is left in it. (A write of up to PIPE_BUF bytes is
+# atomic, so the PAD's first byte always comes with the message.) Measured on 64 B messages
+# one way: 1.3-1.6x the messages/s of two reads.
+PAD_MIN = 256
+
+
+def pad_frame(first: int) -> bytes:
+    """The PAD frame to end a message whose first write is ``first`` bytes long (b"" when that
+    is PAD_MIN or more)."""
+    if first >= PAD_MIN:
+        return b""
+    n = max(PAD_MIN - first - HEADER_SIZE, 0)
+    return _PAD_HEADERS[n] + bytes(n)
+
+
+def pads(fd: int, wfd: int, bfd: int, bwfd: int) -> tuple[bool, bool]:
+    """Whether a connection over these fds (-1: none) reads padded messages (its read fd a pipe
+    with a bulk channel) and writes them (its write fd a pipe with a bulk channel)."""
+
+    def pipe(f: int) -> bool:
+        try:
+            return f >= 0 and stat.S_ISFIFO(os.fstat(f).st_mode)
+        except OSError:
+            return False  # like the stdlib: a bad handle fails on first use
+
+    return bfd >= 0 and pipe(fd), bwfd >= 0 and pipe(wfd)
+
+
+def padded(segments: list[list[object] | object]) -> list[list[object] | object]:
+    """A message given as ``[pipe_parts, bulk_payload, pipe_parts, ...]`` with its first
+    write, ``pipe_parts`` of the first segment, padded to PAD_MIN (see PAD_MIN)."""
+    first = segments[0]
+    assert isinstance(first, list)
+    size = sum(memoryview(p).nbytes for p in first)  # type: ignore[arg-type]
+    if size >= PAD_MIN:
+        return segments
+    return [[*first, pad_frame(size)], *segments[1:]]
 
 
 # Python makes a socket object's fd non-blocking when socket.setdefaulttimeout() has set a
@@ -136,6 +185,9 @@ def header(kind: int, length: int) -> bytes:
     return check + LENGTH.pack(length) + check
 
 
+_PAD_HEADERS = [header(KIND_PAD, n) for n in range(PAD_MIN)]
+
+
 # What decode_header finds (the status codes of csrc/fp.h).
 OK, MORE, BAD_CHECK, MISMATCH, TOO_LARGE = 0, 4, 5, 6, 7
 
@@ -145,12 +197,12 @@ def decode_header(buf: bytes | bytearray, start: int, cap: int) -> tuple[int, in
     value, size)`` as ``fp_header_decode`` in csrc/fp.c, whose rules it restates. ``status``
     is OK (``value``: the payload length, or a DEAD sentinel's status word; ``size``: bytes to
     skip), MORE (``size``: bytes needed), BAD_CHECK, MISMATCH, or TOO_LARGE (``value``: the
-    length over ``cap``)."""
+    length over ``cap``, or a PAD frame's over PAD_MIN)."""
     avail = len(buf) - start
     if avail < 2:
         return MORE, -1, 0, 2
     kind = buf[start]
-    if buf[start + 1] != kind or kind > KIND_BULK:
+    if buf[start + 1] != kind or kind > KIND_PAD:
         return BAD_CHECK, -1, 0, 0
     if kind == KIND_TIMEOUT:
         return OK, kind, 0, 2
@@ -162,7 +214,7 @@ def decode_header(buf: bytes | bytearray, start: int, cap: int) -> tuple[int, in
         return OK, kind, value, size
     if buf[start + 10] != kind or buf[start + 11] != kind:
         return MISMATCH, kind, 0, size
-    if value > cap:
+    if value > (PAD_MIN if kind == KIND_PAD else cap):
         return TOO_LARGE, kind, value, size
     return OK, kind, value, size
 
