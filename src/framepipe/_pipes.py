@@ -91,7 +91,8 @@ def make_pipe(Connection: type[Any]) -> Callable[..., tuple[Any, Any]]:
         socket buffers carry large frames as fast as a separate bulk channel would. A one-way
         pipe gets a bulk channel, a socketpair that carries the payloads of frames of 16 KiB
         and more (over twice the throughput of a pipe for large frames) while their headers
-        stay in the pipe: 4 fds in all.
+        stay in the pipe: 4 fds in all. Both ends being framepipe's, its small messages are
+        padded to 256 bytes, so that one read() takes each whole (see ``_wire.PAD_MIN``).
 
         ``pipes=True`` (duplex only) builds each direction as a one-way pipe with its own bulk
         channel instead: 8 fds and ``fileno()`` a pipe (so no ``send_handle``). The worker
