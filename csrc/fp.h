@@ -35,7 +35,7 @@
 #define FP_KIND_PAD 7     /* filler after a small message, skipped (framepipe._wire.PAD_MIN) */
 #define FP_KIND_MAX 7
 
-/* A PAD frame's length is under this; a message's first write is padded to it. */
+/* A PAD frame's length is at most this; a message's first write is padded to it. */
 #define FP_PAD_MIN 256
 
 /* A frame header is CHECK(2) + u64 length in native order + CHECK(2). */

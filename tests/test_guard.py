@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import ctypes
 import json
 import multiprocessing
@@ -21,6 +23,7 @@ from typing import Any
 import pytest
 
 from framepipe._proc import start_time
+from framepipe.errors import WriterDied
 from framepipe.guard import (
     ERROR_FILE_ENV,
     ProcessFailure,
@@ -281,6 +284,80 @@ def test_an_error_looked_at_after_close_still_names_the_guard(no_leftover_proces
     assert repr(err) == f"WriterDied({str(err)!r})"
     again = pickle.loads(pickle.dumps(err))
     assert str(again) == str(err) and again.label == "shard-9" and again.lost_bytes == 5
+
+
+def _process_with_pid(pid: int) -> Any:
+    """A sleeping child given ``pid`` (through ns_last_pid), or None where that cannot be done."""
+    ctx = multiprocessing.get_context("fork")
+    for _ in range(5):
+        try:
+            with open("/proc/sys/kernel/ns_last_pid", "w", encoding="ascii") as file:
+                file.write(str(pid - 1))
+        except OSError:
+            return None
+        process = ctx.Process(target=time.sleep, args=(WAIT,), daemon=True)
+        process.start()
+        if process.pid == pid:
+            return process
+        process.kill()  # another process forked in between: try again
+        process.join(WAIT)
+    return None
+
+
+def test_a_late_look_never_removes_the_fault_file_of_a_process_that_took_the_pid(
+    no_leftover_processes: Any,
+) -> None:
+    # The diagnostics are read on first look, maybe after the writer was reaped and its pid
+    # given to another process: that process's fault file (another start time) stays.
+    writer = multiprocessing.get_context("fork").Process(target=os._exit, args=(3,))
+    writer.start()
+    liveness = Liveness(writer)
+    writer.join(WAIT)
+    assert writer.pid is not None
+    path = fault_path(writer.pid)
+    err = liveness.error()
+    heir = _process_with_pid(writer.pid)
+    if heir is None:
+        liveness.close()
+        pytest.skip("cannot give a new process a chosen pid here (/proc/sys/kernel/ns_last_pid)")
+    try:
+        began = start_time(heir.pid)
+        assert began is not None
+        with open(path, "w", encoding="utf-8") as file:
+            file.write("#framepipe " + json.dumps({"label": "heir", "start": began}) + "\n")
+        assert err.label == "worker" and err.native_traceback is None
+        assert os.path.exists(path)  # the heir's, left alone
+    finally:
+        liveness.close()
+        heir.kill()
+        heir.join(WAIT)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+def test_an_explicit_label_stays_when_the_diagnostics_fail(no_leftover_processes: Any) -> None:
+    process = multiprocessing.get_context("fork").Process(target=os._exit, args=(3,))
+    process.start()
+    with Liveness(process) as liveness:
+        process.join(WAIT)
+        err = liveness.error(label="rank 3")
+
+    def fail() -> tuple[str, bool | None, str | None]:
+        raise RuntimeError("no cgroup here")
+
+    err._details = fail  # what a failing file system would do
+    assert err.label == "rank 3"
+    assert str(err) == f"rank 3 {process.pid} exited with code 3 before writing another frame"
+
+
+def test_a_writer_died_keeps_args_it_is_given() -> None:
+    err = WriterDied(7, -9, label="w")
+    assert err.args == (str(err),) and str(err).startswith("w 7 was killed by signal SIGKILL")
+    err.args = ("custom", 2)
+    assert err.args == ("custom", 2) and str(err) == "('custom', 2)"
+    assert repr(err) == "WriterDied('custom', 2)"
+    assert pickle.loads(pickle.dumps(err)).args == ("custom", 2)
+    assert copy.copy(err).args == ("custom", 2)
 
 
 def test_an_explicit_label_wins_and_no_guard_means_worker(no_leftover_processes: Any) -> None:

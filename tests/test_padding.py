@@ -156,6 +156,39 @@ def test_a_message_before_a_bad_pad_is_delivered_and_the_next_read_says_why(impl
             r.recv_bytes(timeout=WAIT)
 
 
+def test_any_number_of_pads_in_a_row_is_skipped(impl):
+    # Skipped in a loop: 200,000 of them (2.4 MB) once crashed the compiled reader's stack.
+    import threading
+
+    r, w = impl.pipe(False)
+    with r, w:
+        pads = (b"\x07\x07" + LEN.pack(0) + b"\x07\x07") * 200_000 + data_frame(b"after")
+        writer = threading.Thread(target=os.write, args=(w.fileno(), pads))
+        writer.start()
+        try:
+            assert r.recv_bytes(timeout=WAIT) == b"after"
+        finally:
+            writer.join(WAIT)
+        assert not writer.is_alive()
+
+
+def test_a_frame_is_not_held_back_by_a_pad_that_has_not_arrived(impl):
+    # A framepipe writer sends the PAD in the frame's own write; one that does not must not
+    # make the reader wait for it: the frame is returned, the next read finishes the PAD.
+    import time
+
+    r, w = impl.pipe(False)
+    with r, w:
+        pad = pad_after(17)
+        os.write(w.fileno(), data_frame(b"first") + pad[:5])
+        started = time.monotonic()
+        assert r.recv_bytes(timeout=WAIT) == b"first"
+        assert time.monotonic() - started < WAIT / 4
+        os.write(w.fileno(), pad[5:] + data_frame(b"second"))
+        assert r.recv_bytes(timeout=WAIT) == b"second"
+        assert not readable(r.fileno()) and not r._has_buffered()
+
+
 def test_a_pad_is_not_held_to_max_size(impl):
     rfd, wfd = os.pipe()
     import socket

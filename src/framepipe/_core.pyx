@@ -217,6 +217,7 @@ cdef class Engine:
     cdef readonly bint _read_ahead
     cdef bint _poll_first
     cdef bint _streaming  # the last read without a deadline found its bytes there at once
+    cdef bint _nowait_reads  # _read_now works on this fd (until the kernel says it cannot)
     cdef double _waited  # moving average of how long reads waited for data (see SPIN)
     cdef long long _max
     cdef readonly object _max_size
@@ -311,6 +312,7 @@ cdef class Engine:
         self._closefd = closefd
         self._read_ahead = read_ahead
         self._nowait_writes = True  # until the kernel says otherwise (EOPNOTSUPP)
+        self._nowait_reads = True
         self._read_waits = read_waits(mode, FP_HAVE_PIPE_WAKE, closefd)
         self._records, self._wcap, self._wframe = records_of(fd, wfd)
         self._rpad, self._wpad = pads(fd, wfd, bfd, bwfd)
@@ -771,7 +773,7 @@ cdef class Engine:
         cdef bint timed = not bulk  # this read's wait, if it waits, is still to be counted
         cdef double started = 0.0, waited
         if deadline < 0 and not bulk and self._read_waits and self._liveness is None:
-            if self._streaming and n <= GIL_HELD_IO:
+            if self._streaming and self._nowait_reads and n <= GIL_HELD_IO:
                 # The writer keeps ahead: read without waiting, the GIL kept and no clock read
                 # (two reads of the clock and a GIL hand-off cost as much as the read itself).
                 r = self._read_now(fd, dst, n)
@@ -882,8 +884,14 @@ cdef class Engine:
             if err == EMSGSIZE:
                 raise self._break(record_too_long(n, self._consumed))
             if err == EOPNOTSUPP or err == EINVAL:
-                self._mode = FP_MODE_BLOCK  # this kernel cannot: read after a wait from now on
-                continue
+                # No RWF_NOWAIT for pipes here (Linux before 6.4): the private description
+                # reads without waiting instead, else reads wait again for good.
+                if mode == FP_MODE_PIPE and self._nfd == -1:
+                    self._open_private()
+                    continue
+                self._nowait_reads = False
+                self._streaming = False
+                return -1
             _retry(err)
 
     cdef inline void _note_wait(self, double waited) noexcept:
@@ -1060,7 +1068,10 @@ cdef class Engine:
             avail = self._bend - self._bstart
             rc = fp_header_decode(p, <size_t>avail, <uint64_t>self._max, &h)
             if rc == FP_OK:
-                break
+                if h.kind != FP_KIND_PAD:
+                    break
+                self._skip_pad(deadline)  # in a loop: any number of them costs no stack
+                continue
             if rc != FP_MORE:
                 head = p[:avail if avail < FP_HEADER_SIZE else FP_HEADER_SIZE]
                 raise self._break(bad_header(rc, head, h.value, self._max_size, self._consumed))
@@ -1069,9 +1080,6 @@ cdef class Engine:
             else:  # the kind unknown yet, ask for a whole header: most frames' header in one read
                 self._fill(deadline, (FP_HEADER_SIZE if avail < 2 else <Py_ssize_t>h.size) - avail)
         kind = h.kind
-        if kind == FP_KIND_PAD:
-            self._skip_pad(deadline)
-            return self._read_header(deadline)
         if kind == FP_KIND_TIMEOUT or kind == FP_KIND_DEAD:
             self._bstart += h.size
             self._consumed += h.size
@@ -1201,10 +1209,10 @@ cdef class Engine:
         self._pbulk = False
         self._pptr = NULL
         if self._bend > self._bstart and self._buf[self._bstart] == FP_KIND_PAD:
-            try:  # the fd readable again only if a message is there
-                self._skip_pad(deadline)
+            try:  # the fd readable again only if a message is there; no wait for the PAD's rest
+                self._skip_pad(fp_now())  # (a framepipe writer sends it in the frame's write)
             except Exception:
-                pass  # this frame is whole: the next read reports what is wrong after it
+                pass  # this frame is whole: the next read finishes or reports what follows it
         if self._pdiscard:
             raise MessageTooLong(n, self._pmaxlen)
         if self._pexternal:

@@ -150,10 +150,13 @@ def _parse(text: str) -> Fault:
     return Fault(label, start, text if text.strip() else None)
 
 
-def read_fault(pid: int) -> Fault | None:
+def read_fault(pid: int, start: float | None = None) -> Fault | None:
     """What the guarded process ``pid`` left in its fault file, or None when it left none.
 
     Removes the file: call it once the process is dead (a live one is still writing to it).
+    With ``start`` (the process's start time), a file that names another start time is the
+    file of another process that had the pid, maybe one that runs now: it is returned as it
+    is (its ``start`` tells) and left in place.
     """
     path = fault_path(pid)
     # Raw reads: this runs on the way to every WriterDied, and most writers left no file (one
@@ -170,9 +173,12 @@ def read_fault(pid: int) -> Fault | None:
         return None
     finally:
         os.close(fd)
+    fault = _parse(data.decode("utf-8", "replace"))
+    if start is not None and fault.start is not None and fault.start != start:
+        return fault
     with contextlib.suppress(OSError):
         os.remove(path)
-    return _parse(data.decode("utf-8", "replace"))
+    return fault
 
 
 def read_all(fd: int) -> bytes:
@@ -183,6 +189,12 @@ def read_all(fd: int) -> bytes:
         if not chunk:
             return b"".join(chunks)
         chunks.append(chunk)
+
+
+def remove_fault(pid: int) -> None:
+    """Remove the fault file of ``pid``, if there is one."""
+    with contextlib.suppress(OSError):
+        os.remove(fault_path(pid))
 
 
 def read_native_traceback(pid: int) -> str | None:

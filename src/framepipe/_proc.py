@@ -31,7 +31,7 @@ import types
 from multiprocessing.connection import wait as _mp_wait
 from typing import TYPE_CHECKING, Any
 
-from ._faults import Fault, fault_path, read_all, read_fault
+from ._faults import Fault, fault_path, read_all, read_fault, remove_fault
 from .errors import WriterDied
 
 if TYPE_CHECKING:
@@ -434,7 +434,9 @@ class Liveness:
     def close(self) -> None:
         """Close the pidfd (once; later calls do nothing). The exit status already read stays
         available through :meth:`status`. Close only once nothing polls ``fd`` any more; the
-        :class:`Watcher` keeps its own duplicate, so a registered Liveness may be closed."""
+        :class:`Watcher` keeps its own duplicate, so a registered Liveness may be closed. A dead
+        writer's guard fault file is read now if nothing read it yet (and removed), and kept
+        for a :class:`~framepipe.errors.WriterDied` that is looked at later."""
         fd, self.fd = self.fd, None
         if fd is not None:
             os.close(fd)
@@ -604,16 +606,20 @@ class Liveness:
                     return None
                 self._fault_read = True
                 try:
-                    fault = read_fault(self.pid)
+                    fault = read_fault(self.pid, self._start)
+                    if (
+                        fault is not None
+                        and fault.start is not None
+                        and self._start is not None
+                        and fault.start != self._start
+                    ):
+                        # Another process's that had the pid: an earlier one's, removed when no
+                        # other process holds the pid now, or (ours reaped) a live one's, kept.
+                        if start_time(self.pid) in (None, self._start):
+                            remove_fault(self.pid)
+                        fault = None
                 except Exception:  # noqa: BLE001 - a missing dump must never hide the death
                     fault = None
-                if (
-                    fault is not None
-                    and fault.start is not None
-                    and self._start is not None
-                    and fault.start != self._start
-                ):
-                    fault = None  # left by an earlier process that had the same pid
                 self._fault = fault
             return self._fault
 
@@ -651,6 +657,7 @@ class Liveness:
             core_dumped=core_dumped,
             lost_bytes=lost_bytes,
             expected_bytes=expected_bytes,
+            label=label or "worker",  # what it says if the details cannot be read
             details=functools.partial(self._details, label),
         )
 

@@ -971,7 +971,10 @@ class Engine:
             s = self._bstart
             status, kind, value, size = decode_header(self._buf, s, self._cap)
             if status == OK:
-                break
+                if kind != KIND_PAD:
+                    break
+                self._skip_pad(deadline)  # in a loop: any number of them costs no stack
+                continue
             if status != MORE:
                 head = bytes(self._buf[s : s + HEADER_SIZE])
                 raise self._break(bad_header(status, head, value, self._max_size, self._consumed))
@@ -980,10 +983,6 @@ class Engine:
                 self._fill(deadline, PAD_MIN)  # a message's start: small ones whole (PAD_MIN)
             else:  # the kind unknown yet, ask for a whole header: most frames' header in one read
                 self._fill(deadline, (HEADER_SIZE if kind < 0 else size) - avail)
-        if kind == KIND_PAD:
-            self._skip_pad(deadline)
-            self._read_header(deadline)
-            return
         if kind == KIND_TIMEOUT:
             self._consume(size)
             raise sentinel_timeout()
@@ -1084,10 +1083,10 @@ class Engine:
         self._pkind, self._pdest, self._pbulk = -1, None, False
         s = self._bstart
         if len(self._buf) > s and self._buf[s] == KIND_PAD:
-            try:  # the fd readable again only if a message is there
-                self._skip_pad(deadline)
-            except Exception:  # noqa: BLE001 - reported by the next read
-                pass  # this frame is whole: the next read reports what is wrong after it
+            try:  # the fd readable again only if a message is there; no wait for the PAD's rest
+                self._skip_pad(time.monotonic())  # (a framepipe writer sends it in one write)
+            except Exception:  # noqa: BLE001 - the next read finishes it or reports the error
+                pass  # this frame is whole: the next read finishes or reports what follows it
         if self._pdiscard:
             raise MessageTooLong(n, dest)
         if self._pexternal:

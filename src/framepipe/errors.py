@@ -112,14 +112,18 @@ class WriterDied(FramepipeError, EOFError, OSError):
         self._details = details
         self._resolved = (label, oom_killed, native_traceback)
         self._message_text: str | None = None
+        self._args_set = False  # args assigned: they, not the message, are the args
 
     def _resolve(self) -> tuple[str, bool | None, str | None]:
-        details, self._details = self._details, None
+        # Two threads that look at once may both call details(): it returns the same thing
+        # (a Liveness reads its diagnostics once and keeps them). Kept only once it returned.
+        details = self._details
         if details is not None:
             try:
                 self._resolved = details()
             except Exception:  # noqa: BLE001 - a diagnostic that fails must never hide the death
                 pass
+            self._details = None
         return self._resolved
 
     @property
@@ -135,20 +139,27 @@ class WriterDied(FramepipeError, EOFError, OSError):
         return self._resolve()[2]
 
     @property
-    def args(self) -> tuple[str]:
+    def args(self) -> tuple[object, ...]:
+        if self._args_set:
+            value: tuple[object, ...] = BaseException.args.__get__(self)  # type: ignore[attr-defined]
+            return value
         return (str(self),)
 
     @args.setter
     def args(self, value: tuple[object, ...]) -> None:
         BaseException.args.__set__(self, value)  # type: ignore[attr-defined]
-        self._message_text = None if not value else str(value[0])
+        self._args_set = True
 
     def __str__(self) -> str:
+        if self._args_set:
+            return BaseException.__str__(self)
         if self._message_text is None:
             self._message_text = self._message()
         return self._message_text
 
     def __repr__(self) -> str:
+        if self._args_set:
+            return BaseException.__repr__(self)
         return f"{type(self).__name__}({str(self)!r})"
 
     def _message(self) -> str:
@@ -189,6 +200,8 @@ class WriterDied(FramepipeError, EOFError, OSError):
             native_traceback=native_traceback,
             label=label,
         )
+        if self._args_set:
+            return (_rebuild_writer_died, (self.pid, self.exitcode, kwargs), {"args": self.args})
         return (_rebuild_writer_died, (self.pid, self.exitcode, kwargs))
 
 
