@@ -1034,7 +1034,8 @@ cdef class Engine:
 
     cdef int _skip_pad(self, double deadline) except -1:
         """Drop the PAD frame that starts in the buffer (see _pad): its bytes came in the same
-        write as the message before it, so reading its rest never waits."""
+        write as the message before it, so reading its rest never waits. A deadline of 0.0
+        (long past) only looks for the rest, raising _Expired when it is not there."""
         cdef Py_ssize_t avail, size
         cdef fp_header h
         cdef int rc
@@ -1210,7 +1211,7 @@ cdef class Engine:
         self._pptr = NULL
         if self._bend > self._bstart and self._buf[self._bstart] == FP_KIND_PAD:
             try:  # the fd readable again only if a message is there; no wait for the PAD's rest
-                self._skip_pad(fp_now())  # (a framepipe writer sends it in the frame's write)
+                self._skip_pad(0.0)  # (a framepipe writer sends it in the frame's write)
             except Exception:
                 pass  # this frame is whole: the next read finishes or reports what follows it
         if self._pdiscard:

@@ -1084,7 +1084,7 @@ class Engine:
         s = self._bstart
         if len(self._buf) > s and self._buf[s] == KIND_PAD:
             try:  # the fd readable again only if a message is there; no wait for the PAD's rest
-                self._skip_pad(time.monotonic())  # (a framepipe writer sends it in one write)
+                self._skip_pad(0.0)  # long past: only a look (a framepipe writer sends it whole)
             except Exception:  # noqa: BLE001 - the next read finishes it or reports the error
                 pass  # this frame is whole: the next read finishes or reports what follows it
         if self._pdiscard:
