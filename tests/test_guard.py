@@ -316,6 +316,7 @@ def test_a_late_look_never_removes_the_fault_file_of_a_process_that_took_the_pid
     assert writer.pid is not None
     path = fault_path(writer.pid)
     err = liveness.error()
+    time.sleep(0.05)  # start times count in clock ticks (10 ms): the heir's must be later
     heir = _process_with_pid(writer.pid)
     if heir is None:
         liveness.close()
@@ -333,6 +334,50 @@ def test_a_late_look_never_removes_the_fault_file_of_a_process_that_took_the_pid
         heir.join(WAIT)
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
+
+
+@pytest.mark.parametrize("when", ["later", "earlier"])
+def test_a_late_look_leaves_a_later_process_s_fault_file_and_removes_a_stale_one(
+    when: str, no_leftover_processes: Any
+) -> None:
+    # Read after the writer was reaped, with no process holding its pid: a file naming a later
+    # start time is a later process's (its parent may not have looked yet) and stays; one
+    # naming an earlier start time is stale, and goes.
+    writer = multiprocessing.get_context("fork").Process(target=time.sleep, args=(WAIT,))
+    writer.start()
+    liveness = Liveness(writer)
+    assert writer.pid is not None
+    began = start_time(writer.pid)
+    assert began is not None
+    writer.kill()
+    writer.join(WAIT)
+    path = fault_path(writer.pid)
+    try:
+        err = liveness.error()
+        start = began + 1000.0 if when == "later" else began - 1000.0
+        with open(path, "w", encoding="utf-8") as file:
+            file.write("#framepipe " + json.dumps({"label": "other", "start": start}) + "\n")
+        assert start_time(writer.pid) is None  # nobody holds the pid
+        assert err.label == "worker" and err.native_traceback is None
+        assert os.path.exists(path) == (when == "later")
+    finally:
+        liveness.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+def test_a_writer_died_pickles_as_its_own_class_with_its_notes() -> None:
+    from framepipe import ReadTimeout
+    from framepipe.subprocess_rpc import _ExitedWhileReading
+
+    err = _ExitedWhileReading(7, 0, label="rank 2")
+    err.args = ("Exceeded timeout: 3",)
+    if hasattr(err, "add_note"):
+        err.add_note("while reading the reply")
+    again = pickle.loads(pickle.dumps(err))
+    assert type(again) is _ExitedWhileReading and isinstance(again, ReadTimeout)
+    assert again.args == ("Exceeded timeout: 3",) and again.label == "rank 2"
+    assert getattr(again, "__notes__", None) == getattr(err, "__notes__", None)
 
 
 def test_an_explicit_label_stays_when_the_diagnostics_fail(no_leftover_processes: Any) -> None:

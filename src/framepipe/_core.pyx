@@ -1034,8 +1034,7 @@ cdef class Engine:
 
     cdef int _skip_pad(self, double deadline) except -1:
         """Drop the PAD frame that starts in the buffer (see _pad): its bytes came in the same
-        write as the message before it, so reading its rest never waits. A deadline of 0.0
-        (long past) only looks for the rest, raising _Expired when it is not there."""
+        write as the message before it, so reading its rest never waits."""
         cdef Py_ssize_t avail, size
         cdef fp_header h
         cdef int rc
@@ -1058,6 +1057,46 @@ cdef class Engine:
         if self._bstart == self._bend:
             self._bstart = self._bend = 0
         return 0
+
+    cdef void _drop_pad_after_frame(self) noexcept:
+        """After a whole frame: drop the PAD that follows it (see _pad), reading what is not
+        in the buffer yet without waiting. Nothing here raises or runs a signal handler: the
+        frame must reach its caller. A PAD not all there (its writer is not framepipe's) or a
+        bad header is left to the next read."""
+        cdef fp_header h
+        cdef Py_ssize_t avail, size
+        cdef ssize_t r
+        cdef int rc, mode
+        while True:
+            avail = self._bend - self._bstart
+            if avail <= 0 or <unsigned char>self._buf[self._bstart] != FP_KIND_PAD:
+                return
+            rc = fp_header_decode(<unsigned char *>self._buf + self._bstart, <size_t>avail,
+                                  <uint64_t>self._max, &h)
+            if rc == FP_OK:
+                size = FP_HEADER_SIZE + <Py_ssize_t>h.value
+                if avail >= size:
+                    self._bstart += size
+                    self._consumed += size
+                    if self._bstart == self._bend:
+                        self._bstart = self._bend = 0
+                    return
+            elif rc == FP_MORE:
+                size = 2 if avail < 2 else <Py_ssize_t>h.size
+            else:
+                return
+            mode = self._mode
+            if mode != FP_MODE_PIPE and mode != FP_MODE_NONBLOCK:
+                return  # no read of this fd is sure not to wait
+            if self._bstart:
+                memmove(self._buf, self._buf + self._bstart, avail)
+                self._bstart = 0
+                self._bend = avail
+            r = fp_read(self._nfd if mode == FP_MODE_NONBLOCK else self._fd,
+                        self._buf + self._bend, <size_t>(size - avail), mode)
+            if r <= 0:
+                return
+            self._bend += r
 
     cdef int _read_header(self, double deadline) except -1:
         cdef unsigned char *p
@@ -1209,11 +1248,7 @@ cdef class Engine:
         self._pkind = -1
         self._pbulk = False
         self._pptr = NULL
-        if self._bend > self._bstart and self._buf[self._bstart] == FP_KIND_PAD:
-            try:  # the fd readable again only if a message is there; no wait for the PAD's rest
-                self._skip_pad(0.0)  # (a framepipe writer sends it in the frame's write)
-            except Exception:
-                pass  # this frame is whole: the next read finishes or reports what follows it
+        self._drop_pad_after_frame()  # the fd readable again only if a message is there
         if self._pdiscard:
             raise MessageTooLong(n, self._pmaxlen)
         if self._pexternal:

@@ -54,9 +54,11 @@ __all__ = [
     "Fault",
     "FaultHandler",
     "fault_path",
+    "peek_fault",
     "read_all",
     "read_fault",
     "read_native_traceback",
+    "remove_fault",
     "warn",
 ]
 
@@ -150,16 +152,11 @@ def _parse(text: str) -> Fault:
     return Fault(label, start, text if text.strip() else None)
 
 
-def read_fault(pid: int, start: float | None = None) -> Fault | None:
-    """What the guarded process ``pid`` left in its fault file, or None when it left none.
-
-    Removes the file: call it once the process is dead (a live one is still writing to it).
-    With ``start`` (the process's start time), a file that names another start time is the
-    file of another process that had the pid, maybe one that runs now: it is returned as it
-    is (its ``start`` tells) and left in place.
-    """
+def peek_fault(pid: int) -> Fault | None:
+    """What the guarded process ``pid`` left in its fault file, or None when there is none;
+    the file stays (see :func:`remove_fault`)."""
     path = fault_path(pid)
-    # Raw reads: this runs on the way to every WriterDied, and most writers left no file (one
+    # Raw reads: this runs on the way to many WriterDied, and most writers left no file (one
     # failed open(2), no io stack). The file's content is used only from a trusted directory.
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
@@ -173,11 +170,17 @@ def read_fault(pid: int, start: float | None = None) -> Fault | None:
         return None
     finally:
         os.close(fd)
-    fault = _parse(data.decode("utf-8", "replace"))
-    if start is not None and fault.start is not None and fault.start != start:
-        return fault
-    with contextlib.suppress(OSError):
-        os.remove(path)
+    return _parse(data.decode("utf-8", "replace"))
+
+
+def read_fault(pid: int) -> Fault | None:
+    """What the guarded process ``pid`` left in its fault file, or None when it left none.
+
+    Removes the file: call it once the process is dead (a live one is still writing to it).
+    """
+    fault = peek_fault(pid)
+    if fault is not None:
+        remove_fault(pid)
     return fault
 
 

@@ -31,7 +31,7 @@ import types
 from multiprocessing.connection import wait as _mp_wait
 from typing import TYPE_CHECKING, Any
 
-from ._faults import Fault, fault_path, read_all, read_fault, remove_fault
+from ._faults import Fault, fault_path, peek_fault, read_all, remove_fault
 from .errors import WriterDied
 
 if TYPE_CHECKING:
@@ -606,22 +606,32 @@ class Liveness:
                     return None
                 self._fault_read = True
                 try:
-                    fault = read_fault(self.pid, self._start)
-                    if (
-                        fault is not None
-                        and fault.start is not None
-                        and self._start is not None
-                        and fault.start != self._start
-                    ):
-                        # Another process's that had the pid: an earlier one's, removed when no
-                        # other process holds the pid now, or (ours reaped) a live one's, kept.
-                        if start_time(self.pid) in (None, self._start):
-                            remove_fault(self.pid)
-                        fault = None
+                    fault = self._take_fault()
                 except Exception:  # noqa: BLE001 - a missing dump must never hide the death
                     fault = None
                 self._fault = fault
             return self._fault
+
+    def _take_fault(self) -> Fault | None:
+        """The fault file at the writer's pid, if it is the writer's (then removed). Read
+        maybe long after the death, it may be another process's that had the pid: one started
+        earlier (stale: removed), or later, maybe running now (left alone). When a start time
+        is unknown, the file counts as the writer's only while no other process holds the pid."""
+        fault = peek_fault(self.pid)
+        if fault is None:
+            return None
+        mine, theirs = self._start, fault.start
+        if mine is not None and theirs is not None:
+            if theirs == mine:
+                remove_fault(self.pid)
+                return fault
+            if theirs < mine:
+                remove_fault(self.pid)  # stale: its process ended before ours began
+            return None
+        if start_time(self.pid) not in (None, mine):
+            return None
+        remove_fault(self.pid)
+        return fault
 
     def native_traceback(self) -> str | None:
         """The faulthandler dump of a writer that crashed with SIGSEGV, SIGBUS, SIGFPE, SIGABRT

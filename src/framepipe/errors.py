@@ -200,10 +200,14 @@ class WriterDied(FramepipeError, EOFError, OSError):
             native_traceback=native_traceback,
             label=label,
         )
+        state: dict[str, object] = {}
         if self._args_set:
-            return (_rebuild_writer_died, (self.pid, self.exitcode, kwargs), {"args": self.args})
-        return (_rebuild_writer_died, (self.pid, self.exitcode, kwargs))
+            state["args"] = self.args
+        notes = getattr(self, "__notes__", None)
+        if notes is not None:
+            state["__notes__"] = list(notes)
+        return (_rebuild_writer_died, (type(self), self.pid, self.exitcode, kwargs), state)
 
 
-def _rebuild_writer_died(pid, exitcode, kwargs):  # type: ignore[no-untyped-def]
-    return WriterDied(pid, exitcode, **kwargs)
+def _rebuild_writer_died(cls, pid, exitcode, kwargs):  # type: ignore[no-untyped-def]
+    return cls(pid, exitcode, **kwargs)

@@ -135,7 +135,11 @@ def _pipe_class(base: type) -> type:
                 if code == 0:
                     self.timeout_callback()
                     clean = _ExitedWhileReading(
-                        exc.pid, 0, lost_bytes=exc.lost_bytes, expected_bytes=exc.expected_bytes
+                        exc.pid,
+                        0,
+                        lost_bytes=exc.lost_bytes,
+                        expected_bytes=exc.expected_bytes,
+                        details=exc._resolve,  # its label and diagnostics, read when looked at
                     )
                     raise _reference_error(clean, f"Exceeded timeout: {timeout}") from None
                 shown = "unknown" if code is None else abs(code)
