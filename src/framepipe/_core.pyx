@@ -217,7 +217,6 @@ cdef class Engine:
     cdef readonly bint _read_ahead
     cdef bint _poll_first
     cdef bint _streaming  # the last read without a deadline found its bytes there at once
-    cdef bint _nowait_reads  # _read_now works on this fd (until the kernel says it cannot)
     cdef double _waited  # moving average of how long reads waited for data (see SPIN)
     cdef long long _max
     cdef readonly object _max_size
@@ -312,7 +311,6 @@ cdef class Engine:
         self._closefd = closefd
         self._read_ahead = read_ahead
         self._nowait_writes = True  # until the kernel says otherwise (EOPNOTSUPP)
-        self._nowait_reads = True
         self._read_waits = read_waits(mode, FP_HAVE_PIPE_WAKE, closefd)
         self._records, self._wcap, self._wframe = records_of(fd, wfd)
         self._rpad, self._wpad = pads(fd, wfd, bfd, bwfd)
@@ -773,7 +771,7 @@ cdef class Engine:
         cdef bint timed = not bulk  # this read's wait, if it waits, is still to be counted
         cdef double started = 0.0, waited
         if deadline < 0 and not bulk and self._read_waits and self._liveness is None:
-            if self._streaming and self._nowait_reads and n <= GIL_HELD_IO:
+            if self._streaming and n <= GIL_HELD_IO:
                 # The writer keeps ahead: read without waiting, the GIL kept and no clock read
                 # (two reads of the clock and a GIL hand-off cost as much as the read itself).
                 r = self._read_now(fd, dst, n)
@@ -885,13 +883,13 @@ cdef class Engine:
                 raise self._break(record_too_long(n, self._consumed))
             if err == EOPNOTSUPP or err == EINVAL:
                 # No RWF_NOWAIT for pipes here (Linux before 6.4): the private description
-                # reads without waiting instead, else reads wait again for good.
+                # reads without waiting instead, else, as in _read_some, reads of this fd wait
+                # first from now on.
                 if mode == FP_MODE_PIPE and self._nfd == -1:
                     self._open_private()
-                    continue
-                self._nowait_reads = False
-                self._streaming = False
-                return -1
+                else:
+                    self._mode = FP_MODE_BLOCK
+                continue
             _retry(err)
 
     cdef inline void _note_wait(self, double waited) noexcept:
@@ -1032,31 +1030,12 @@ cdef class Engine:
         self._broken = exc
         return exc
 
-    cdef int _skip_pad(self, double deadline) except -1:
-        """Drop the PAD frame that starts in the buffer (see _pad): its bytes came in the same
-        write as the message before it, so reading its rest never waits."""
-        cdef Py_ssize_t avail, size
-        cdef fp_header h
-        cdef int rc
-        while True:
-            avail = self._bend - self._bstart
-            rc = fp_header_decode(<unsigned char *>self._buf + self._bstart, <size_t>avail,
-                                  <uint64_t>self._max, &h)
-            if rc == FP_OK:
-                size = FP_HEADER_SIZE + <Py_ssize_t>h.value
-                if avail >= size:
-                    break
-            elif rc == FP_MORE:
-                size = 2 if avail < 2 else <Py_ssize_t>h.size
-            else:
-                head = (<unsigned char *>self._buf + self._bstart)[:min(avail, FP_HEADER_SIZE)]
-                raise self._break(bad_header(rc, head, h.value, self._max_size, self._consumed))
-            self._fill(deadline, size - avail)
+    cdef inline void _drop(self, Py_ssize_t size) noexcept:
+        """Drop the buffer's next ``size`` bytes (all there)."""
         self._bstart += size
         self._consumed += size
         if self._bstart == self._bend:
             self._bstart = self._bend = 0
-        return 0
 
     cdef void _drop_pad_after_frame(self) noexcept:
         """After a whole frame: drop the PAD that follows it (see _pad), reading what is not
@@ -1076,10 +1055,7 @@ cdef class Engine:
             if rc == FP_OK:
                 size = FP_HEADER_SIZE + <Py_ssize_t>h.value
                 if avail >= size:
-                    self._bstart += size
-                    self._consumed += size
-                    if self._bstart == self._bend:
-                        self._bstart = self._bend = 0
+                    self._drop(size)
                     return
             elif rc == FP_MORE:
                 size = 2 if avail < 2 else <Py_ssize_t>h.size
@@ -1100,7 +1076,7 @@ cdef class Engine:
 
     cdef int _read_header(self, double deadline) except -1:
         cdef unsigned char *p
-        cdef Py_ssize_t avail
+        cdef Py_ssize_t avail, size
         cdef fp_header h
         cdef int rc, kind
         while True:
@@ -1110,7 +1086,14 @@ cdef class Engine:
             if rc == FP_OK:
                 if h.kind != FP_KIND_PAD:
                     break
-                self._skip_pad(deadline)  # in a loop: any number of them costs no stack
+                # A PAD (see _pad), dropped whole: its bytes came in the same write as the
+                # message before it, so reading its rest never waits. In a loop: any number of
+                # them costs no stack.
+                size = FP_HEADER_SIZE + <Py_ssize_t>h.value
+                if avail >= size:
+                    self._drop(size)
+                else:
+                    self._fill(deadline, size - avail)
                 continue
             if rc != FP_MORE:
                 head = p[:avail if avail < FP_HEADER_SIZE else FP_HEADER_SIZE]

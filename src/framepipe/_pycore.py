@@ -949,22 +949,28 @@ class Engine:
         self._broken = exc
         return exc
 
-    def _skip_pad(self, deadline: float) -> None:
-        """Drop the PAD frame that starts in the buffer (see _wire.PAD_MIN): its bytes came in
-        the same write as the message before it, so reading its rest never waits."""
+    def _drop_pad_after_frame(self) -> None:
+        """After a whole frame: drop the PAD that follows it (see _wire.PAD_MIN), reading what
+        is not in the buffer yet only by a look that never waits. Nothing here raises: the
+        frame must reach its caller. A PAD not all there (its writer is not framepipe's) or a
+        bad header is left to the next read."""
         while True:
             s = self._bstart
             avail = len(self._buf) - s
-            status, kind, value, size = decode_header(self._buf, s, self._cap)
+            if avail <= 0 or self._buf[s] != KIND_PAD:
+                return
+            status, _, value, size = decode_header(self._buf, s, self._cap)
             if status == OK:
                 size = HEADER_SIZE + value
                 if avail >= size:
-                    break
+                    self._consume(size)
+                    return
             elif status != MORE:
-                head = bytes(self._buf[s : s + HEADER_SIZE])
-                raise self._break(bad_header(status, head, value, self._max_size, self._consumed))
-            self._fill(deadline, size - avail)
-        self._consume(size)
+                return
+            try:
+                self._fill(0.0, size - avail)  # a deadline long past: only a look
+            except Exception:  # noqa: BLE001 - the next read finishes the PAD or reports it
+                return
 
     def _read_header(self, deadline: float) -> None:
         while True:
@@ -973,7 +979,14 @@ class Engine:
             if status == OK:
                 if kind != KIND_PAD:
                     break
-                self._skip_pad(deadline)  # in a loop: any number of them costs no stack
+                # A PAD (see _wire.PAD_MIN), dropped whole: its bytes came in the same write as
+                # the message before it, so reading its rest never waits. In a loop: any number
+                # of them costs no stack.
+                avail, size = len(self._buf) - s, HEADER_SIZE + value
+                if avail >= size:
+                    self._consume(size)
+                else:
+                    self._fill(deadline, size - avail)
                 continue
             if status != MORE:
                 head = bytes(self._buf[s : s + HEADER_SIZE])
@@ -1081,12 +1094,7 @@ class Engine:
             raise
         kind, dest, n = self._pkind, self._pdest, self._plen
         self._pkind, self._pdest, self._pbulk = -1, None, False
-        s = self._bstart
-        if len(self._buf) > s and self._buf[s] == KIND_PAD:
-            try:  # the fd readable again only if a message is there; no wait for the PAD's rest
-                self._skip_pad(0.0)  # long past: only a look (a framepipe writer sends it whole)
-            except Exception:  # noqa: BLE001 - the next read finishes it or reports the error
-                pass  # this frame is whole: the next read finishes or reports what follows it
+        self._drop_pad_after_frame()  # the fd readable again only if a message is there
         if self._pdiscard:
             raise MessageTooLong(n, dest)
         if self._pexternal:
