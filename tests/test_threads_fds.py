@@ -150,6 +150,60 @@ def test_two_reader_threads_receive_every_frame_exactly_once(pair, how):
         assert seen == sorted(seen)  # each reader gets its frames in stream order
 
 
+@pytest.mark.parametrize("duplex", [False, True], ids=["oneway", "duplex"])
+def test_readers_waiting_for_the_read_lock_time_out_and_take_their_turn(impl, duplex):
+    # Thread A waits in a read; the others wait for A's read lock. One with a deadline gives
+    # up at its deadline, leaving the lock as it was; one without is handed the lock when A's
+    # read ends, and reads the next message; a close() ends every wait, for data or the lock.
+    from framepipe.errors import ReadTimeout
+
+    r, w = impl.pipe(duplex)
+    try:
+        first = Background(r.recv_bytes)
+        time.sleep(0.2)  # A holds the read lock, waiting for data
+        started = time.monotonic()
+        with pytest.raises(ReadTimeout):
+            r.recv_bytes(timeout=0.3)
+        waited = time.monotonic() - started
+        assert 0.25 <= waited < TIMEOUT, waited
+        second = Background(r.recv_bytes)
+        time.sleep(0.2)  # B waits for A's lock
+        w.send_bytes(b"one")
+        w.send_bytes(b"two")
+        assert sorted([first.join(), second.join()]) == [b"one", b"two"]
+        w.send_bytes(b"three")
+        assert r.recv_bytes(timeout=TIMEOUT) == b"three"  # nobody kept the lock
+        blocked = [Background(r.recv_bytes) for _ in range(3)]
+        time.sleep(0.2)
+        r.close()
+        for b in blocked:
+            with pytest.raises(OSError, match="closed"):
+                b.join()
+    finally:
+        r.close()
+        w.close()
+
+
+@pytest.mark.parametrize("duplex", [False, True], ids=["oneway", "duplex"])
+def test_a_writer_waiting_for_the_write_lock_writes_once_it_is_handed_over(impl, duplex):
+    # A's send fills the pipe and waits for the reader, holding the write lock; B's send waits
+    # for that lock and goes out whole after A's once the reader drains the pipe.
+    r, w = impl.pipe(duplex)
+    big = b"a" * (8 << 20)
+    try:
+        first = Background(w.send_bytes, big)
+        time.sleep(0.2)
+        second = Background(w.send_bytes, b"b" * 100)
+        time.sleep(0.2)
+        assert r.recv_bytes(timeout=TIMEOUT) == big
+        assert r.recv_bytes(timeout=TIMEOUT) == b"b" * 100
+        first.join()
+        second.join()
+    finally:
+        r.close()
+        w.close()
+
+
 # --- file descriptors ---------------------------------------------------------------------------
 
 

@@ -28,7 +28,7 @@ from ._args import check_send_args, check_timeout
 from ._stream_errors import DEATH_GRACE as _DEATH_GRACE, DEATH_SPIN as _DEATH_SPIN
 from ._stream_errors import SPIN as _SPIN, SPIN_FLOOR as _SPIN_FLOOR
 from ._stream_errors import SPIN_LONGEST_SAMPLE as _SPIN_LONGEST, SPIN_WEIGHT as _SPIN_WEIGHT
-from ._stream_errors import may_spin
+from ._stream_errors import SPIN_CPU_CHECKS as _SPIN_CPU_CHECKS, on_allow_spin, several_cpus
 from ._stream_errors import (
     bad_header, blocking_send_under_async_send, broken, closed, closed_while_waiting,
     no_bulk_channel, record_too_long, sentinel_timeout, timeout_error, truncated, unallocatable,
@@ -120,18 +120,136 @@ cdef double SPIN_LONGEST_SAMPLE = _SPIN_LONGEST
 cdef double SPIN_WEIGHT = _SPIN_WEIGHT
 
 
+# The read and write locks. A thread takes one with the GIL held, and when it is free nothing
+# more than a flag is needed: the GIL makes the test and the set one step for every other thread
+# (a PyThread lock would read the clock and touch a semaphore on each take, about 5% of a small
+# message's time on one CPU). Only a thread that finds it taken waits, on the gate: a PyThread
+# lock held closed, which the thread giving the turn back opens once for the waiters (who test
+# again, since another thread may take the turn first). Where the GIL is optional
+# (Py_GIL_DISABLED) the gate is a plain lock and the flag goes unused.
+cdef extern from *:
+    """
+    #ifdef Py_GIL_DISABLED
+    #define FP_GIL_HELD 0
+    #else
+    #define FP_GIL_HELD 1
+    #endif
+    """
+    const bint FP_GIL_HELD
+
+cdef struct Turn:
+    bint busy  # taken (with the GIL)
+    bint opened  # the gate was opened for the waiters and none has passed it yet
+    int waiters
+    PyThread_type_lock gate
+
+
+cdef int turn_init(Turn *t) except -1:
+    t.busy = t.opened = False
+    t.waiters = 0
+    t.gate = PyThread_allocate_lock()
+    if t.gate == NULL:
+        raise MemoryError()
+    if FP_GIL_HELD:
+        PyThread_acquire_lock(t.gate, NOWAIT_LOCK)  # closed: waiters wait until it opens
+    return 0
+
+
+cdef void turn_free(Turn *t) noexcept:
+    if t.gate != NULL:
+        PyThread_free_lock(t.gate)
+        t.gate = NULL
+
+
+cdef inline bint turn_try(Turn *t) noexcept:
+    """Take the turn if it is free (the GIL held): whether it was taken."""
+    if not FP_GIL_HELD:
+        return PyThread_acquire_lock(t.gate, NOWAIT_LOCK)
+    if t.busy:
+        return False
+    t.busy = True
+    return True
+
+
+cdef bint turn_take(Turn *t, double deadline) except -1:
+    """Take the turn, waiting for it (the GIL released) until the deadline (-1: none):
+    whether it was taken."""
+    cdef PY_TIMEOUT_T us = -1
+    cdef PyLockStatus st
+    if turn_try(t):
+        return True
+    t.waiters += 1
+    try:
+        while True:
+            if deadline >= 0:
+                us = <PY_TIMEOUT_T>((deadline - fp_now()) * 1e6)
+                if us < 0:
+                    us = 0
+            with nogil:
+                st = PyThread_acquire_lock_timed(t.gate, us, 0)
+            if not FP_GIL_HELD:
+                return st == PY_LOCK_ACQUIRED
+            if st == PY_LOCK_ACQUIRED:
+                t.opened = False  # passed: the gate is closed again
+            if not t.busy:
+                t.busy = True
+                return True
+            if st != PY_LOCK_ACQUIRED:
+                return False  # the deadline passed
+    finally:
+        t.waiters -= 1
+
+
+cdef inline void turn_give(Turn *t) noexcept:
+    """Give the turn back (the GIL held), opening the gate if a thread waits for it."""
+    if not FP_GIL_HELD:
+        PyThread_release_lock(t.gate)
+        return
+    t.busy = False
+    if t.waiters and not t.opened:
+        t.opened = True
+        PyThread_release_lock(t.gate)
+
+
 # Locks held by threads of the parent stay held in a forked child, where those threads do not
 # exist: a connection first used in a child after a fork takes fresh locks.
 cdef unsigned long long _fork_gen = 0
 
 
 def _after_fork_in_child():
-    global _fork_gen
+    global _fork_gen, _spin_checks
     _fork_gen += 1
+    _spin_checks = 0  # the child may have other CPUs
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# _stream_errors.may_spin, with its state in C: a read that may spin asks at every wait.
+cdef bint _spin_allowed = True  # what allow_spin() last said
+cdef bint _spin_cpus = False  # several CPUs, when last looked up
+cdef int _spin_checks = 0  # decisions left before the next look-up
+cdef int SPIN_CPU_CHECKS = _SPIN_CPU_CHECKS
+
+
+def _allow_spin(bint allowed):
+    global _spin_allowed
+    _spin_allowed = allowed
+
+
+on_allow_spin(_allow_spin)
+
+
+cdef bint may_spin() except -1:
+    global _spin_cpus, _spin_checks
+    if SPIN <= 0.0 or not _spin_allowed:
+        return False
+    _spin_checks -= 1
+    if _spin_checks < 0:
+        _spin_checks = SPIN_CPU_CHECKS
+        _spin_cpus = several_cpus()
+    return _spin_cpus
 
 
 class _Expired(Exception):
@@ -220,8 +338,8 @@ cdef class Engine:
     cdef double _waited  # moving average of how long reads waited for data (see SPIN)
     cdef long long _max
     cdef readonly object _max_size
-    cdef PyThread_type_lock _rlock
-    cdef PyThread_type_lock _wlock
+    cdef Turn _rturn  # the read lock (see Turn)
+    cdef Turn _wturn  # the write lock
     cdef char *_buf
     cdef Py_ssize_t _bstart, _bend
     cdef unsigned long long _consumed
@@ -268,10 +386,8 @@ cdef class Engine:
         self._pkind = -1
         self._eof_until = -1.0
         self._wake_r = self._wake_w = -1
-        self._rlock = PyThread_allocate_lock()
-        self._wlock = PyThread_allocate_lock()
-        if self._rlock == NULL or self._wlock == NULL:
-            raise MemoryError()
+        turn_init(&self._rturn)
+        turn_init(&self._wturn)
 
     def _open(self, int fd, int wfd, int bfd, int bwfd, bint readable, bint writable,
               max_size, bint closefd, bint read_ahead):
@@ -335,10 +451,8 @@ cdef class Engine:
         if self._buf != NULL:
             PyMem_Free(self._buf)
             self._buf = NULL
-        if self._rlock != NULL:
-            PyThread_free_lock(self._rlock)
-        if self._wlock != NULL:
-            PyThread_free_lock(self._wlock)
+        turn_free(&self._rturn)
+        turn_free(&self._wturn)
 
     def _close(self):
         """Close the fds (those this connection owns, and its own private ones) and the
@@ -512,17 +626,17 @@ cdef class Engine:
     cdef int _renew_locks_after_fork(self) except -1:
         """First use in a forked child: the inherited locks may be held by parent threads
         that do not exist here. (The GIL is held throughout: no other thread can interleave.)"""
-        cdef PyThread_type_lock r = PyThread_allocate_lock(), w = PyThread_allocate_lock()
-        if r == NULL or w == NULL:
-            if r != NULL:
-                PyThread_free_lock(r)
-            if w != NULL:
-                PyThread_free_lock(w)
-            raise MemoryError()
-        PyThread_free_lock(self._rlock)
-        PyThread_free_lock(self._wlock)
-        self._rlock = r
-        self._wlock = w
+        cdef Turn r, w
+        turn_init(&r)
+        try:
+            turn_init(&w)
+        except MemoryError:
+            turn_free(&r)
+            raise
+        turn_free(&self._rturn)
+        turn_free(&self._wturn)
+        self._rturn = r
+        self._wturn = w
         self._async_owner = 0
         # Calls of the parent's threads do not go on here; fds whose close waited for one are
         # left open, as after any close() that follows a fork. The wake fd is the parent's
@@ -538,14 +652,12 @@ cdef class Engine:
         return 0
 
     cdef int _lock_write(self) except -1:
-        cdef int ok
         if self._gen != _fork_gen:
             self._renew_locks_after_fork()
-        if not PyThread_acquire_lock(self._wlock, NOWAIT_LOCK):
+        if not turn_try(&self._wturn):
             if self._async_owner == PyThread_get_thread_ident():
                 raise blocking_send_under_async_send()
-            with nogil:
-                ok = PyThread_acquire_lock_timed(self._wlock, -1, 0)
+            turn_take(&self._wturn, -1.0)
         return 0
 
     cdef int _writev(self, iovec *iov, int cnt) except -1:
@@ -555,7 +667,7 @@ cdef class Engine:
             try:
                 self._writev_locked(iov, cnt, False, True)
             finally:
-                PyThread_release_lock(self._wlock)
+                turn_give(&self._wturn)
         finally:
             self._leave()
         return 0
@@ -614,7 +726,7 @@ cdef class Engine:
                 self._writev_locked(head, 1 + self._pad(FP_HEADER_SIZE, pad, &head[1]), False)
                 self._writev_locked(payload, 1, True)
             finally:
-                PyThread_release_lock(self._wlock)
+                turn_give(&self._wturn)
         finally:
             self._leave()
         return 0
@@ -669,7 +781,7 @@ cdef class Engine:
             try:
                 self._write_parts_locked(parts, False)
             finally:
-                PyThread_release_lock(self._wlock)
+                turn_give(&self._wturn)
         finally:
             self._leave()
         return 0
@@ -689,7 +801,7 @@ cdef class Engine:
                     else:
                         self._write_parts_locked(segments[i], False)
             finally:
-                PyThread_release_lock(self._wlock)
+                turn_give(&self._wturn)
         finally:
             self._leave()
         return 0
@@ -1256,20 +1368,10 @@ cdef class Engine:
     cdef int _lock_read(self, double deadline) except -1:
         """Begin a read: take the read lock (readers queue, never interleave) before the
         deadline; end it with _unlock_read."""
-        cdef PyLockStatus st
-        cdef PY_TIMEOUT_T us
         self._enter()
-        if PyThread_acquire_lock(self._rlock, NOWAIT_LOCK):
+        if turn_try(&self._rturn):
             return 0
-        if deadline < 0:
-            us = -1
-        else:
-            us = <PY_TIMEOUT_T>((deadline - fp_now()) * 1e6)
-            if us < 0:
-                us = 0
-        with nogil:
-            st = PyThread_acquire_lock_timed(self._rlock, us, 0)
-        if st != PY_LOCK_ACQUIRED:
+        if not turn_take(&self._rturn, deadline):
             self._leave()
             raise _Expired()
         if self._fd < 0:  # closed while this call waited for the reader before it
@@ -1278,7 +1380,7 @@ cdef class Engine:
         return 0
 
     cdef int _unlock_read(self) except -1:
-        PyThread_release_lock(self._rlock)
+        turn_give(&self._rturn)
         self._leave()
         return 0
 
@@ -1419,14 +1521,14 @@ cdef class Engine:
         awaits so that no thread writes inside their frame)."""
         if self._gen != _fork_gen:
             self._renew_locks_after_fork()
-        if not PyThread_acquire_lock(self._wlock, NOWAIT_LOCK):
+        if not turn_try(&self._wturn):
             return False
         self._async_owner = PyThread_get_thread_ident()
         return True
 
     def _unlock_write(self):
         self._async_owner = 0
-        PyThread_release_lock(self._wlock)
+        turn_give(&self._wturn)
 
     def _write_nowait(self, list parts, bint bulk):
         """Write ``parts`` to the pipe (the bulk fd when ``bulk``) without ever blocking: the

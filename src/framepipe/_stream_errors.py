@@ -4,6 +4,7 @@ engine and its pure-Python twin say the same thing in the same situation."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from ._wire import BAD_CHECK, CHECK_BY_KIND, FRAME_CAP, KIND_PAD, MISMATCH, PAD_MIN
 from .errors import FrameError, ReadTimeout
@@ -68,12 +69,24 @@ _spin_checks = 0  # decisions left before the next look-up
 _spin_allowed = True
 
 
+_spin_listeners: list[Callable[[bool], None]] = []
+
+
+def on_allow_spin(listener: Callable[[bool], None]) -> None:
+    """Call ``listener(allowed)`` now and on every allow_spin() (the compiled engine keeps the
+    answer where its reads look it up without a call into Python)."""
+    _spin_listeners.append(listener)
+    listener(_spin_allowed)
+
+
 def allow_spin(allowed: bool) -> None:
     """Let this process's reads spin (the default), or not. A worker pool turns it off in its
     workers when they and the parent would need more CPUs than there are: a worker spinning for
     its next task takes a CPU the parent, or a dying worker's teardown, is waiting for."""
     global _spin_allowed
     _spin_allowed = allowed
+    for listener in _spin_listeners:
+        listener(allowed)
 
 
 def workers_may_spin(workers: int) -> bool:
