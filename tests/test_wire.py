@@ -231,6 +231,22 @@ def test_dead_sentinel_raises_writer_died(raw_to_conn, exitcode, signal_name):
     assert err.signal_name == signal_name
 
 
+def test_signal_names_are_the_platforms_canonical_ones():
+    # An alias (SIGIOT for 6, SIGCLD for SIGCHLD) never wins over the name the enum gives;
+    # a number the platform does not name, and anything that is not a number, say SIG<n>.
+    from framepipe.errors import signal_name
+
+    for n in range(-1, 80):
+        try:
+            want = signal.Signals(n).name
+        except ValueError:
+            want = f"SIG{n}"
+        assert signal_name(n) == want
+    assert signal_name(signal.SIGABRT) == "SIGABRT"
+    assert signal_name(None) == "SIGNone"  # type: ignore[arg-type]
+    assert signal_name([6]) == "SIG[6]"  # type: ignore[arg-type]
+
+
 def test_dead_sentinel_split_across_writes(raw_to_conn):
     conn, w = raw_to_conn
     dead = b"\x02\x02" + LEN.pack(7)
