@@ -196,6 +196,39 @@ def test_a_process_can_turn_the_spin_off():
         allow_spin(True)
 
 
+def test_each_engine_hears_allow_spin_at_once(impl):
+    # The compiled engine keeps the decision's state in C: allow_spin() must reach it at once.
+    import importlib
+
+    from framepipe._stream_errors import allow_spin, several_cpus
+
+    engine = importlib.import_module(impl.__name__)
+    try:
+        allow_spin(False)
+        assert engine._may_spin() is False
+        allow_spin(True)
+        assert engine._may_spin() is (several_cpus() and _stream_errors.SPIN > 0)
+    finally:
+        allow_spin(True)
+
+
+def test_a_reader_that_never_waits_keeps_its_average_wait_out_of_subnormal_numbers(impl):
+    # Reads that find their message there count waits of 0. Without a floor the average
+    # would shrink into subnormal numbers within a few thousand reads and stay there, where
+    # every operation on it costs the CPU a hundred cycles or more.
+    r, w = impl.pipe(False)
+    try:
+        for _ in range(100):
+            for _ in range(200):
+                w.send_bytes(b"x")
+            for _ in range(200):
+                assert r.recv_bytes() == b"x"
+        assert r._waited == 0.0 or r._waited >= sys.float_info.min, r._waited
+    finally:
+        r.close()
+        w.close()
+
+
 def test_pool_workers_spin_only_when_they_leave_no_cpu_short(engine, no_leftover_processes):
     # A worker spinning for its next task would take a CPU that the parent, or a dying
     # worker's teardown, waits for: a pool whose workers and parent need more CPUs than there

@@ -14,6 +14,9 @@ from .watch import Liveness
 ENGINE: str
 """``"c"`` here, ``"python"`` in the twin."""
 
+def _may_spin() -> bool:
+    """Whether a read may spin now (see _stream_errors.may_spin)."""
+
 class ConnectionHooks(Protocol):
     """What the Connection above the engine provides; the engine calls these."""
 
@@ -34,6 +37,7 @@ class Engine(ConnectionHooks):
     _records: bool  # reads take whole records: a SOCK_SEQPACKET socket (see _wire.RECORD_MAX)
     _rpad: bool  # reads padded messages (see _wire.PAD_MIN)
     _wpad: bool  # writes them
+    _waited: float  # moving average of reads' waits for data, in seconds (see SPIN); 0 or normal
     _max_size: int | None
     _liveness: Liveness | None
     _sentinel_sent: int  # bytes of DEAD sentinels the watcher wrote through this write end

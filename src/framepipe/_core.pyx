@@ -28,6 +28,7 @@ from ._args import check_send_args, check_timeout
 from ._stream_errors import DEATH_GRACE as _DEATH_GRACE, DEATH_SPIN as _DEATH_SPIN
 from ._stream_errors import SPIN as _SPIN, SPIN_FLOOR as _SPIN_FLOOR
 from ._stream_errors import SPIN_LONGEST_SAMPLE as _SPIN_LONGEST, SPIN_WEIGHT as _SPIN_WEIGHT
+from ._stream_errors import SPIN_AVERAGE_ZERO as _SPIN_AVERAGE_ZERO
 from ._stream_errors import SPIN_CPU_CHECKS as _SPIN_CPU_CHECKS, on_allow_spin, several_cpus
 from ._stream_errors import (
     bad_header, blocking_send_under_async_send, broken, closed, closed_while_waiting,
@@ -118,6 +119,7 @@ cdef double SPIN = _SPIN  # see _stream_errors
 cdef double SPIN_FLOOR = _SPIN_FLOOR
 cdef double SPIN_LONGEST_SAMPLE = _SPIN_LONGEST
 cdef double SPIN_WEIGHT = _SPIN_WEIGHT
+cdef double SPIN_AVERAGE_ZERO = _SPIN_AVERAGE_ZERO
 
 
 # The read and write locks. A thread takes one with the GIL held, and when it is free nothing
@@ -252,6 +254,12 @@ cdef bint may_spin() except -1:
     return _spin_cpus
 
 
+def _may_spin():
+    """Whether a read may spin now (for tests: the pure-Python engine's is
+    _stream_errors.may_spin)."""
+    return may_spin()
+
+
 class _Expired(Exception):
     """Internal: the read's deadline passed; the public method says which timeout."""
 
@@ -335,7 +343,7 @@ cdef class Engine:
     cdef readonly bint _read_ahead
     cdef bint _poll_first
     cdef bint _streaming  # the last read without a deadline found its bytes there at once
-    cdef double _waited  # moving average of how long reads waited for data (see SPIN)
+    cdef readonly double _waited  # moving average of how long reads waited for data (see SPIN)
     cdef long long _max
     cdef readonly object _max_size
     cdef Turn _rturn  # the read lock (see Turn)
@@ -1009,6 +1017,8 @@ cdef class Engine:
         if waited > SPIN_LONGEST_SAMPLE:
             waited = SPIN_LONGEST_SAMPLE
         self._waited += (waited - self._waited) * SPIN_WEIGHT
+        if self._waited < SPIN_AVERAGE_ZERO:
+            self._waited = 0.0
 
     cdef bint _spin_ready(self, int fd, double deadline) except -1:
         """Before a wait for ``fd`` sleeps: look without sleeping until it is readable, for

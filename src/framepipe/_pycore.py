@@ -29,6 +29,7 @@ from ._stream_errors import (
     DEATH_GRACE,
     DEATH_SPIN,
     SPIN,
+    SPIN_AVERAGE_ZERO,
     SPIN_FLOOR,
     SPIN_LONGEST_SAMPLE,
     SPIN_WEIGHT,
@@ -79,6 +80,7 @@ from .errors import BufferTooShort, MessageTooLong
 __all__ = ["ENGINE", "Engine"]
 
 ENGINE = "python"
+_may_spin = may_spin  # whether a read may spin now (the compiled engine has its own)
 
 _READ_CHUNK = READ_BUFFER  # read-ahead buffer: many small frames per read(), a whole record
 _DIRECT_MIN = 16 * 1024  # a remainder at least this large is read straight into its frame
@@ -840,6 +842,8 @@ class Engine:
     def _note_wait(self, waited: float) -> None:
         """Count a wait for data of ``waited`` seconds into the average that decides spins."""
         self._waited += (min(waited, SPIN_LONGEST_SAMPLE) - self._waited) * SPIN_WEIGHT
+        if self._waited < SPIN_AVERAGE_ZERO:
+            self._waited = 0.0
 
     def _spin(self, fd: int, deadline: float) -> bool:
         """Before a read of ``fd`` sleeps: look without sleeping for up to SPIN seconds

@@ -42,6 +42,11 @@ SPIN = _spin_seconds()
 # SPIN_LONGEST_SAMPLE: after a long sleep a few quick answers bring the spin back.
 SPIN_WEIGHT = 0.125
 SPIN_LONGEST_SAMPLE = 1e-3
+# An average under SPIN_AVERAGE_ZERO is 0. A reader that never waits counts waits of 0, and the
+# average would shrink into subnormal numbers and stay there (the smallest one times 7/8 rounds
+# back to itself), where each arithmetic operation takes the CPU a hundred cycles or more: in
+# the compiled engine that was most of a streaming read's own time.
+SPIN_AVERAGE_ZERO = 1e-9
 # Nor does a read spin while the average is under SPIN_FLOOR: then the writer is streaming
 # faster than the reader needs to wait, and a reader that sleeps a little lets several messages
 # pile up for it instead of contending with the writer for the pipe at every message (measured:
