@@ -184,6 +184,125 @@ def test_readers_waiting_for_the_read_lock_time_out_and_take_their_turn(impl, du
         w.close()
 
 
+def test_a_reader_waiting_for_the_read_lock_gets_it_from_a_thread_that_keeps_reading(impl):
+    # Thread A reads in a loop, waiting for each message; B waits for A's read lock. Each time
+    # A's read ends, the lock goes to B, not back to A (which keeps the GIL until its next read
+    # and would otherwise take the lock again before B could): B gets a message in time.
+    from framepipe.errors import ReadTimeout
+
+    r, w = impl.pipe(False)
+    got_a: list[bytes] = []
+
+    def keep_reading() -> None:
+        while (msg := r.recv_bytes(timeout=TIMEOUT)) != b"stop":
+            got_a.append(msg)
+
+    def write() -> None:
+        for i in range(100):
+            time.sleep(0.02)
+            w.send_bytes(b"m%d" % i)
+
+    try:
+        a = Background(keep_reading)
+        time.sleep(0.1)  # A holds the lock, waiting for data
+        writer = Background(write)
+        try:
+            got_b = r.recv_bytes(timeout=1.5)
+        except ReadTimeout:
+            pytest.fail("a reader waiting for the read lock never got it")
+        writer.join()
+        w.send_bytes(b"stop")
+        a.join()
+        assert got_b.startswith(b"m") and got_b not in got_a
+        assert len(got_a) + 1 == 100
+    finally:
+        r.close()
+        w.close()
+
+
+def test_a_signal_handler_raising_while_a_read_waits_for_the_lock_leaks_no_close(impl):
+    # A handler's exception (Ctrl-C, an alarm) during a wait for the read lock leaves the
+    # connection as it was: close() then closes the fd once the other reader has left.
+    import fcntl
+
+    class Alarm(Exception):
+        pass
+
+    def ring(signum, frame):
+        raise Alarm
+
+    r, w = impl.pipe(False)
+    fd = r.fileno()
+    old = signal.signal(signal.SIGALRM, ring)
+    sender = threading.Timer(1.0, lambda: (w.send_bytes(b"one"), w.send_bytes(b"two")))
+    try:
+        first = Background(r.recv_bytes)
+        time.sleep(0.2)  # the read lock is taken
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        sender.start()
+        with pytest.raises(Alarm):  # at once (pure engine) or once its read ends (compiled)
+            r.recv_bytes(timeout=TIMEOUT)
+            time.sleep(TIMEOUT)  # the handler runs here if the read returned first
+        assert first.join() == b"one"
+        r.close()
+        with pytest.raises(OSError):
+            fcntl.fcntl(fd, fcntl.F_GETFD)  # closed: no call was left counted as under way
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        sender.cancel()
+        r.close()
+        w.close()
+
+
+def test_a_read_lock_wait_with_a_huge_timeout_waits(impl):
+    # A timeout too long for the lock's own clock waits for the lock; it does not expire at once.
+    r, w = impl.pipe(False)
+    try:
+        first = Background(r.recv_bytes)
+        time.sleep(0.2)  # the read lock is taken
+        second = Background(lambda: r.recv_bytes(timeout=1e300))
+        time.sleep(0.2)
+        w.send_bytes(b"one")
+        w.send_bytes(b"two")
+        assert sorted([first.join(), second.join()]) == [b"one", b"two"]
+    finally:
+        r.close()
+        w.close()
+
+
+def test_a_forked_child_finishing_an_inherited_async_send_leaves_its_own_lock_alone(impl):
+    # The parent forked while an asyncio send held the write lock. In the child a thread now
+    # holds the (fresh) lock; the inherited send finishing there must not give it back.
+    r, w = impl.pipe(False)
+    try:
+        assert w._lock_write_nowait()  # an asyncio send in progress
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                blocked = threading.Thread(target=w.send_bytes, args=(bytes(8 << 20),))
+                blocked.daemon = True
+                blocked.start()  # fills the pipe and waits, holding the child's write lock
+                time.sleep(0.3)
+                w._unlock_write()
+                code = 3 if w._lock_write_nowait() else 0
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + TIMEOUT
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the child hung")
+        assert os.waitstatus_to_exitcode(done[1]) == 0, "the child's write lock was given back"
+        w._unlock_write()
+    finally:
+        r.close()
+        w.close()
+
+
 @pytest.mark.parametrize("duplex", [False, True], ids=["oneway", "duplex"])
 def test_a_writer_waiting_for_the_write_lock_writes_once_it_is_handed_over(impl, duplex):
     # A's send fills the pipe and waits for the reader, holding the write lock; B's send waits

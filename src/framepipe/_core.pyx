@@ -126,9 +126,11 @@ cdef double SPIN_AVERAGE_ZERO = _SPIN_AVERAGE_ZERO
 # more than a flag is needed: the GIL makes the test and the set one step for every other thread
 # (a PyThread lock would read the clock and touch a semaphore on each take, about 5% of a small
 # message's time on one CPU). Only a thread that finds it taken waits, on the gate: a PyThread
-# lock held closed, which the thread giving the turn back opens once for the waiters (who test
-# again, since another thread may take the turn first). Where the GIL is optional
-# (Py_GIL_DISABLED) the gate is a plain lock and the flag goes unused.
+# lock held closed. A thread giving the turn back while others wait hands it over: the turn
+# stays taken and the gate opens once, for the one waiter that passes it (a waiter woken only to
+# compete for the turn could lose it again and again to the thread that gave it, which keeps the
+# GIL until its next take). Where the GIL is optional (Py_GIL_DISABLED) the gate is a plain lock
+# and the flag goes unused.
 cdef extern from *:
     """
     #ifdef Py_GIL_DISABLED
@@ -139,21 +141,23 @@ cdef extern from *:
     """
     const bint FP_GIL_HELD
 
+cdef extern from "Python.h":
+    const PY_TIMEOUT_T PY_TIMEOUT_MAX
+
 cdef struct Turn:
-    bint busy  # taken (with the GIL)
-    bint opened  # the gate was opened for the waiters and none has passed it yet
-    int waiters
+    bint busy  # taken, or being handed over (with the GIL)
+    int waiters  # threads waiting at the gate (with the GIL)
     PyThread_type_lock gate
 
 
 cdef int turn_init(Turn *t) except -1:
-    t.busy = t.opened = False
+    t.busy = False
     t.waiters = 0
     t.gate = PyThread_allocate_lock()
     if t.gate == NULL:
         raise MemoryError()
     if FP_GIL_HELD:
-        PyThread_acquire_lock(t.gate, NOWAIT_LOCK)  # closed: waiters wait until it opens
+        PyThread_acquire_lock(t.gate, NOWAIT_LOCK)  # closed: a waiter passes once it opens
     return 0
 
 
@@ -177,40 +181,34 @@ cdef bint turn_take(Turn *t, double deadline) except -1:
     """Take the turn, waiting for it (the GIL released) until the deadline (-1: none):
     whether it was taken."""
     cdef PY_TIMEOUT_T us = -1
+    cdef double left
     cdef PyLockStatus st
     if turn_try(t):
         return True
+    if deadline >= 0:
+        left = (deadline - fp_now()) * 1e6
+        us = 0 if left < 0 else (-1 if left >= PY_TIMEOUT_MAX else <PY_TIMEOUT_T>left)
     t.waiters += 1
-    try:
-        while True:
-            if deadline >= 0:
-                us = <PY_TIMEOUT_T>((deadline - fp_now()) * 1e6)
-                if us < 0:
-                    us = 0
-            with nogil:
-                st = PyThread_acquire_lock_timed(t.gate, us, 0)
-            if not FP_GIL_HELD:
-                return st == PY_LOCK_ACQUIRED
-            if st == PY_LOCK_ACQUIRED:
-                t.opened = False  # passed: the gate is closed again
-            if not t.busy:
-                t.busy = True
-                return True
-            if st != PY_LOCK_ACQUIRED:
-                return False  # the deadline passed
-    finally:
-        t.waiters -= 1
+    with nogil:
+        st = PyThread_acquire_lock_timed(t.gate, us, 0)
+    if st != PY_LOCK_ACQUIRED and FP_GIL_HELD:
+        # The turn may have been handed over since the wait ended: the gate then is open.
+        if PyThread_acquire_lock(t.gate, NOWAIT_LOCK):
+            st = PY_LOCK_ACQUIRED
+    t.waiters -= 1
+    return st == PY_LOCK_ACQUIRED  # passed the gate: the turn is this thread's
 
 
 cdef inline void turn_give(Turn *t) noexcept:
-    """Give the turn back (the GIL held), opening the gate if a thread waits for it."""
+    """Give the turn back (the GIL held): to a waiting thread if there is one (the gate opens
+    for it and the turn stays taken), else free."""
     if not FP_GIL_HELD:
         PyThread_release_lock(t.gate)
         return
-    t.busy = False
-    if t.waiters and not t.opened:
-        t.opened = True
+    if t.waiters:
         PyThread_release_lock(t.gate)
+    else:
+        t.busy = False
 
 
 # Locks held by threads of the parent stay held in a forked child, where those threads do not
@@ -1537,6 +1535,8 @@ cdef class Engine:
         return True
 
     def _unlock_write(self):
+        if self._async_owner == 0:
+            return  # forked while an asyncio send held it: the child's lock is another
         self._async_owner = 0
         turn_give(&self._wturn)
 

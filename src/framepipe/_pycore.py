@@ -659,6 +659,8 @@ class Engine:
         return True
 
     def _unlock_write(self) -> None:
+        if self._async_owner == 0:
+            return  # forked while an asyncio send held it: the child's lock is another
         self._async_owner = 0
         self._wlock.release()
 
@@ -1117,13 +1119,16 @@ class Engine:
         """Begin a read: take the read lock (readers queue, never interleave) before
         ``deadline``; end it with _unlock_read."""
         self._enter()
-        if deadline < 0:
-            self._rlock.acquire()
-        elif not self._rlock.acquire(False) and not self._rlock.acquire(
-            timeout=max(deadline - time.monotonic(), 0.0)
-        ):
+        try:
+            if deadline < 0:
+                self._rlock.acquire()
+            elif not self._rlock.acquire(False) and not self._rlock.acquire(
+                timeout=min(max(deadline - time.monotonic(), 0.0), threading.TIMEOUT_MAX)
+            ):
+                raise _Expired
+        except BaseException:  # _Expired, or a signal handler's error while it waited
             self._leave()
-            raise _Expired
+            raise
         if self._fd < 0:  # closed while this call waited for the reader before it
             self._unlock_read()
             raise closed_while_waiting()
