@@ -944,11 +944,8 @@ cdef class Engine:
                 if err == EMSGSIZE:
                     raise self._break(record_too_long(n, self._consumed))
                 if err == EOPNOTSUPP or err == EINVAL:
-                    mode = FP_MODE_BLOCK  # this kernel cannot: read after a wait from now on
-                    if bulk:
-                        self._bmode = mode
-                    else:
-                        self._mode = mode
+                    self._refused_nowait(bulk)
+                    mode = self._bmode if bulk else self._mode
                     continue
                 if err != EAGAIN:
                     _retry(err)
@@ -1000,15 +997,21 @@ cdef class Engine:
             if err == EMSGSIZE:
                 raise self._break(record_too_long(n, self._consumed))
             if err == EOPNOTSUPP or err == EINVAL:
-                # No RWF_NOWAIT for pipes here (Linux before 6.4): the private description
-                # reads without waiting instead, else, as in _read_some, reads of this fd wait
-                # first from now on.
-                if mode == FP_MODE_PIPE and self._nfd == -1:
-                    self._open_private()
-                else:
-                    self._mode = FP_MODE_BLOCK
+                self._refused_nowait(False)
                 continue
             _retry(err)
+
+    cdef int _refused_nowait(self, bint bulk) except -1:
+        """The kernel refused a read that never waits (no RWF_NOWAIT for pipes before Linux
+        6.4): a pipe is read through a private O_NONBLOCK description from now on, where it can
+        have one; any other fd (the bulk fd when ``bulk``) is read only after a wait."""
+        if not bulk and self._mode == FP_MODE_PIPE and self._nfd == -1:
+            self._open_private()
+        elif bulk:
+            self._bmode = FP_MODE_BLOCK
+        else:
+            self._mode = FP_MODE_BLOCK
+        return 0
 
     cdef inline void _note_wait(self, double waited) noexcept:
         """Count a wait for data of ``waited`` seconds into the average that decides spins."""
