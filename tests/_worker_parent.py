@@ -2,6 +2,9 @@
 
 ``hold``: start a Pool of 2, a Worker and a WorkerGroup of 2, keep them busy, print their pids
 as JSON, wait to be killed. ``map``: print the workers' pids, then run a long ``map`` until interrupted.
+``exit PATH`` and ``exit-nowait PATH``: give a pool of 2 six tasks that each record themselves
+in PATH after 0.3 s, and leave without waiting for them (``exit-nowait``: after
+``shutdown(wait=False)``).
 """
 
 from __future__ import annotations
@@ -11,14 +14,21 @@ import signal
 import sys
 import time
 
-from _worker_tasks import getpid, sleep_for
+from _worker_tasks import getpid, sleep_for, sleep_then_record
 
 from framepipe.workers import Pool, Worker, WorkerGroup
 
 
-def main(mode: str, method: str) -> None:
+def main(mode: str, method: str, path: str = "") -> None:
     # A test runner in the background may have made this process inherit SIGINT ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if mode.startswith("exit"):
+        pool = Pool(2, start_method=method)
+        for i in range(6):
+            pool.submit(sleep_then_record, 0.3, path, i)
+        if mode == "exit-nowait":
+            pool.shutdown(wait=False)
+        return
     with Pool(2, start_method=method) as pool:
         pids = sorted({pool.submit(getpid).result(60) for _ in range(50)} | set(pool.pids))
         if mode == "hold":
@@ -38,4 +48,4 @@ def main(mode: str, method: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

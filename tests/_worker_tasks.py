@@ -200,6 +200,14 @@ def sleep_then_die(seconds):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def sleep_then_record(seconds, path, value):
+    """Sleep, then append ``value`` and this worker's pid to the file ``path`` (a line)."""
+    time.sleep(seconds)
+    with open(path, "a") as f:
+        f.write(f"{value} {os.getpid()}\n")
+    return value
+
+
 def ignore_sigterm_then_hang():
     """Hang in a loop that SIGTERM does not end (only the ladder's SIGKILL does)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

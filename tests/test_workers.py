@@ -542,9 +542,14 @@ def test_pool_initializer(engine):
         assert {pool.submit(get_global).result(WAIT) for _ in range(10)} == {7}
     pool = Pool(2, start_method="fork", initializer=failing_initializer)
     fut = pool.submit(add, 1, 1)
-    with pytest.raises(WorkerStartError) as info:
+    with pytest.raises(cf.BrokenExecutor) as info:  # as ProcessPoolExecutor's BrokenProcessPool
         fut.result(WAIT)
-    assert isinstance(info.value.__cause__, TwoArgError)
+    assert isinstance(info.value, PoolBroken)
+    start = info.value.__cause__
+    assert isinstance(start, WorkerStartError) and "initializer" in str(info.value)
+    assert isinstance(start.__cause__, TwoArgError)
+    with pytest.raises(PoolBroken):
+        pool.submit(add, 1, 1)
     pool.shutdown()
 
 
@@ -554,14 +559,15 @@ def test_pool_worker_dying_while_starting_breaks_it_instead_of_looping(engine):
         # the pool may break before this submit (forked workers exit at once) or after it
         try:
             fut = pool.submit(add, 1, 1)
-        except WorkerStartError as exc:
+        except PoolBroken as exc:
             err = exc
         else:
-            with pytest.raises(WorkerStartError) as info:
+            with pytest.raises(PoolBroken) as info:
                 fut.result(WAIT)
             err = info.value
         assert "died while starting" in str(err) and "exited with code 3" in str(err)
-        assert isinstance(pool.broken, WorkerStartError)
+        assert isinstance(pool.broken, PoolBroken)
+        assert isinstance(pool.broken.__cause__, WorkerStartError)
         assert pool._core.restarts == 0  # no process was started to replace them
     finally:
         pool.shutdown()
@@ -578,6 +584,26 @@ def test_pool_shutdown_cancel_futures_and_stats(engine):
     assert first.result(WAIT) == 0.3
     assert any(f.cancelled() for f in rest)
     assert all(f.done() for f in rest)
+
+
+def test_pool_map_timeout_spares_results_that_are_ready(engine):
+    with Pool(2, start_method="fork") as pool:
+        results = pool.map(square, range(5), timeout=0.5)
+        time.sleep(1.0)  # past the timeout, but every result is in (as concurrent.futures)
+        assert list(results) == [0, 1, 4, 9, 16]
+        late = pool.map(sleep_for, [0.0, 1.5], timeout=0.5)
+        assert next(late) == 0.0
+        with pytest.raises(cf.TimeoutError):
+            next(late)
+
+
+def test_a_shut_down_pool_refuses_before_looking_at_the_arguments(engine):
+    pool = Pool(1, start_method="fork")
+    pool.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(add, threading.Lock())
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.map(lambda x: x, [1])
 
 
 def test_pool_argument_checks():
@@ -759,6 +785,31 @@ def test_results_that_cannot_be_unpickled_fail_only_their_task(engine):
         with pytest.raises(WorkerError, match="an item of"):
             next(stream)
         assert w.call(add, 1, 1) == 2  # its generator was stopped: the worker is free
+
+
+def test_arguments_that_cannot_be_unpickled_in_the_worker_fail_only_their_task(engine):
+    from _worker_tasks import Unreadable
+
+    with Pool(1, start_method="fork") as pool:
+        pid = pool.submit(getpid).result(WAIT)
+        # alone in a frame (the worker is idle), inside a batch of small tasks, and map items
+        alone = pool.submit(identity, Unreadable("import"))
+        err = alone.exception(WAIT)
+        assert isinstance(err, WorkerError) and "could not be unpickled in the worker" in str(err)
+        assert isinstance(err.__cause__, ModuleNotFoundError)
+        futures = [pool.submit(identity, Unreadable("import") if i == 25 else i) for i in range(40)]
+        for i, fut in enumerate(futures):
+            if i == 25:
+                assert "could not be unpickled in the worker" in str(fut.exception(WAIT))
+            else:
+                assert fut.result(WAIT) == i
+        args = [Unreadable("import") if i == 7 else i for i in range(30)]
+        got = pool.map(identity, args)
+        assert [next(got) for _ in range(7)] == list(range(7))
+        with pytest.raises(WorkerError, match=r"task \d+ could not be unpickled in the worker"):
+            next(got)
+        assert pool.submit(getpid).result(WAIT) == pid  # the same worker: nothing crashed
+        assert pool.crashes == [] and pool.broken is None
 
 
 def test_a_caller_interrupted_while_reading_stops_that_worker_only(engine):

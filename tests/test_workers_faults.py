@@ -85,6 +85,38 @@ def test_a_sigkilled_parent_leaves_no_worker(method):
         os.killpg(parent.pid, signal.SIGKILL) if _group_alive(parent.pid) else None
 
 
+@pytest.mark.parametrize("mode", ["exit", "exit-nowait"])
+def test_tasks_submitted_and_not_waited_for_finish_before_the_program_exits(mode, tmp_path):
+    """As with concurrent.futures: a program that leaves without waiting for its pool (or after
+    ``shutdown(wait=False)``) exits once every task it submitted has run, silently, with no
+    worker left behind."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, *sys.path]))
+    path = tmp_path / "done.txt"
+    parent = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "_worker_parent.py"), mode, "fork", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        out, err = parent.communicate(timeout=WAIT)
+        assert parent.returncode == 0 and err == b"" and out == b"", err.decode()
+        lines = path.read_text().split()
+        assert sorted(int(v) for v in lines[::2]) == list(range(6))
+        pids = {int(p) for p in lines[1::2]}
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end and any(_alive(p) for p in pids):
+            time.sleep(0.02)
+        assert not [p for p in pids if _alive(p)]
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if _group_alive(parent.pid):
+            os.killpg(parent.pid, signal.SIGKILL)
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)

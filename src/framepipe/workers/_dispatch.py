@@ -161,19 +161,35 @@ def task_loop(ctx: ChildContext) -> None:
             msg = inbox.popleft()
         else:
             try:
-                msg = loads(recv_bytes())
+                blob = recv_bytes()
             except EOFError:
                 return
+            try:
+                msg = loads(blob)
+            except Exception as exc:  # noqa: BLE001 - the arguments of one task: it fails
+                inbox.append(_unloadable(blob, exc, 2))
+                continue
             if msg[0] == BATCH:
-                inbox.extend(map(loads, msg[1]))
+                for blob in msg[1]:
+                    try:
+                        inbox.append(loads(blob))
+                    except Exception as exc:  # noqa: BLE001 - as above
+                        inbox.append(_unloadable(blob, exc, 2))
                 continue
             if msg[0] == MAP:
                 fn = msg[1]
-                for tid, args in map(loads, msg[2]):
-                    inbox.append((CALL, tid, fn, args, _NO_KWARGS))
+                for blob in msg[2]:
+                    try:
+                        tid, args = loads(blob)
+                    except Exception as exc:  # noqa: BLE001 - as above
+                        inbox.append(_unloadable(blob, exc, 1))
+                    else:
+                        inbox.append((CALL, tid, fn, args, _NO_KWARGS))
                 continue
         op = msg[0]
-        if op == CALL:
+        if op == _UNLOADABLE:
+            send((ERROR, msg[1], dumps_exception(msg[2])))
+        elif op == CALL:
             tid, fn, args, kwargs = msg[1], msg[2], msg[3], msg[4]
             start = perf()
             ctx.current = tid
@@ -220,6 +236,39 @@ def task_loop(ctx: ChildContext) -> None:
             _run_stream(ctx, msg[1], msg[2], msg[3], msg[4], msg[5])
         elif op == CLOSE:
             return
+
+
+_UNLOADABLE = -1  # in a worker's inbox only: a task whose message could not be unpickled
+_INT_OPS = frozenset({"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4"})
+
+
+def _unloadable(blob: bytes, exc: BaseException, at: int) -> tuple[Any, ...]:
+    """The inbox entry for a task whose pickle (a message when ``at`` is 2, a map item when
+    it is 1) raised ``exc`` in the worker: that task fails with it, in its turn, and the
+    worker goes on. Its id is the ``at``-th integer at the head of the pickle, read without
+    running it; a message without one is not a task's, and ``exc`` ends the worker."""
+    import pickletools
+
+    ints: list[int] = []
+    try:
+        for op, arg, _ in pickletools.genops(blob):
+            if op.name in _INT_OPS:
+                ints.append(arg)
+                if len(ints) == at:
+                    break
+            elif op.name not in ("PROTO", "FRAME", "MARK"):
+                break
+    except Exception:  # noqa: BLE001 - not even the head reads: no task to blame
+        pass
+    if len(ints) < at or (at == 2 and ints[0] not in (CALL, STREAM)):
+        raise exc
+    err = WorkerError(
+        f"the arguments of task {ints[-1]} could not be unpickled in the worker: "
+        f"{type(exc).__name__}: {exc} (the function, its arguments and what they refer to "
+        "must be importable in the worker)"
+    )
+    err.__cause__ = exc
+    return (_UNLOADABLE, ints[-1], err)
 
 
 def _run_stream(ctx: ChildContext, tid: int, fn: Any, args: Any, kwargs: Any, window: int) -> None:
@@ -615,7 +664,18 @@ _live_cores: weakref.WeakSet[Core] = weakref.WeakSet()
 
 @atexit.register  # runs before multiprocessing's own hook, which would join our workers forever
 def _stop_all_at_exit() -> None:
-    for core in list(_live_cores):
+    """At interpreter exit, a pool first finishes the tasks it was given, shut down or not (as
+    ``concurrent.futures`` does: work submitted is not dropped because nobody waited for it);
+    then every worker of every pool and actor is stopped. A Ctrl-C during that wait stops
+    them at once."""
+    cores = list(_live_cores)
+    try:
+        for core in cores:
+            if core.policy == "pool" and core.broken is None:
+                core.shutdown(wait=True)
+    except BaseException:  # noqa: BLE001 - a Ctrl-C: what is left is stopped below
+        pass
+    for core in cores:
         with contextlib.suppress(Exception):
             core.terminate(join=True)
 
@@ -726,6 +786,7 @@ class Core:
         timeout: float | None = None,
         window: int = 0,
     ) -> Task:
+        self._check_open()  # before the arguments are pickled: a closed pool refuses any
         future: concurrent.futures.Future[Any] = _Future()
         if LEND:
             future._core = self  # type: ignore[attr-defined]
@@ -742,7 +803,7 @@ class Core:
         task = Task(tid, future, _task_name(fn), payload, timeout, stream)
         with self._submit_lock:  # never held by the manager: submitting never waits for it
             if self.broken is not None:
-                raise self.broken
+                raise self.broken.with_traceback(None)  # not the last raise's frames
             if self.closing:
                 raise RuntimeError(f"cannot submit to {self.name}: it has been shut down")
             # Nothing queued ahead of it and nobody dispatching: straight to a hungry worker.
@@ -764,6 +825,14 @@ class Core:
         if self._dispatch_wanted:
             self.kick()
         return task
+
+    def _check_open(self) -> None:
+        """Raise what a submit to this core raises now: the error that broke it, or
+        RuntimeError once it was shut down."""
+        if self.broken is not None:
+            raise self.broken.with_traceback(None)
+        if self.closing:
+            raise RuntimeError(f"cannot submit to {self.name}: it has been shut down")
 
     def _queue(self, task: Task | None) -> None:
         """Queue ``task`` (submit lock held) and kick the dispatch if a worker is hungry."""
@@ -814,6 +883,7 @@ class Core:
         self, fn: Callable[..., Any], items: Iterable[tuple[Any, ...]], timeout: float | None = None
     ) -> MapResults:
         """Queue ``fn(*args)`` for every ``args`` of ``items`` at once (``map``)."""
+        self._check_open()
         items = list(items)
         results = MapResults(len(items))
         name = _task_name(fn)
@@ -839,7 +909,7 @@ class Core:
                 tasks.append(MapTask(tid, results, i, name, payload, timeout, fn))
             with self._submit_lock:
                 if self.broken is not None:
-                    raise self.broken
+                    raise self.broken.with_traceback(None)  # not the last raise's frames
                 if self.closing:
                     raise RuntimeError(f"cannot submit to {self.name}: it has been shut down")
                 self._pending.extend(tasks)
@@ -1671,6 +1741,12 @@ class Core:
                 return
 
     def _break(self, exc: BaseException) -> None:
+        if self.policy == "pool" and not isinstance(exc, PoolBroken):
+            # An Executor that cannot go on raises BrokenExecutor (as ProcessPoolExecutor's
+            # BrokenProcessPool), the reason as its cause.
+            broken = PoolBroken(f"{self.name} is broken: {exc}")
+            broken.__cause__ = exc
+            exc = broken
         with self._submit_lock, self._lock:
             if self.broken is None:
                 self.broken = exc
@@ -1800,7 +1876,7 @@ class Core:
         while True:
             with self._lock:
                 if self.broken is not None:
-                    raise self.broken
+                    raise self.broken.with_traceback(None)  # not the last raise's frames
                 for slot in self._slots:
                     if slot.ready and not slot.dead and slot.stopping is None:
                         return slot

@@ -232,13 +232,14 @@ def _ordered(results: D.MapResults, n: int, deadline: float | None) -> Iterator[
     failure = D._Failure
     try:
         for i in range(n):
-            if deadline is not None:
+            if values[i] is not empty:
+                pass  # ready: handed out whatever the time (as concurrent.futures does)
+            elif deadline is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError("map() did not finish within its timeout")
-                if values[i] is empty:
-                    results.wait(i, remaining)
-            elif values[i] is empty:
+                results.wait(i, remaining)
+            else:
                 results.wait(i, None)
             value = values[i]
             values[i] = None  # handed out once: let it go
