@@ -1012,3 +1012,115 @@ class BigTensors:
         import torch
 
         return torch.full((self.n,), float(i))
+
+
+class Exits:
+    """Calls sys.exit(0) at item 5 (``KeyboardInterrupt`` with ``interrupt``)."""
+
+    def __init__(self, interrupt: bool = False) -> None:
+        self.interrupt = interrupt
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        if i == 5:
+            if self.interrupt:
+                raise KeyboardInterrupt
+            raise SystemExit(0)
+        return i
+
+
+@pytest.mark.parametrize("interrupt", [False, True], ids=["exit", "interrupt"])
+def test_a_dataset_that_exits_or_interrupts_is_an_error_here_not_an_exit(engine, interrupt):
+    with DataLoader(Exits(interrupt), batch_size=None, timeout=GUARD) as loader:
+        got = []
+        with pytest.raises(WorkerError) as info:
+            for item in loader:
+                got.append(item)
+    assert got == list(range(5))
+    kind = KeyboardInterrupt if interrupt else SystemExit
+    assert isinstance(info.value.__cause__, kind) and kind.__name__ in str(info.value)
+
+
+def test_two_iterators_of_one_loader(engine):
+    data = list(range(20))
+    with DataLoader(data, batch_size=4, timeout=GUARD) as loader:
+        # each iterator has workers of its own, as in torch: both see every batch
+        pairs = list(zip(loader, loader))
+        assert len(pairs) == 5 and all(a.tolist() == b.tolist() for a, b in pairs)
+        first = iter(loader)
+        assert next(first).tolist() == [0, 1, 2, 3]
+        second = iter(loader)
+        assert [b.tolist() for b in first] == [data[i : i + 4] for i in range(4, 20, 4)]
+        assert next(second).tolist() == [0, 1, 2, 3]
+        loader.close()  # an epoch not over is told, at its next batch, not cut short silently
+        with pytest.raises(RuntimeError, match="was closed"):
+            next(second)
+    with DataLoader(data, batch_size=4, persistent_workers=True, timeout=GUARD) as loader:
+        first = iter(loader)
+        assert next(first).tolist() == [0, 1, 2, 3]
+        second = iter(loader)  # takes the workers over
+        with pytest.raises(RuntimeError, match="persistent_workers=True"):
+            next(first)
+        assert [b.tolist() for b in second] == [data[i : i + 4] for i in range(0, 20, 4)]
+
+
+def test_an_empty_epoch_prints_nothing(engine, capfd):
+    for _ in range(3):
+        with DataLoader([], batch_size=2, timeout=GUARD) as loader:
+            assert list(loader) == []
+    time.sleep(0.5)  # a worker that failed would print its traceback by now
+    assert capfd.readouterr().err == ""
+
+
+class HalfPrecision:
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        import torch
+
+        return torch.full((1 << 19,), float(i), dtype=torch.bfloat16)  # 1 MiB: shared memory
+
+
+def test_tensors_of_a_dtype_numpy_lacks():
+    torch = pytest.importorskip("torch")
+    with DataLoader(HalfPrecision(), batch_size=2, timeout=GUARD) as loader:
+        batches = list(loader)
+    assert [b.dtype for b in batches] == [torch.bfloat16] * 2
+    assert [float(b[i][-1]) for b in batches for i in range(2)] == [0.0, 1.0, 2.0, 3.0]
+
+
+TORCH_AFTER_FORK = """
+import sys, torch
+from framepipe.workers import DataLoader
+
+class Ops:
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        return torch.randn(3, 512, 512).mul(2).add(1).sum().item()
+
+torch.ones(1 << 22).sum()  # this process used torch's thread pool before the fork
+for epoch in range(2):
+    with DataLoader(Ops(), batch_size=2, num_workers=2, start_method="fork", timeout=30) as dl:
+        assert len(list(dl)) == 2
+print("ok")
+"""
+
+
+def test_forked_workers_run_torch_ops_after_the_parent_used_its_thread_pool():
+    """torch's thread pool does not survive a fork: a worker's op that used it would wait for
+    its threads forever (TaskTimeout here). Workers run torch ops on one thread, as torch's."""
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", TORCH_AFTER_FORK],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

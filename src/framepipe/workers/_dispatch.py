@@ -50,10 +50,17 @@ from typing import Any
 from .._lazy import asyncio  # imported on first use (see _lazy)
 from .._stream_errors import workers_may_spin
 from ..errors import ReadTimeout, WriterDied
-from ..remote import dumps_exception, loads_exception
+from ..remote import dumps_exception
 from . import _process, _shm
 from ._process import ChildContext, WorkerProcess
-from .errors import PoolBroken, TaskTimeout, WorkerCancelled, WorkerError, WorkerStartError
+from .errors import (
+    PoolBroken,
+    TaskTimeout,
+    WorkerCancelled,
+    WorkerError,
+    WorkerStartError,
+    revive,
+)
 
 # Operations, parent to worker (first item of the pickled tuple). BATCH carries the pickles of
 # several tasks in one frame: one write for many small tasks. MAP carries a function once and
@@ -1540,7 +1547,7 @@ class Core:
                         pass  # it failed already (its deadline passed, it was cancelled)
             elif kind == ERROR:
                 self._cancelled.discard(task.tid)
-                task.fail(_revive(msg[2]))
+                task.fail(revive(msg[2]))
             else:
                 self._cancelled.discard(task.tid)
                 if task.stream is not None:
@@ -1565,7 +1572,7 @@ class Core:
             slot.proc.sample_rss()  # its initializer may have moved it to another cgroup
             slot.last_rss_sample = time.monotonic()
         elif kind == "init-failed":
-            exc = _revive(msg[2])
+            exc = revive(msg[2])
             err = WorkerStartError(
                 f"the initializer of worker {slot.proc.name!r} (pid {msg[1]}) raised "
                 f"{type(exc).__name__}: {exc}"
@@ -1893,14 +1900,3 @@ def _unpicklable(fn: Any, exc: BaseException) -> TypeError:
     )
     err.__cause__ = exc
     return err
-
-
-def _revive(blob: bytes) -> BaseException:
-    exc = loads_exception(blob)
-    if not isinstance(exc, Exception):
-        # SystemExit, KeyboardInterrupt or GeneratorExit raised by a task: never re-raised as
-        # themselves in the caller, where they would end the program or look like a Ctrl-C.
-        err = WorkerError(f"the task raised {type(exc).__name__}({exc})")
-        err.__cause__ = exc
-        return err
-    return exc

@@ -366,7 +366,10 @@ def child_main(boot: _Boot) -> None:
             boot.conn.send(("init-failed", os.getpid(), dumps_exception(exc)))
             sys.stderr.flush()
             os._exit(1)
-    boot.conn.send(("ready", os.getpid()))
+    try:
+        boot.conn.send(("ready", os.getpid()))
+    except OSError:
+        return  # the parent let go of this worker before it was ready: nothing to do
     boot.loop(ctx)
 
 

@@ -166,7 +166,11 @@ class Wire:
                 and not obj.requires_grad
                 and str(obj.layout) == "torch.strided"
             ):
-                return _TensorView(self._array(obj.detach().contiguous().numpy()))
+                try:
+                    array = obj.detach().contiguous().numpy()
+                except TypeError:  # a dtype NumPy lacks (bfloat16): torch pickles it itself
+                    return obj
+                return _TensorView(self._array(array))
             return obj
         if isinstance(obj, dict):
             return {k: self.convert(v) for k, v in obj.items()}

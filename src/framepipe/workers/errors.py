@@ -12,6 +12,7 @@ import concurrent.futures
 from typing import Any
 
 from ..errors import FramepipeError, signal_name
+from ..remote import loads_exception
 
 __all__ = [
     "WorkerError",
@@ -203,3 +204,16 @@ class PoolBroken(WorkerError, concurrent.futures.BrokenExecutor):
 
 def _rebuild(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return cls(*args, **kwargs)
+
+
+def revive(blob: bytes) -> BaseException:
+    """The exception a worker sent (``dumps_exception``), to raise in the caller. A
+    SystemExit, KeyboardInterrupt or GeneratorExit raised by a task comes as a
+    :class:`WorkerError` whose cause it is: never re-raised as itself in the caller, where it
+    would end the program or look like a Ctrl-C."""
+    exc = loads_exception(blob)
+    if not isinstance(exc, Exception):
+        err = WorkerError(f"the task raised {type(exc).__name__}({exc})")
+        err.__cause__ = exc
+        return err
+    return exc

@@ -67,7 +67,7 @@ from ..errors import ReadTimeout, WriterDied
 from ..remote import add_note, dumps_exception, loads_exception
 from . import _shm
 from ._process import ChildContext, WorkerProcess, _FdHandle, register_parent_side
-from .errors import TaskTimeout, WorkerError, WorkerStartError
+from .errors import TaskTimeout, WorkerError, WorkerStartError, revive
 
 __all__ = ["DataLoader", "WorkerInfo", "get_worker_info", "default_collate"]
 
@@ -494,6 +494,12 @@ def loader_loop(ctx: ChildContext) -> None:
     conn = ctx.conn
     wid = opts["worker_id"]
     seed = _seed_worker(opts["base_seed"], wid)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        # One intra-op thread, as in torch's own workers: a forked child's copy of the
+        # parent's thread pool has no threads behind it, and an op that used it would wait
+        # for them forever.
+        torch.set_num_threads(1)
     dataset = opts["dataset"]
     _worker_info = WorkerInfo(wid, opts["num_workers"], seed, dataset)
     if opts["worker_init_fn"] is not None:
@@ -1170,6 +1176,7 @@ class DataLoader:
         self.batch_sampler = batch_sampler
         self._auto_collation = batch_sampler is not None or batch_size is not None
         self._workers: _Workers | None = None
+        self._epochs: weakref.WeakSet[_Epoch] = weakref.WeakSet()  # every epoch not collected
         self._current_ref: Callable[[], _Epoch | None] = lambda: None  # a weak reference:
         # an epoch abandoned by the caller (a ``break``) is collected and stops its workers
 
@@ -1203,8 +1210,14 @@ class DataLoader:
 
     def __iter__(self) -> Iterator[Any]:
         current = self._current_ref()
-        if current is not None:
-            current._abandon()
+        if current is not None and self.persistent_workers:
+            # One set of workers serves one epoch at a time: the new one takes them over.
+            current._abandon(
+                "its DataLoader started another epoch (iter() again), and with "
+                "persistent_workers=True its workers serve one epoch at a time; finish or drop "
+                "an epoch before starting the next, or use persistent_workers=False, where each "
+                "iterator has workers of its own"
+            )
         self._epoch += 1
         if self.num_workers == 0:
             fetcher = _Fetcher(
@@ -1225,6 +1238,7 @@ class DataLoader:
             workers = _Workers(self, self._next_seed())
         epoch = _Epoch(self, workers, self._requests())
         self._current_ref = weakref.ref(epoch)
+        self._epochs.add(epoch)
         return epoch
 
     def __len__(self) -> int:
@@ -1249,10 +1263,10 @@ class DataLoader:
         return []
 
     def close(self) -> None:
-        """Stop the workers now (they start again at the next ``iter()``)."""
-        current = self._current_ref()
-        if current is not None:
-            current._abandon()
+        """Stop the workers now (they start again at the next ``iter()``); an iterator of an
+        epoch that was not over raises RuntimeError at its next ``next()``."""
+        for epoch in list(self._epochs):
+            epoch._abandon("its DataLoader was closed")
         if self._workers is not None:
             self._workers.close()
             self._workers = None
@@ -1308,6 +1322,7 @@ class _Epoch:
         self._in_order = loader.in_order
         self._timeout = loader.timeout or None
         self._finished = False
+        self._ended: str | None = None  # why the epoch was ended from outside, before its end
         self._turns: collections.deque[_Slot] = collections.deque()  # in order: whose batch
         prefetch = loader.prefetch_factor
         n = len(workers.slots)
@@ -1386,6 +1401,9 @@ class _Epoch:
 
     def __next__(self) -> Any:
         if self._finished:
+            why = self._ended
+            if why is not None:
+                raise RuntimeError(f"this DataLoader iterator was stopped before its end: {why}")
             raise StopIteration
         workers = self.workers
         if workers.broken is not None:
@@ -1422,7 +1440,7 @@ class _Epoch:
                         slot.held.pop()  # batches it will never be allowed to answer
                 continue
             self._free(slot)
-            raise loads_exception(reply[2])
+            raise revive(reply[2])  # a SystemExit of the dataset's is no exit here
 
     def _free(self, slot: _Slot) -> None:
         """The caller took a batch of ``slot``'s: its credit goes to the worker of the batch
@@ -1439,12 +1457,15 @@ class _Epoch:
         if not self.loader.persistent_workers:
             self.workers.close()
 
-    def _abandon(self) -> None:
+    def _abandon(self, why: str | None = None) -> None:
         """Stop this epoch before its end: non-persistent workers stop now; persistent ones
-        keep running, and what they loaded for this epoch is dropped at the next one."""
+        keep running, and what they loaded for this epoch is dropped at the next one. With
+        ``why``, the next ``next()`` raises RuntimeError saying it (nobody is told of an
+        epoch that was dropped, or broken off by its own caller)."""
         if self._finished:
             return
         self._finished = True
+        self._ended = why
         if not self.loader.persistent_workers:
             self.workers.close()
 
