@@ -208,6 +208,17 @@ def sleep_then_record(seconds, path, value):
     return value
 
 
+def wait_for_file(path, limit=60.0):
+    """Return once ``path`` exists (False after ``limit`` seconds): a task that runs exactly as
+    long as the test wants."""
+    end = time.monotonic() + limit
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 def ignore_sigterm_then_hang():
     """Hang in a loop that SIGTERM does not end (only the ladder's SIGKILL does)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -606,6 +606,33 @@ def test_a_shut_down_pool_refuses_before_looking_at_the_arguments(engine):
         pool.map(lambda x: x, [1])
 
 
+@pytest.mark.parametrize("how", ["submit", "map"])
+def test_tasks_queued_behind_a_long_one_go_to_an_idle_worker(engine, tmp_path, how):
+    """Workers are fed ahead by the time their recent tasks took: after fast tasks, many are
+    queued at once. When the head of such a queue runs long while another worker is idle,
+    the tasks queued behind it are taken back (before they start) and run there."""
+    from _worker_tasks import sleep_then_record, wait_for_file
+
+    release = str(tmp_path / "release")
+    log = str(tmp_path / "log")
+    with Pool(2, start_method="fork") as pool:
+        assert list(pool.map(square, range(2000))) == [i * i for i in range(2000)]  # fast
+        blocker = pool.submit(wait_for_file, release)
+        if how == "submit":
+            shorts = [pool.submit(sleep_then_record, 0.005, log, i) for i in range(40)]
+            done, _ = cf.wait(shorts, WAIT)
+            values = [f.result() for f in shorts]
+        else:
+            values = list(pool.map(sleep_then_record, [0.005] * 40, [log] * 40, range(40)))
+        assert values == list(range(40))
+        assert not blocker.done()  # every short task ran while the long one still ran
+        runs = open(log).read().split()
+        assert sorted(int(v) for v in runs[::2]) == list(range(40))  # each ran once
+        with open(release, "w"):
+            pass
+        assert blocker.result(WAIT) is True
+
+
 def test_pool_argument_checks():
     with pytest.raises(ValueError):
         Pool(0)

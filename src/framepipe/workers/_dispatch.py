@@ -76,6 +76,11 @@ _MAP_STEP = 256  # map() queues its items this many at a time
 SHM_SLOTS = 16  # memfds per worker for large arrays in results (more use the bulk channel)
 LOW_WATER = 8  # a submitting thread sends directly only to a worker with fewer tasks in hand
 QUEUE_SECONDS = 0.002  # a worker is given about this much work ahead
+# A task at the head of a worker's queue that runs this long (or 4 times the worker's recent
+# time per task, if longer) makes its worker slow: it is given nothing more until it answers,
+# and while another worker is idle, the tasks queued behind it are taken back (see _steal).
+SLOW_HEAD = 0.01
+STEAL_LOOK = 0.01  # seconds between looks for an idle worker, while a slow one holds a queue
 STACK_WAIT = 1.0  # seconds to wait for a worker's stack dump at a deadline
 _CLOSING_LOOK = 0.25  # seconds between a closing manager's looks at whether all is done
 _REAP_DELAY = 0.001  # a dead worker is reaped (and replaced) this long after its report
@@ -194,6 +199,8 @@ def task_loop(ctx: ChildContext) -> None:
                         inbox.append((CALL, tid, fn, args, _NO_KWARGS))
                 continue
         op = msg[0]
+        if (op == CALL or op == STREAM or op == _UNLOADABLE) and not ctx.take_turn():
+            continue  # the parent took it back (see Core._steal)
         if op == _UNLOADABLE:
             send((ERROR, msg[1], dumps_exception(msg[2])))
         elif op == CALL:
@@ -372,6 +379,12 @@ class _Future(concurrent.futures.Future):  # type: ignore[type-arg]
     _core: Core | None = None
     _slot: Slot | None = None  # the worker the task was last sent to
 
+    def _back_to_pending(self) -> None:
+        """Taken back from a worker before it started (see Core._steal): pending again."""
+        with self._condition:
+            if self._state == concurrent.futures._base.RUNNING:
+                self._state = concurrent.futures._base.PENDING
+
     def result(self, timeout: float | None = None) -> Any:
         if self._state in _PENDING_STATES and self._core is not None:
             timeout = self._core.wait_for(self, timeout)
@@ -509,6 +522,7 @@ class Task:
         "slot",
         "running",
         "fn",
+        "seq",
     )
 
     def __init__(
@@ -532,6 +546,7 @@ class Task:
         self.running = False
         self.slot: Slot | None = None
         self.fn = fn
+        self.seq = -1  # its number in the order of the tasks sent to its worker
 
     def fail(self, exc: BaseException) -> None:
         if self.stream is not None:
@@ -577,6 +592,7 @@ class MapTask(Task):
         self.slot = None
         self._slot = None
         self.fn = fn
+        self.seq = -1
 
     def done(self) -> bool:
         return self.results.values[self.index] is not _EMPTY
@@ -619,6 +635,8 @@ class Slot:
         self.done_bytes = 0  # written by the manager only
         self.ready = False
         self.retiring = False  # given no more work; closed once it has answered everything
+        self.revoking = False  # it was asked for its queued tasks back (see Core._steal)
+        self.steal_look = 0.0  # when to look again for an idle worker to take its queue
         self.stopping: str | None = None  # why we are stopping it (its death is no crash)
         self.kill_at: float | None = None
         self.dead = False
@@ -664,6 +682,10 @@ class Slot:
 
     def cap(self) -> int:
         return max(2, min(MAX_INFLIGHT, int(QUEUE_SECONDS / max(self.avg, 1e-7))))
+
+    def slow(self, now: float) -> bool:
+        """Whether its head task has run for longer than its tasks take (see SLOW_HEAD)."""
+        return now - self.head_since > max(SLOW_HEAD, 4.0 * self.avg)
 
 
 _live_cores: weakref.WeakSet[Core] = weakref.WeakSet()
@@ -872,6 +894,7 @@ class Core:
             elif task.timeout is not None:
                 self._timers = True
             slot.sent_bytes += task.size
+            task.seq = slot.sent
             slot.sent += 1
             task.slot = slot
             task.future._slot = slot  # type: ignore[attr-defined]
@@ -936,12 +959,17 @@ class Core:
 
     def _pick(self, task: Task) -> Slot | None:
         best = None
+        now = 0.0
         for slot in self._slots:
-            if not slot.usable:
+            if not slot.usable or slot.revoking:
                 continue
             n = len(slot.outstanding)
             if n and (n >= slot.cap() or slot.out_bytes + task.size > PIPE_ROOM):
                 continue
+            if n and self.policy == "pool":
+                now = now or time.monotonic()
+                if slot.slow(now):
+                    continue  # nothing more behind a task that runs long
             if self.max_tasks is not None and slot.sent >= self.max_tasks:
                 continue
             if best is None or n < len(best.outstanding):
@@ -1007,6 +1035,7 @@ class Core:
                 self._timers = True
             slot.sent_bytes += size
             owed += size
+            task.seq = slot.sent
             slot.sent += 1
             task.slot = slot
             task.future._slot = slot  # type: ignore[attr-defined]
@@ -1154,7 +1183,7 @@ class Core:
             for fd in (conn.fileno(), conn._liveness_fd, slot.poke_fd):
                 poller.register(fd, select.POLLIN | select.POLLPRI)
         poke = slot.poke_fd
-        while fut._state in _PENDING_STATES and not slot.dead:
+        while fut._state in _PENDING_STATES and not slot.dead and fut._slot is slot:
             if not conn._has_buffered():
                 if deadline is None:
                     events = poller.poll()
@@ -1424,6 +1453,8 @@ class Core:
                 head = slot.outstanding[0]
                 if head.timeout is not None and head.stream is None:
                     yield slot.head_since + head.timeout
+                if self.policy == "pool" and len(slot.outstanding) > 1 and not slot.revoking:
+                    yield max(slot.head_since + max(SLOW_HEAD, 4.0 * slot.avg), slot.steal_look)
 
     def _drain(self, slot: Slot) -> None:
         """Handle every message the worker has sent (its death last, after them). The caller
@@ -1669,6 +1700,8 @@ class Core:
         now = time.monotonic()
         with self._lock:
             slots = list(self._slots)
+        if self.policy == "pool" and not self._terminating:
+            self._steal(slots, now)
         for slot in slots:
             if slot.kill_at is not None and now >= slot.kill_at:
                 slot.kill_at = None
@@ -1689,6 +1722,72 @@ class Core:
                 and now >= slot.head_since + head.timeout
             ):
                 self.expire(slot, head, head.timeout, "task")
+
+    # -- taking queued tasks back from a slow worker --
+
+    def _steal(self, slots: list[Slot], now: float) -> None:
+        """A worker is idle with nothing pending, while another holds tasks queued behind a
+        head task that runs long: ask that one for its queue back (the tasks it has not
+        started), for the idle ones to run. Tasks are queued ahead by the time earlier tasks
+        took, and a task that runs far longer than those would otherwise hold up the queue
+        behind it while other workers wait."""
+        idle = not self._pending and any(s.usable and not s.outstanding for s in slots)
+        for slot in slots:
+            if (
+                slot.usable
+                and not slot.revoking
+                and len(slot.outstanding) > 1
+                and now >= slot.steal_look
+                and slot.slow(now)
+            ):
+                if idle:
+                    self._revoke(slot)
+                else:
+                    slot.steal_look = now + STEAL_LOOK
+
+    def _revoke(self, slot: Slot) -> None:
+        with self._lock:
+            if slot.dead or slot.revoking or len(slot.outstanding) < 2:
+                return
+            first, end = slot.outstanding[1].seq, slot.sent
+            slot.revoking = True  # given nothing until it answers
+        reply = self.health_request(slot, "revoke", first, end)
+        reply.add_done_callback(lambda r: self._revoked(slot, end, r))
+
+    def _revoked(self, slot: Slot, end: int, reply: concurrent.futures.Future[Any]) -> None:
+        """The worker gave back its tasks from number ``reply.result()`` to ``end``: they go
+        to the front of the queue, as tasks not started (a caller may cancel them again)."""
+        try:
+            first = reply.result()
+        except BaseException:  # noqa: BLE001 - it died: its death reschedules what it held
+            slot.revoking = False
+            return
+        with self._submit_lock, self._lock:
+            slot.revoking = False
+            if slot.dead:
+                return
+            moved = [t for t in slot.outstanding if first <= t.seq < end]
+            back = []
+            for task in moved:
+                slot.outstanding.remove(task)
+                slot.done_bytes += task.size
+                task.slot = None
+                task.delivered = False
+                if task.future.done():
+                    continue  # failed meanwhile (the pool broke, a timeout): nothing to run
+                task.running = False
+                fut = task.future
+                if type(fut) is _Future:
+                    fut._slot = None
+                    fut._back_to_pending()
+                else:
+                    fut._slot = None  # type: ignore[attr-defined]
+                back.append(task)
+            self._pending.extendleft(reversed(back))
+        if moved:
+            slot.poke()  # a caller reading its channel for one of them reads elsewhere now
+            self._dispatch_wanted = True
+            self.kick()
 
     def expire(self, slot: Slot, task: Task, timeout: float, what: str) -> None:
         """The deadline ladder: take the stack, fail the task with it, SIGTERM the worker's
@@ -1805,8 +1904,11 @@ class Core:
                 self._close_deadline = time.monotonic() + timeout
                 self._timers = True
             if cancel_futures:
-                pending = list(self._pending)
+                # not those running already (taken from a worker that died): they run again
+                pending = [t for t in self._pending if not t.running]
+                again = [t for t in self._pending if t.running]
                 self._pending.clear()
+                self._pending.extend(again)
             else:
                 pending = []
         for task in pending:

@@ -125,6 +125,11 @@ class ChildContext:
         self.namespace: dict[str, Any] = {"__name__": "__worker__"}
         self.current: int | None = None
         self.cancelled: set[int] = set()
+        # Tasks are numbered in the order they were sent (0, 1, ...): ``started`` of them were
+        # taken to run; ``revoked`` ranges [lo, hi) are the parent's to run elsewhere.
+        self.started = 0
+        self.revoked: list[tuple[int, int]] = []
+        self._turns = threading.Lock()
         self.calls = 0
         self.busy = 0.0
         self._cond = threading.Condition()
@@ -133,6 +138,18 @@ class ChildContext:
         self._main = threading.main_thread().ident
 
     # -- called from the main thread --
+
+    def take_turn(self) -> bool:
+        """The loop takes the next task: False when the parent took it back (``revoke``)."""
+        with self._turns:
+            seq = self.started
+            self.started = seq + 1
+            revoked = self.revoked
+            if not revoked:
+                return True
+            while revoked and revoked[0][1] <= seq:
+                revoked.pop(0)  # passed
+            return not any(lo <= seq < hi for lo, hi in revoked)
 
     def open_stream(self, tid: int, window: int) -> None:
         with self._cond:
@@ -171,6 +188,15 @@ class ChildContext:
             if self.current in self.cancelled:
                 signal.pthread_kill(self._main, CANCEL_SIGNAL)  # type: ignore[arg-type]
             return None
+        if op == "revoke":
+            # Tasks [lo, hi) that are not taken yet are not run here: the reply says from
+            # which one on, and the parent sends those to other workers.
+            lo, hi = args
+            with self._turns:
+                first = max(lo, self.started)
+                if first < hi:
+                    self.revoked.append((first, hi))
+            return (op, token, first)
         if op == "credit":
             with self._cond:
                 if args[0] in self._credit:
