@@ -533,8 +533,12 @@ def test_pool_recycles_workers(engine):
     with Pool(1, start_method="fork", max_rss=200 << 20) as pool:
         from _worker_tasks import hold_memory
 
-        first = pool.submit(hold_memory, 300 << 20).result(WAIT)
-        assert _wait_until(lambda: pool.submit(getpid).result(WAIT) != first)
+        for _ in range(3):
+            # sent at once: the task after the one that grew it never runs in that worker
+            big = pool.submit(hold_memory, 300 << 20)
+            after = [pool.submit(getpid) for _ in range(3)]
+            first = big.result(WAIT)
+            assert first not in {f.result(WAIT) for f in after}
 
 
 def test_pool_initializer(engine):
@@ -779,6 +783,27 @@ def test_a_result_timeout_while_reading_gives_the_channel_back(engine):
         assert lends and not any(s.lent for s in pool._core.slots())
         assert fut.result(WAIT) == 0.5  # answered all the same (read by the manager)
         assert pool.submit(add, 3, 4).result(WAIT) == 7
+
+
+def test_done_callbacks_run_in_the_manager_thread_not_in_a_reading_caller(engine):
+    with Pool(1, start_method="fork") as pool:
+        assert pool.submit(add, 1, 1).result(WAIT) == 2
+        lends = _spy_lends(pool)
+        ran = []
+        first = pool.submit(sleep_for, 0.2)
+        first.add_done_callback(lambda f: ran.append(threading.current_thread().name))
+        second = pool.submit(add, 2, 2)
+        assert second.result(WAIT) == 4  # this thread read both answers
+        assert lends and first.done()
+        assert _wait_until(lambda: ran) and ran[0].startswith("framepipe-")
+    # a callback that shuts the pool down while the caller holds the channel: no hang
+    pool = Pool(1, start_method="fork")
+    assert pool.submit(add, 1, 1).result(WAIT) == 2
+    first = pool.submit(sleep_for, 0.2)
+    first.add_done_callback(lambda f: pool.shutdown(wait=True))
+    second = pool.submit(sleep_for, 0.3)
+    assert second.result(WAIT) == 0.3
+    pool.shutdown()
 
 
 def test_results_that_cannot_be_unpickled_fail_only_their_task(engine):

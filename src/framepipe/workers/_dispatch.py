@@ -242,7 +242,7 @@ def task_loop(ctx: ChildContext) -> None:
             if max_rss is not None:
                 rss = _process.current_rss(os.getpid())
                 if rss is not None and rss > max_rss:
-                    send((RECYCLE, rss))
+                    send((RECYCLE, rss, ctx.retire()))
         elif op == RETURN:
             if wire is not None:
                 wire.give_back(msg[1])
@@ -378,6 +378,17 @@ class _Future(concurrent.futures.Future):  # type: ignore[type-arg]
 
     _core: Core | None = None
     _slot: Slot | None = None  # the worker the task was last sent to
+
+    def _invoke_callbacks(self) -> None:
+        # Completed by a caller that reads its worker's channel: its done-callbacks run in the
+        # manager thread, as concurrent.futures runs them in its own, never in a thread that
+        # waits for another result (which a slow callback would hold up) or that holds a
+        # channel the manager needs (a callback that shuts the pool down would wait forever).
+        core = self._core
+        if _reading.slot is not None and core is not None and self._done_callbacks:
+            core.call_soon(self)
+        else:
+            super()._invoke_callbacks()
 
     def _back_to_pending(self) -> None:
         """Taken back from a worker before it started (see Core._steal): pending again."""
@@ -761,6 +772,9 @@ class Core:
         self._names = itertools.count(0)
         self._tokens = itertools.count(1)
         self._cancelled: set[int] = set()
+        # futures whose done-callbacks the manager runs (see _Future._invoke_callbacks)
+        self._callbacks: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
+        self._stopped_callbacks = False  # the manager ended: callbacks run where they are due
         self.closing = False
         self._terminating = False
         self.broken: BaseException | None = None
@@ -1067,6 +1081,22 @@ class Core:
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"!")
 
+    def call_soon(self, fut: concurrent.futures.Future[Any]) -> None:
+        """Run ``fut``'s done-callbacks in the manager thread (at once, here, once it ended)."""
+        with self._lock:
+            queued = not self._stopped_callbacks
+            if queued:
+                self._callbacks.append(fut)
+        if queued:
+            self.wake()
+        else:
+            concurrent.futures.Future._invoke_callbacks(fut)  # type: ignore[attr-defined]
+
+    def _run_callbacks(self) -> None:
+        while self._callbacks:
+            fut = self._callbacks.popleft()
+            concurrent.futures.Future._invoke_callbacks(fut)  # type: ignore[attr-defined]
+
     # -- health requests --
 
     def health_request(self, slot: Slot, op: str, *args: Any) -> concurrent.futures.Future[Any]:
@@ -1285,6 +1315,9 @@ class Core:
             )
         finally:
             self._shutdown_workers()
+            with self._lock:
+                self._stopped_callbacks = True
+            self._run_callbacks()
             self.stopped.set_result(None)
 
     def _finished(self) -> bool:
@@ -1420,6 +1453,8 @@ class Core:
             self._maintain()
         if self._pending:
             self.kick()
+        if self._callbacks:
+            self._run_callbacks()
 
     def _park(self, slot: Slot, fd: int) -> None:
         """Take ``fd`` out of the set while a caller reads ``slot`` (a readable fd nobody
@@ -1595,7 +1630,10 @@ class Core:
             if task.stream is not None:
                 task.stream.put(msg[2])
         elif kind == RECYCLE:
+            # Past max_rss after a task: it runs no task it was sent after that one (msg[2]
+            # on), and closes once it answered the rest. Those run elsewhere.
             slot.retiring = True
+            self._requeue(slot, msg[2], slot.sent)
             self._dirty = True
             self.wake()  # when a caller read it
         elif kind == "ready":
@@ -1762,6 +1800,11 @@ class Core:
         except BaseException:  # noqa: BLE001 - it died: its death reschedules what it held
             slot.revoking = False
             return
+        self._requeue(slot, first, end)
+
+    def _requeue(self, slot: Slot, first: int, end: int) -> None:
+        """The worker of ``slot`` will not run its tasks numbered ``first`` to ``end`` (it
+        said so): they go to the front of the queue, as tasks not started."""
         with self._submit_lock, self._lock:
             slot.revoking = False
             if slot.dead:

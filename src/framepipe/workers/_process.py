@@ -172,6 +172,13 @@ class ChildContext:
             self._credit.pop(tid, None)
             self._stopped.discard(tid)
 
+    def retire(self) -> int:
+        """Run no task from the next one on (they are the parent's to run elsewhere): the
+        number of the first task not run."""
+        with self._turns:
+            self.revoked.append((self.started, 1 << 62))
+            return self.started
+
     # -- called from the health thread --
 
     def _on_health(self, msg: Any) -> Any:
