@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import socket
@@ -73,6 +74,75 @@ def test_misuse_errors_are_the_stdlib_ones(duplex):
             b.send_bytes(b"abc", offset, size)
     with pytest.raises(ValueError):
         a.recv_bytes(-1)
+    with pytest.raises(TypeError):
+        b.send_bytes(b"abc", 1.0)
+    with pytest.raises(TypeError):
+        b.send_bytes(b"abc", 0, 1.5)
+    b.send_bytes(b"12345678")
+    with pytest.raises(BufferError):  # refused before the message is read: it stays
+        a.recv_bytes_into(memoryview(bytearray(16))[::2])
+    assert a.recv_bytes() == b"12345678"
+    # an infinite timeout waits as long as it takes (the stdlib's poll() overflows)
+    for wait in (a.poll, lambda t: fpc.wait([a], t)):
+        later = threading.Timer(0.2, b.send_bytes, (b"late",))
+        later.start()
+        try:
+            assert wait(float("inf"))
+            assert a.recv_bytes(timeout=float("inf")) == b"late"
+        finally:
+            later.join()
+
+
+class Tagged:
+    def __init__(self, value):
+        self.value = value
+
+
+def _rebuild_tagged(value):
+    return ("rebuilt", value)
+
+
+def _reduce_tagged(obj):
+    return (_rebuild_tagged, (obj.value,))
+
+
+def test_objects_are_pickled_as_forkingpickler_does(duplex):
+    """multiprocessing.connection pickles with ForkingPickler: what is registered with it
+    comes first (a reducer of a caller's, torch.multiprocessing's tensors), and a socket
+    travels as a working socket."""
+    a, b = duplex
+    reduction.ForkingPickler.register(Tagged, _reduce_tagged)
+    try:
+        a.send([Tagged(3), bytearray(1 << 17)])  # with an out-of-band buffer
+        got = b.recv()
+        assert got[0] == ("rebuilt", 3) and len(got[1]) == 1 << 17
+    finally:
+        del reduction.ForkingPickler._extra_reducers[Tagged]
+    a.send(Tagged(4))  # registered no more: pickled as itself
+    assert type(b.recv()) is Tagged
+    x, y = socket.socketpair()
+    with x, y:
+        a.send(x)
+        got = b.recv()
+        with got:
+            assert isinstance(got, socket.socket) and got.fileno() != x.fileno()
+            got.sendall(b"through the copy")
+            assert y.recv(64) == b"through the copy"
+
+
+def test_the_stdlibs_address_helpers_and_wait_on_what_is_no_file(duplex):
+    a, b = duplex
+    assert fpc.families == multiprocessing.connection.families
+    assert fpc.default_family == multiprocessing.connection.default_family
+    assert fpc.address_type("/tmp/x") == "AF_UNIX"
+    assert fpc.address_type(("127.0.0.1", 0)) == "AF_INET"
+    assert fpc.arbitrary_address("AF_UNIX") != fpc.arbitrary_address("AF_UNIX")
+    with pytest.raises(ValueError, match="Invalid file object"):
+        fpc.wait([a, object()], 0)
+    with pytest.raises(ValueError, match="Invalid file descriptor"):
+        fpc.wait([-1], 0)
+    a.tag = "mine"  # callers hang their own attributes on connections, as on the stdlib's
+    assert a.tag == "mine" and not hasattr(b, "tag")
 
 
 @pytest.mark.parametrize("bad", ["oops", ValueError, None, 42])

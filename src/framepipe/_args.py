@@ -4,6 +4,7 @@ written, whichever engine runs."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 
@@ -22,7 +23,11 @@ def check_timeout(timeout: Any) -> float | None:
 
 
 def check_send_args(view_len: int, offset: int, size: int | None) -> int:
-    """The stdlib's argument checks for send_bytes; returns the size to send."""
+    """The stdlib's argument checks for send_bytes; returns the size to send. An offset or
+    size that is not an integer is a TypeError, as in the stdlib."""
+    offset = operator.index(offset)
+    if size is not None:
+        size = operator.index(size)
     if offset < 0:
         raise ValueError("offset is negative")
     if view_len < offset:

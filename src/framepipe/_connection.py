@@ -377,7 +377,10 @@ class Core(ModuleType):
             {
                 "__module__": "framepipe.connection",
                 "__doc__": ConnectionBase.__doc__,
-                "__slots__": ("_watch_handle",),
+                # a __dict__ where the engine has none (the compiled one), as the stdlib's
+                # connections have: callers hang their own attributes on connections
+                "__slots__": ("_watch_handle",)
+                + (("__dict__",) if not engine.__dictoffset__ else ()),
             },
         )
         self.pipe = _pipes.make_pipe(self.Connection)

@@ -9,8 +9,14 @@ travel on the bulk fd.
 
 from __future__ import annotations
 
+import copyreg
+import functools
+import io
 import pickle
+import socket
 import struct
+import types
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from ._wire import KIND_BUFFER, KIND_BULK, KIND_DATA, KIND_OBJECT, LENGTH, header
@@ -51,6 +57,45 @@ def dumps_bulk(obj: Any, bulk_min: int) -> list[Any]:
     return _dumps(obj, bulk_min)
 
 
+# What multiprocessing.connection pickles with: ForkingPickler, whose registered reducers (the
+# stdlib's, torch.multiprocessing's, a caller's ``ForkingPickler.register``) come before
+# copyreg's. Those the stdlib registers itself are either what plain pickle does anyway (bound
+# methods, method descriptors, partials) or what it refuses (sockets), so while nothing else is
+# registered, a plain pickle runs first and ForkingPickler's table only when it fails.
+_STDLIB_REDUCED = frozenset(
+    {types.MethodType, type(list.append), type(int.__add__), functools.partial, socket.socket}
+)
+_registry: dict[type, Any] = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+_seen = (-1, -1)  # the sizes of the registry and of copyreg's table when last looked at
+_plain_first = True
+_table: dict[Any, Any] = {}
+
+
+def _look() -> None:
+    global _seen, _plain_first, _table
+    seen = (len(_registry), len(copyreg.dispatch_table))
+    if seen != _seen:
+        _plain_first = _registry.keys() <= _STDLIB_REDUCED
+        _table = {**copyreg.dispatch_table, **_registry}
+        _seen = seen
+
+
+def _pickle(obj: Any, keep: Any, buffers: list[Any]) -> bytes:
+    """``obj``'s protocol 5 pickle, as ForkingPickler would make it."""
+    if len(_registry) != _seen[0] or len(copyreg.dispatch_table) != _seen[1]:
+        _look()
+    if _plain_first:
+        try:
+            return pickle.dumps(obj, protocol=5, buffer_callback=keep)
+        except Exception:  # noqa: BLE001 - maybe a registered reducer takes it (a socket)
+            buffers.clear()
+    out = io.BytesIO()
+    pickler = pickle.Pickler(out, 5, buffer_callback=keep)
+    pickler.dispatch_table = _table
+    pickler.dump(obj)
+    return out.getvalue()
+
+
 def _dumps(obj: Any, bulk_min: int) -> list[Any]:
     buffers: list[pickle.PickleBuffer] = []
 
@@ -62,7 +107,7 @@ def _dumps(obj: Any, bulk_min: int) -> list[Any]:
         return False
 
     target = _Reduced(obj) if type(obj) is bytes and len(obj) >= OOB_THRESHOLD else obj
-    data = pickle.dumps(target, protocol=5, buffer_callback=keep)
+    data = _pickle(target, keep, buffers)
     if not buffers:
         if bulk_min and len(data) >= bulk_min:
             return [[header(KIND_BULK, len(data))], data, []]

@@ -163,6 +163,9 @@ def _close_owned(fds: tuple[int, ...], identities: tuple[Any, ...]) -> None:
             os.close(fd)
 
 
+_POLL_MAX_MS = float(2**31 - 1)  # the longest wait of one poll(): INT_MAX milliseconds
+
+
 def _deadline(timeout: float | None) -> float:
     t = check_timeout(timeout)
     if t is None:
@@ -718,7 +721,10 @@ class Engine:
                         self._bpoller = poller
                     else:
                         self._poller = poller
-                ready = [r for r, _ in poller.poll(None if wait is None else wait * 1000.0)]
+                # poll() takes at most INT_MAX ms: a longer wait (an infinite timeout) waits
+                # that long at a time
+                ms = None if wait is None else min(wait * 1000.0, _POLL_MAX_MS)
+                ready = [r for r, _ in poller.poll(ms)]
             if wake >= 0 and wake in ready:
                 self._woken()  # only close() wakes; anything else is drained and ignored
                 try:
@@ -1172,6 +1178,8 @@ class Engine:
             flat = m.cast("B") if m.ndim != 1 or m.format != "B" else m
             if flat.readonly:
                 raise TypeError("recv_bytes_into() argument must be a writable buffer")
+            if not flat.c_contiguous:  # refused before anything is read (as the C engine)
+                raise BufferError("memoryview: underlying buffer is not C-contiguous")
             into = flat[offset:]
             deadline = _deadline(timeout)
             try:

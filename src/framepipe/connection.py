@@ -64,7 +64,17 @@ def Pipe(duplex: bool = True, *, read_ahead: bool = False, pipes: bool = False) 
 
 
 def _fileno(obj: Any) -> int:
-    return obj if isinstance(obj, int) else int(obj.fileno())
+    """The fd of a ``wait()`` object; ValueError, as the stdlib's, for anything else."""
+    if isinstance(obj, int):
+        fd = obj
+    else:
+        fileno = getattr(obj, "fileno", None)
+        if fileno is None:
+            raise ValueError(f"Invalid file object: {obj!r}")
+        fd = int(fileno())
+    if fd < 0:
+        raise ValueError(f"Invalid file descriptor: {fd}")
+    return fd
 
 
 def wait(object_list: Iterable[Any], timeout: float | None = None) -> list[Any]:
@@ -104,7 +114,8 @@ def wait(object_list: Iterable[Any], timeout: float | None = None) -> list[Any]:
         wait_s = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         if soonest is not None:
             wait_s = soonest if wait_s is None else min(wait_s, soonest)
-        events = poller.poll(None if wait_s is None else wait_s * 1000.0)
+        # at most INT_MAX ms a poll(): an infinite timeout waits that long at a time
+        events = poller.poll(None if wait_s is None else min(wait_s * 1000.0, 2147483647.0))
         if events:
             found: list[Any] = []
             for fd, _ in events:
@@ -126,6 +137,13 @@ def _ready_now(obj: Any) -> bool:
 
 
 # -- Listener and Client ---------------------------------------------------------------------
+
+# The stdlib's address helpers, as they are: the families this system has (framepipe's
+# Listener and Client take the socket ones), the family of an address, a fresh address.
+families = _mpc.families
+default_family = _mpc.default_family
+address_type = _mpc.address_type
+arbitrary_address = _mpc.arbitrary_address
 
 MESSAGE_LENGTH = 20
 CHALLENGE = b"#CHALLENGE#"
