@@ -1124,3 +1124,68 @@ def test_forked_workers_run_torch_ops_after_the_parent_used_its_thread_pool():
         timeout=120,
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+class BatchedFetch:
+    """A dataset with ``__getitems__``: torch fetches a batch with one call of it."""
+
+    def __len__(self) -> int:
+        return 9
+
+    def __getitem__(self, i: int) -> int:
+        raise AssertionError("fetched one by one")
+
+    def __getitems__(self, indices: list[int]) -> list[int]:
+        return [i * 1000 for i in indices]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_torchs_other_arguments_and_batched_fetch(engine, workers):
+    with DataLoader(BatchedFetch(), batch_size=3, num_workers=workers, timeout=GUARD) as loader:
+        assert [b.tolist() for b in loader] == [
+            [0, 1000, 2000],
+            [3000, 4000, 5000],
+            [6000, 7000, 8000],
+        ]
+    with pytest.raises(ValueError, match="drop_last=True needs a batch_size"):
+        DataLoader(list(range(4)), drop_last=True, num_workers=workers)
+    # batch_size=1 is torch's default: a batch_sampler goes with it
+    loader = DataLoader(
+        list(range(6)),
+        batch_sampler=[[0, 1], [2, 3]],
+        batch_size=1,
+        num_workers=workers,
+        timeout=GUARD,
+    )
+    with loader:
+        assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+    with pytest.warns(UserWarning, match="pin_memory=True is ignored"):
+        loader = DataLoader(
+            list(range(4)),
+            batch_size=2,
+            pin_memory=True,
+            num_workers=workers,
+            multiprocessing_context=multiprocessing.get_context("fork"),
+            timeout=GUARD,
+        )
+    with loader:
+        assert loader.start_method == "fork"
+        assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="not both"):
+        DataLoader([1], start_method="fork", multiprocessing_context="spawn")
+
+
+def test_numbers_collate_to_arrays_before_numpy_is_imported():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from framepipe.workers import DataLoader\n"
+        "assert 'numpy' not in sys.modules\n"
+        "batches = list(DataLoader(list(range(6)), batch_size=3, num_workers=0))\n"
+        "print(type(batches[0]).__name__, [b.tolist() for b in batches])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ndarray [[0, 1, 2], [3, 4, 5]]"

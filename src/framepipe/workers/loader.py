@@ -56,6 +56,7 @@ import struct
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -134,6 +135,21 @@ def get_worker_info() -> WorkerInfo | None:
     return _worker_info
 
 
+_NO_NUMPY: list[bool] = []  # set once an import of NumPy failed
+
+
+def _import_numpy() -> Any:
+    """NumPy, imported if it is installed; None if not."""
+    if _NO_NUMPY:
+        return None
+    try:
+        import numpy
+    except ImportError:
+        _NO_NUMPY.append(True)
+        return None
+    return numpy
+
+
 def default_collate(batch: Sequence[Any]) -> Any:
     """Merge a list of items into a batch: NumPy arrays are stacked (a new leading axis),
     numbers become a NumPy array, torch tensors are stacked with ``torch.stack``, dicts,
@@ -153,6 +169,7 @@ def default_collate(batch: Sequence[Any]) -> Any:
     if isinstance(elem, (bool, int, float, complex)) or (
         np is not None and isinstance(elem, np.generic)
     ):
+        np = np or _import_numpy()  # the same batch whether NumPy was imported yet or not
         if np is None:
             return list(batch)
         return np.asarray(batch)
@@ -212,6 +229,8 @@ class _Fetcher:
             return f"index {at!r}"
         if stage == "collate_one":
             return f"collate_fn of index {at!r}"
+        if stage == "__getitems__":
+            return f"__getitems__ of indices {_short(at)}"
         if stage == "collate":
             return f"collate_fn of indices {_short(at)}"
         return stage
@@ -231,15 +250,20 @@ class _Fetcher:
                 self._stage = "collate_one"
                 item = self.collate(item)
             return item
-        items: list[Any] = []
-        append = items.append
-        i = None
-        try:
-            for i in indices:
-                append(dataset[i])
-        except BaseException:
-            self._stage, self._at = "index", i
-            raise
+        getitems = getattr(dataset, "__getitems__", None)
+        if getitems is not None:  # a batch in one call, as torch fetches it
+            self._stage, self._at = "__getitems__", indices
+            items = getitems(indices)
+        else:
+            items = []
+            append = items.append
+            i = None
+            try:
+                for i in indices:
+                    append(dataset[i])
+            except BaseException:
+                self._stage, self._at = "index", i
+                raise
         self._stage, self._at = "collate", indices
         return (self.collate or default_collate)(items)
 
@@ -1134,7 +1158,23 @@ class DataLoader:
         *,
         generator: Any = None,
         seed: int | None = None,
+        multiprocessing_context: Any = None,
+        pin_memory: bool = False,
     ) -> None:
+        if multiprocessing_context is not None:  # torch's name for start_method
+            if start_method is not None:
+                raise ValueError("give start_method or multiprocessing_context, not both")
+            start_method = (
+                multiprocessing_context
+                if isinstance(multiprocessing_context, str)
+                else multiprocessing_context.get_start_method()
+            )
+        if pin_memory:
+            warnings.warn(
+                "pin_memory=True is ignored: this DataLoader has no pinned (page-locked) "
+                "memory; move batches to the device in the loop",
+                stacklevel=2,
+            )
         if num_workers < 0:
             raise ValueError("num_workers must be 0 or more")
         if timeout < 0:
@@ -1147,10 +1187,16 @@ class DataLoader:
         self._iterable = _is_iterable_dataset(dataset)
         if self._iterable and (shuffle or sampler is not None or batch_sampler is not None):
             raise ValueError("an iterable dataset takes no shuffle, sampler or batch_sampler")
+        if batch_sampler is not None and batch_size == 1:
+            batch_size = None  # torch's default batch_size, which a batch_sampler replaces
         if batch_sampler is not None and (
             batch_size is not None or shuffle or sampler is not None or drop_last
         ):
             raise ValueError("batch_sampler excludes batch_size, shuffle, sampler and drop_last")
+        if batch_sampler is None and batch_size is None and drop_last:
+            raise ValueError(
+                "drop_last=True needs a batch_size: with batch_size=None items come one by one"
+            )
         if sampler is not None and shuffle:
             raise ValueError("sampler excludes shuffle")
         if batch_size is not None and batch_size < 1:
