@@ -3,6 +3,7 @@ a parent killed with workers running, Ctrl-C, and start/shutdown cycles that lea
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -57,64 +58,33 @@ def test_random_sigkills_fail_exactly_the_killed_tasks(engine, method):
         assert pool.submit(add, 1, 1).result(WAIT) == 2
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_a_sigkilled_parent_leaves_no_worker(method):
-    """A parent with a pool, a worker and a group running is SIGKILLed: 2 s later none of the
-    five worker processes is alive."""
+@contextlib.contextmanager
+def _parent(*args: str):
+    """``_worker_parent.py args...`` in a session of its own, its stdout and stderr piped; on
+    the way out (failures included) it and anything left in its session are killed."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, *sys.path]))
     parent = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "_worker_parent.py"), "hold", method],
-        stdout=subprocess.PIPE,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        pids = json.loads(parent.stdout.readline())
-        assert len(pids) == 5 and all(_alive(p) for p in pids)
-        parent.kill()
-        parent.wait(WAIT)
-        end = time.monotonic() + 2.0
-        while time.monotonic() < end and any(_alive(p) for p in pids):
-            time.sleep(0.02)
-        assert not [p for p in pids if _alive(p)], "workers outlived their SIGKILLed parent"
-    finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
-        parent.stdout.close()
-        os.killpg(parent.pid, signal.SIGKILL) if _group_alive(parent.pid) else None
-
-
-@pytest.mark.parametrize("mode", ["exit", "exit-nowait"])
-def test_tasks_submitted_and_not_waited_for_finish_before_the_program_exits(mode, tmp_path):
-    """As with concurrent.futures: a program that leaves without waiting for its pool (or after
-    ``shutdown(wait=False)``) exits once every task it submitted has run, silently, with no
-    worker left behind."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, *sys.path]))
-    path = tmp_path / "done.txt"
-    parent = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "_worker_parent.py"), mode, "fork", str(path)],
+        [sys.executable, os.path.join(HERE, "_worker_parent.py"), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
         start_new_session=True,
     )
     try:
-        out, err = parent.communicate(timeout=WAIT)
-        assert parent.returncode == 0 and err == b"" and out == b"", err.decode()
-        lines = path.read_text().split()
-        assert sorted(int(v) for v in lines[::2]) == list(range(6))
-        pids = {int(p) for p in lines[1::2]}
-        end = time.monotonic() + 2.0
-        while time.monotonic() < end and any(_alive(p) for p in pids):
-            time.sleep(0.02)
-        assert not [p for p in pids if _alive(p)]
+        yield parent
     finally:
         if parent.poll() is None:
             parent.kill()
-            parent.wait()
+        parent.communicate()
         if _group_alive(parent.pid):
             os.killpg(parent.pid, signal.SIGKILL)
+
+
+def _none_alive(pids: list[int] | set[int], within: float = 2.0) -> bool:
+    end = time.monotonic() + within
+    while time.monotonic() < end and any(_alive(p) for p in pids):
+        time.sleep(0.02)
+    return not any(_alive(p) for p in pids)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -125,16 +95,34 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_sigkilled_parent_leaves_no_worker(method):
+    """A parent with a pool, a worker and a group running is SIGKILLed: 2 s later none of the
+    five worker processes is alive."""
+    with _parent("hold", method) as parent:
+        pids = json.loads(parent.stdout.readline())
+        assert len(pids) == 5 and all(_alive(p) for p in pids)
+        parent.kill()
+        parent.wait(WAIT)
+        assert _none_alive(pids), "workers outlived their SIGKILLed parent"
+
+
+@pytest.mark.parametrize("mode", ["exit", "exit-nowait"])
+def test_tasks_submitted_and_not_waited_for_finish_before_the_program_exits(mode, tmp_path):
+    """As with concurrent.futures: a program that leaves without waiting for its pool (or after
+    ``shutdown(wait=False)``) exits once every task it submitted has run, silently, with no
+    worker left behind."""
+    path = tmp_path / "done.txt"
+    with _parent(mode, "fork", str(path)) as parent:
+        out, err = parent.communicate(timeout=WAIT)
+        assert parent.returncode == 0 and err == b"" and out == b"", err.decode()
+        lines = path.read_text().split()
+        assert sorted(int(v) for v in lines[::2]) == list(range(6))
+        assert _none_alive({int(p) for p in lines[1::2]})
+
+
 def test_ctrl_c_stops_every_worker_with_one_traceback():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, *sys.path]))
-    parent = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "_worker_parent.py"), "map", "spawn"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        start_new_session=True,
-    )
-    try:
+    with _parent("map", "spawn") as parent:
         pids = json.loads(parent.stdout.readline())
         time.sleep(0.5)  # the map is running
         os.killpg(parent.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole foreground group
@@ -143,14 +131,7 @@ def test_ctrl_c_stops_every_worker_with_one_traceback():
         assert parent.returncode != 0
         assert text.count("Traceback (most recent call last)") == 1, text
         assert text.count("KeyboardInterrupt") == 1, text
-        end = time.monotonic() + 2.0
-        while time.monotonic() < end and any(_alive(p) for p in pids):
-            time.sleep(0.02)
-        assert not [p for p in pids if _alive(p)]
-    finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
+        assert _none_alive(pids)
 
 
 def _event_fds() -> int:
