@@ -507,3 +507,94 @@ def test_many_concurrent_tasks_on_different_connections(impl):
             child.close()
 
     run(main())
+
+
+@pytest.mark.parametrize("duplex", [True, False], ids=["duplex", "oneway"])
+def test_close_wakes_what_waits_and_its_fd_leaves_the_loop(impl, duplex):
+    """close() wakes the coroutines waiting on a connection with OSError at once, reading or
+    writing; the fd number it frees, reused by a new connection, works on the same loop."""
+
+    async def main():
+        r, w = impl.pipe(duplex)
+        reading = asyncio.ensure_future(r.recv_bytes_async())
+        await asyncio.sleep(0.05)  # it waits on the loop's reader callback
+        old = r.fileno()
+        r.close()
+        with pytest.raises(OSError, match="closed"):
+            await asyncio.wait_for(reading, WAIT)
+        w.close()
+        r2, w2 = impl.pipe(duplex)
+        with r2, w2:
+            assert old in (r2.fileno(), w2.fileno())  # the lowest free numbers come back
+            w2.send_bytes(b"hello")
+            assert await r2.recv_bytes_async(timeout=WAIT) == b"hello"
+            w2.send_bytes(b"again")  # and the other end of the pair, on its number
+            assert await r2.recv_bytes_async(timeout=WAIT) == b"again"
+        # a writer waiting for room in a full pipe
+        r, w = impl.pipe(duplex)
+        with r:
+            sending = asyncio.ensure_future(w.send_bytes_async(payload(32 * MIB, 1)))
+            await until(lambda: unread(r.fileno()) > 0, "the frame to start")
+            await asyncio.sleep(0.05)
+            w.close()
+            with pytest.raises(OSError, match="closed"):
+                await asyncio.wait_for(sending, WAIT)
+
+    run(main())
+
+
+def test_two_coroutines_reading_one_connection_both_get_a_frame(impl):
+    async def main():
+        r, w = impl.pipe(False)
+        with r, w:
+            first = asyncio.ensure_future(r.recv_bytes_async(timeout=WAIT))
+            second = asyncio.ensure_future(r.recv_bytes_async(timeout=WAIT))
+            await asyncio.sleep(0.05)  # both wait for the same fd
+            w.send_bytes(b"one")
+            w.send_bytes(b"two")
+            got = await asyncio.wait_for(asyncio.gather(first, second), WAIT)
+            assert sorted(got) == [b"one", b"two"]
+
+    run(main())
+
+
+@pytest.mark.parametrize("reader", ["thread", "nobody"])
+def test_a_frame_cut_by_the_end_of_its_loop(impl, reader, monkeypatch):
+    """asyncio.run cancels every task at its end, the background rest of a cancelled send
+    included: the rest is written there and then while a reader reads; with no reader within
+    FINISH_AT_END the connection closes, and the reader meets an end of file in the frame
+    instead of a frame spliced with the next."""
+    from framepipe import _aio
+
+    monkeypatch.setattr(_aio, "FINISH_AT_END", 0.5)
+    data = payload(32 * MIB, 5)
+    r, w = impl.pipe(False)
+
+    go = threading.Event()  # the reader starts as the loop ends
+
+    async def main():
+        sending = asyncio.ensure_future(w.send_bytes_async(data))
+        await until(lambda: unread(r.fileno()) > 0, "the frame to start")
+        sending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await sending
+        go.set()
+
+    def read():
+        go.wait(WAIT)
+        return r.recv_bytes(timeout=WAIT)
+
+    with r:
+        if reader == "thread":
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                got = pool.submit(read)
+                asyncio.run(main())
+                assert got.result(WAIT) == data
+            w.send_bytes(b"next")
+            assert r.recv_bytes(timeout=WAIT) == b"next"
+            w.close()
+        else:
+            asyncio.run(main())
+            assert w.closed
+            with pytest.raises(Exception, match="end of file during message"):
+                r.recv_bytes(timeout=WAIT)

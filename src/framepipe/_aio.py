@@ -11,10 +11,22 @@ the flag is per call, so children sharing the fd keep their blocking writes), th
 the loop's writer callback for the rest. The frame holds the connection's write lock until it
 is whole, and a cancelled send finishes its frame in the background, so the reader never meets
 half a frame. Where there are no non-blocking writes, the default executor writes instead.
+If the loop ends (``asyncio.run`` cancels every task) before such a frame is whole, the rest
+is written there and then, waiting up to ``FINISH_AT_END`` seconds for the reader; failing
+that, the connection is closed, so that its reader meets an end of file in the frame, not a
+frame spliced with the next.
+
+Any number of coroutines may wait for one fd: the loop gets one reader (or writer) callback
+per fd, which wakes them all. ``close()`` wakes the coroutines that wait on the connection
+with OSError, and takes its fds out of their loops before they are closed (from the loop's
+own thread; from another thread the wake-up goes through ``call_soon_threadsafe``).
 """
 
 from __future__ import annotations
 
+import select
+import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -29,18 +41,92 @@ from .errors import ReadTimeout
 _CONTENDED = 0.0005  # how often an async send looks again at a write lock a thread holds
 
 
-async def _readable(fds: list[int], timeout: float | None) -> None:
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
+FINISH_AT_END = 5.0  # seconds a frame cut by the loop's end may take to be written whole
 
-    def wake() -> None:
+# Per loop, per fd: the futures of the coroutines waiting for it (readers, writers); the loop
+# has one callback per fd, which wakes them all.
+_waiting: weakref.WeakKeyDictionary[Any, tuple[dict[int, set[Any]], dict[int, set[Any]]]] = (
+    weakref.WeakKeyDictionary()
+)
+# Per connection: (loop, fd, future, writer) of each coroutine waiting on it, for close().
+_by_conn: weakref.WeakKeyDictionary[Any, set[tuple[Any, int, Any, bool]]] = (
+    weakref.WeakKeyDictionary()
+)
+_by_conn_lock = threading.Lock()
+
+
+def _wake_all(waiters: set[Any]) -> None:
+    for fut in list(waiters):
         if not fut.done():
             fut.set_result(None)
 
+
+def _watch(conn: Any, loop: Any, fd: int, fut: Any, writer: bool) -> None:
+    tables = _waiting.get(loop)
+    if tables is None:
+        tables = _waiting[loop] = ({}, {})
+    table = tables[writer]
+    waiters = table.get(fd)
+    if waiters is None:
+        waiters = table[fd] = set()
+        (loop.add_writer if writer else loop.add_reader)(fd, _wake_all, waiters)
+    waiters.add(fut)
+    with _by_conn_lock:
+        _by_conn.setdefault(conn, set()).add((loop, fd, fut, writer))
+
+
+def _unwatch(conn: Any, loop: Any, fd: int, fut: Any, writer: bool) -> None:
+    with _by_conn_lock:
+        mine = _by_conn.get(conn)
+        if mine is not None:
+            mine.discard((loop, fd, fut, writer))
+    tables = _waiting.get(loop)
+    waiters = None if tables is None else tables[writer].get(fd)
+    if waiters is None or fut not in waiters:
+        return
+    waiters.discard(fut)
+    if not waiters:
+        del tables[writer][fd]  # type: ignore[index]
+        if not loop.is_closed():
+            (loop.remove_writer if writer else loop.remove_reader)(fd)
+
+
+def _fail(conn: Any, loop: Any, fd: int, fut: Any, writer: bool) -> None:
+    _unwatch(conn, loop, fd, fut, writer)
+    if not fut.done():
+        fut.set_exception(closed())
+
+
+def closing(conn: Any) -> None:
+    """``conn`` is about to close: wake every coroutine waiting on it with OSError, and take
+    its fds out of the loops (now when the loop runs in this thread)."""
+    with _by_conn_lock:
+        entries = _by_conn.pop(conn, None)
+    if not entries:
+        return
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    for loop, fd, fut, writer in entries:
+        if loop is here:
+            _fail(conn, loop, fd, fut, writer)
+        else:
+            try:
+                loop.call_soon_threadsafe(_fail, conn, loop, fd, fut, writer)
+            except RuntimeError:  # that loop is closed: nothing waits there any more
+                pass
+
+
+async def _wait_for_fds(
+    conn: Any, fds: list[int], timeout: float | None, writer: bool = False
+) -> None:
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
     added = []
     try:
         for fd in fds:
-            loop.add_reader(fd, wake)
+            _watch(conn, loop, fd, fut, writer)
             added.append(fd)
         if timeout is None:
             await fut
@@ -48,7 +134,7 @@ async def _readable(fds: list[int], timeout: float | None) -> None:
             await asyncio.wait_for(fut, timeout)
     finally:
         for fd in added:
-            loop.remove_reader(fd)
+            _unwatch(conn, loop, fd, fut, writer)
 
 
 async def recv_async(conn: Any, read: Callable[[float], Any], timeout: float | None) -> Any:
@@ -77,7 +163,7 @@ async def recv_async(conn: Any, read: Callable[[float], Any], timeout: float | N
                 fds.append(live)
             wait = remaining
         try:
-            await _readable(fds, wait)
+            await _wait_for_fds(conn, fds, wait)
         except asyncio.TimeoutError:
             pass  # the loop above reads once more, then reports the timeout
 
@@ -124,25 +210,37 @@ class _Message:
 
     async def finish(self, conn: Any) -> None:
         """Write the rest, waiting on the loop's writer callbacks whenever a fd is full."""
-        loop = asyncio.get_running_loop()
         while True:
-            fut = loop.create_future()
-            fd = self.fd(conn)
-
-            def wake(fut: asyncio.Future[None] = fut) -> None:
-                if not fut.done():
-                    fut.set_result(None)
-
-            loop.add_writer(fd, wake)
             try:
-                await fut
-            finally:
-                loop.remove_writer(fd)
+                await _wait_for_fds(conn, [self.fd(conn)], None, writer=True)
+            except asyncio.CancelledError:
+                self.finish_here(conn)  # the loop is ending: the frame must still be whole
+                raise
             done = self.write_nowait(conn)
             if done:
                 return
             if done is None:
                 raise OSError("non-blocking writes stopped working in the middle of a frame")
+
+    def finish_here(self, conn: Any) -> None:
+        """Write the rest in this thread, waiting in poll() up to FINISH_AT_END seconds for
+        room; if the reader does not make it, close the connection (its reader then meets an
+        end of file inside the frame, and says so)."""
+        end = time.monotonic() + FINISH_AT_END
+        try:
+            while True:
+                done = self.write_nowait(conn)
+                if done:
+                    return
+                left = end - time.monotonic()
+                if done is None or left <= 0:
+                    break
+                poller = select.poll()
+                poller.register(self.fd(conn), select.POLLOUT)
+                poller.poll(left * 1000.0)
+        except OSError:
+            pass
+        conn.close()
 
 
 # Per connection: the loop its asyncio lock belongs to, and the lock.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from multiprocessing import reduction
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -138,6 +139,9 @@ class ConnectionBase(_EngineBase):
         """Close the connection (its fd once, if it owns it) and stop watching the writer. A
         call under way in another thread (a read, a poll, a write) raises OSError at once."""
         handle, self._watch_handle = self._watch_handle, None
+        aio = sys.modules.get("framepipe._aio")
+        if aio is not None:
+            aio.closing(self)  # coroutines waiting on it wake, its fds leave their loops
         try:
             self._close()  # the engine closes the liveness with the fds
         finally:
