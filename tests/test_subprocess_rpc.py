@@ -223,10 +223,14 @@ def test_64_mib_each_way_without_deadlock(worker):
     assert len(value) == big and value[:256] == bytes(range(256))
 
 
-def test_a_dead_parent_ends_the_worker_loop(impl, tmp_path):
+@pytest.mark.parametrize("when", ["idle", "mid-snippet"])
+def test_a_dead_parent_ends_the_worker_loop(impl, tmp_path, when):
     # The parent of the worker is an intermediate process killed by SIGKILL: the worker must
-    # notice at once even though nobody closes anything for it.
+    # notice at once even though nobody closes anything for it; killed while a snippet runs,
+    # the worker returns from run_loop once the snippet ends, with no traceback.
     script = tmp_path / "parent.py"
+    errors = tmp_path / "worker.err"
+    busy = when == "mid-snippet"
     script.write_text(
         textwrap.dedent(f"""
         import os, subprocess, sys, time
@@ -235,9 +239,11 @@ def test_a_dead_parent_ends_the_worker_loop(impl, tmp_path):
         code = {BOOT!r}.format(inp=inp.read_fd, out=out.write_fd, load=load.write_fd)
         proc = subprocess.Popen([sys.executable, "-c", code],
                                 pass_fds=[inp.read_fd, out.write_fd, load.write_fd],
-                                stdout=subprocess.DEVNULL)
+                                stdout=subprocess.DEVNULL, stderr=open({str(errors)!r}, "w"))
         assert out.read(30) == rpc.BOOTSTRAP_IMPORT_SUCCESS
         assert out.read(30) == rpc.BOOTSTRAP_INPUT_LOOP_SUCCESS
+        if {busy!r}:
+            inp.write(b"import time; time.sleep(0.5)")
         print(proc.pid, flush=True)
         time.sleep(60)
     """)
@@ -253,6 +259,7 @@ def test_a_dead_parent_ends_the_worker_loop(impl, tmp_path):
         while time.monotonic() < end and _alive(child):
             time.sleep(0.02)
         assert not _alive(child)
+        assert "Traceback" not in errors.read_text(), errors.read_text()
     finally:
         if parent.poll() is None:
             parent.kill()

@@ -245,6 +245,73 @@ def test_worker_crash_report_and_restart(engine):
         assert pickle.loads(pickle.dumps(err)).pid == pid
 
 
+def test_worker_calls_queued_in_this_process_behind_a_crash_fail_too(engine):
+    with Worker(start_method="fork") as w:
+        w.call(set_global, "loaded")
+        dying = w.submit(kill_self_if, 3, {3})
+        behind = [w.submit(get_global) for _ in range(200)]  # most still queued here
+        with pytest.raises(WorkerCrashed):
+            dying.result(WAIT)
+        for fut in behind:  # none runs on the new process, where the state is gone
+            assert isinstance(fut.exception(WAIT), WorkerCrashed)
+        assert w.call(get_global) is None  # the next call: a new process
+
+
+def test_worker_stream_item_timeout_counts_from_its_start(engine):
+    with Worker(start_method="fork") as w:
+        earlier = w.submit(sleep_for, 1.0)
+        # queued for 1 s behind that call: not late, and that call is not stopped
+        assert list(w.stream(slow_items, 3, 0.0, item_timeout=0.5)) == [0, 1, 2]
+        assert earlier.result(WAIT) == 1.0
+        with pytest.raises(TaskTimeout):  # late once it runs
+            list(w.stream(slow_items, 2, 1.5, item_timeout=0.5))
+
+
+def test_worker_after_close_and_async_endings(engine):
+    w = Worker(start_method="fork")
+    assert w.call(add, 1, 1) == 2
+    w.close()
+    for ask in (w.ping, w.stack):
+        with pytest.raises(RuntimeError, match="shut down"):
+            ask()
+
+    async def cancelled_aclose():
+        w = Worker(start_method="fork")
+        assert await w.acall(add, 1, 1) == 2
+        w.submit(sleep_for, 0.5)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(w.aclose(), 0.05)  # cancelled: the close goes on
+        await asyncio.wait_for(w.aclose(), WAIT)
+        with pytest.raises(RuntimeError, match="shut down"):
+            await w.aping()
+        return w
+
+    errors = []
+    hook, threading.excepthook = threading.excepthook, errors.append
+    try:
+        w = asyncio.run(cancelled_aclose())
+    finally:
+        threading.excepthook = hook
+    assert errors == [] and not w.alive
+
+    seen = {}
+
+    async def cancelled_inside():
+        async with Worker(start_method="fork") as w:
+            assert await w.acall(add, 1, 1) == 2
+            seen["pid"] = w.pid
+            w.submit(sleep_for, 60)
+            await asyncio.sleep(0.2)
+            seen["at"] = time.monotonic()
+            raise asyncio.CancelledError  # as when the task running this block is cancelled
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(cancelled_inside())
+    # ended by a cancellation, the block stops the worker at once, not after its 60 s call
+    assert time.monotonic() - seen["at"] < 30
+    assert _wait_until(lambda: _gone(seen["pid"]))
+
+
 def test_worker_native_crash_and_exit_codes(engine):
     with Worker(start_method="fork") as w:
         with pytest.raises(WorkerCrashed) as info:

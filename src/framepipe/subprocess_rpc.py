@@ -360,7 +360,8 @@ class _InputClosed(BaseException):
 def _run_block(*, input_pipe: Any, output_pipe: Any, globals_dict: dict[str, Any]) -> None:
     """Read one snippet, run it in ``globals_dict`` and write its result: ``SUCCESS_BYTES``,
     or the marshal'd ``dataclasses.asdict`` of a :class:`SerializedException`. Raises
-    :class:`_InputClosed` (and writes nothing) when the input ends."""
+    :class:`_InputClosed` (and writes nothing) when the input ends, or the result cannot be
+    written because the parent is gone."""
     result = EMPTY_RESULT
     closed = False
     try:
@@ -379,11 +380,16 @@ def _run_block(*, input_pipe: Any, output_pipe: Any, globals_dict: dict[str, Any
         result = marshal.dumps(dataclasses.asdict(serialized))
         _log_progress("FAILED")
     finally:
-        if not closed:
-            output_pipe.write(result)
-            _log_progress("FINISHED")
-        sys.stdout.flush()
-        sys.stderr.flush()
+        try:
+            if not closed:
+                try:
+                    output_pipe.write(result)
+                except OSError as exc:  # the parent died while the snippet ran
+                    raise _InputClosed from exc
+                _log_progress("FINISHED")
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
 
 
 class _QueuedWriter:

@@ -647,6 +647,7 @@ class Slot:
         self.ready = False
         self.retiring = False  # given no more work; closed once it has answered everything
         self.revoking = False  # it was asked for its queued tasks back (see Core._steal)
+        self.cut_tid: int | None = None  # see Core.expire and _on_death (actors)
         self.steal_look = 0.0  # when to look again for an idle worker to take its queue
         self.stopping: str | None = None  # why we are stopping it (its death is no crash)
         self.kill_at: float | None = None
@@ -868,6 +869,10 @@ class Core:
         if self._dispatch_wanted:
             self.kick()
         return task
+
+    def _newest_pending(self) -> int:
+        """The id of the newest task queued here (submit lock held); -1 when none is."""
+        return max((t.tid for t in self._pending), default=-1)
 
     def _check_open(self) -> None:
         """Raise what a submit to this core raises now: the error that broke it, or
@@ -1682,7 +1687,19 @@ class Core:
             orphans.pop(0)
             head.fail(err)  # a task that timed out has failed already: this does nothing
         if self.policy == "actor":
-            for task in orphans:
+            # The actor's state is gone: the calls queued here behind the ones it held fail
+            # too, those made before its end was known (a crash now, a deadline when it
+            # passed); later calls start a new process.
+            with self._submit_lock, self._lock:
+                cut = self._newest_pending() if slot.stopping is None else slot.cut_tid
+                queued = (
+                    []
+                    if self.closing or cut is None
+                    else [t for t in self._pending if t.tid <= cut]
+                )
+                for task in queued:
+                    self._pending.remove(task)
+            for task in orphans + queued:
                 task.fail(err)
         else:
             with self._lock:
@@ -1835,10 +1852,11 @@ class Core:
     def expire(self, slot: Slot, task: Task, timeout: float, what: str) -> None:
         """The deadline ladder: take the stack, fail the task with it, SIGTERM the worker's
         group, SIGKILL it ``kill_grace`` later; a replacement starts now."""
-        with self._lock:
+        with self._submit_lock, self._lock:
             if slot.stopping is not None or slot.dead:
                 return
             slot.stopping = f"{what} timeout"
+            slot.cut_tid = self._newest_pending()  # an actor's calls queued by now fail too
         stack = slot.proc.stack(STACK_WAIT)
         task.fail(
             TaskTimeout(
@@ -2029,6 +2047,8 @@ class Core:
             with self._lock:
                 if self.broken is not None:
                     raise self.broken.with_traceback(None)  # not the last raise's frames
+                if self.closing:
+                    raise RuntimeError(f"{self.name} has been shut down")
                 for slot in self._slots:
                     if slot.ready and not slot.dead and slot.stopping is None:
                         return slot

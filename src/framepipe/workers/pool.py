@@ -121,7 +121,7 @@ class Pool(concurrent.futures.Executor):
     async def aclose(self) -> None:
         """``shutdown(wait=True)`` for asyncio: awaits the end without blocking the loop."""
         self._core.shutdown(wait=False)
-        await asyncio.wrap_future(self._core.stopped)
+        await asyncio.shield(asyncio.wrap_future(self._core.stopped))
 
     async def __aenter__(self) -> Pool:
         return self

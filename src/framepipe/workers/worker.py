@@ -94,10 +94,29 @@ class Stream(Iterator[Any], AsyncIterator[Any]):
             what="item",
         )
 
+    def _wait_left(self) -> float | None:
+        """After a wait of ``item_timeout`` found no item: how long to wait more (None: the
+        item is late). The time counts from the stream's start or its last item, not while it
+        is queued behind other calls."""
+        task, timeout = self._task, self._item_timeout or 0.0
+        slot = task.slot
+        if slot is None or not slot.outstanding or slot.outstanding[0] is not task:
+            return timeout  # not started: it is not late yet
+        left = slot.head_since + timeout - time.monotonic()
+        return left if left > 0 else None
+
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
-        return self._take(*self._task.stream.get(self._item_timeout))  # type: ignore[union-attr]
+        wait = self._item_timeout
+        while True:
+            ok, item = self._task.stream.get(wait)  # type: ignore[union-attr]
+            if ok or wait is None:
+                break
+            wait = self._wait_left()
+            if wait is None:
+                break
+        return self._take(ok, item)
 
     def __aiter__(self) -> Stream:
         return self
@@ -105,7 +124,14 @@ class Stream(Iterator[Any], AsyncIterator[Any]):
     async def __anext__(self) -> Any:
         if self._done:
             raise StopAsyncIteration
-        ok, item = await self._task.stream.aget(self._item_timeout)  # type: ignore[union-attr]
+        wait = self._item_timeout
+        while True:
+            ok, item = await self._task.stream.aget(wait)  # type: ignore[union-attr]
+            if ok or wait is None:
+                break
+            wait = self._wait_left()
+            if wait is None:
+                break
         try:
             return self._take(ok, item)
         except StopIteration:
@@ -268,6 +294,14 @@ class Worker:
     def _slot(self, timeout: float | None) -> D.Slot:
         return self._core.live_slot(timeout)
 
+    async def _aslot(self, timeout: float | None) -> D.Slot:
+        """``_slot`` for asyncio: a process that is still starting is waited for in a
+        thread, not on the event loop."""
+        try:
+            return self._core.live_slot(0.0)
+        except TimeoutError:
+            return await asyncio.to_thread(self._core.live_slot, timeout)
+
     def ping(self, timeout: float = 5.0) -> float:
         """Round-trip time in seconds through the worker's health thread, answered even while
         a long call runs. Raises TimeoutError when no answer comes within ``timeout``."""
@@ -284,7 +318,7 @@ class Worker:
 
     async def aping(self, timeout: float = 5.0) -> float:
         start = time.perf_counter()
-        slot = self._slot(timeout)
+        slot = await self._aslot(timeout)
         fut = self._core.health_request(slot, "ping")
         try:
             await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
@@ -307,7 +341,7 @@ class Worker:
 
     async def astack(self, timeout: float = 1.0) -> str:
         """``stack`` for asyncio: the dump is read by the event loop's own reader."""
-        slot = self._slot(timeout)
+        slot = await self._aslot(timeout)
         fd = slot.proc.request_stack()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -380,9 +414,9 @@ class Worker:
         self._core.shutdown(wait=True, timeout=timeout)
 
     async def aclose(self, timeout: float = 5.0) -> None:
-        """``close`` for asyncio."""
+        """``close`` for asyncio (cancelling it leaves the close under way)."""
         self._core.shutdown(wait=False, timeout=timeout)
-        await asyncio.wrap_future(self._core.stopped)
+        await asyncio.shield(asyncio.wrap_future(self._core.stopped))
 
     def terminate(self) -> None:
         """Stop now: running and queued calls fail with WorkerCancelled; the worker is
@@ -401,8 +435,11 @@ class Worker:
     async def __aenter__(self) -> Worker:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+    async def __aexit__(self, exc_type: Any, *exc: object) -> None:
+        if exc_type is not None and not issubclass(exc_type, Exception):
+            self.terminate()  # Ctrl-C, or the task was cancelled: stop now
+        else:
+            await self.aclose()
 
     def __del__(self) -> None:
         core = getattr(self, "_core", None)
