@@ -268,3 +268,22 @@ class SpinDataset:
 
     def __getitem__(self, i):
         return may_spin()
+
+
+_PARENT = os.getpid()  # the test process (a forked worker has another pid)
+
+
+def _only_in_the_parent():
+    if os.getpid() != _PARENT:
+        raise ValueError("this function cannot be rebuilt in a worker")
+    return len
+
+
+class FunctionOfTheParent:
+    """A callable that pickles in the test process and cannot be unpickled in a worker."""
+
+    def __reduce__(self):
+        return (_only_in_the_parent, ())
+
+    def __call__(self, *args):
+        return len(args)

@@ -704,6 +704,48 @@ def test_tasks_queued_behind_a_long_one_go_to_an_idle_worker(engine, tmp_path, h
         assert blocker.result(WAIT) is True
 
 
+def test_a_broken_pool_shuts_down(engine, tmp_path):
+    """The workers a broken pool stops give back nothing to run: shutdown(wait=True) ends."""
+    from _worker_tasks import sleep_then_die, wait_for_file
+
+    pool = Pool(2, start_method="fork", max_restarts=0)
+    try:
+        assert _wait_until(lambda: sum(s.ready for s in pool._core.slots()) == 2)
+        blocker = pool.submit(wait_for_file, str(tmp_path / "never"), 30)  # worker A
+        dying = pool.submit(sleep_then_die, 0.3)  # worker B, which breaks the pool
+        behind = pool.submit(add, 1, 1)  # queued on A behind its blocker
+        assert sorted(len(s.outstanding) for s in pool._core.slots()) == [1, 2]
+        for fut in (dying, blocker, behind):
+            assert isinstance(fut.exception(WAIT), (PoolBroken, WorkerCrashed))
+        assert isinstance(pool.broken, PoolBroken)
+        ending = threading.Thread(target=pool.shutdown)
+        ending.start()
+        ending.join(WAIT)
+        assert not ending.is_alive()
+    finally:
+        pool.terminate()
+
+
+def test_a_worker_retired_by_task_count_gives_its_queue_to_an_idle_one(engine, tmp_path):
+    """A worker that reached max_tasks_per_worker while its head runs long: the tasks queued
+    behind it run elsewhere, and the pool's manager waits for them without spinning."""
+    from _worker_tasks import wait_for_file
+
+    release = str(tmp_path / "release")
+    with Pool(2, start_method="fork", max_tasks_per_worker=4) as pool:
+        assert list(pool.map(square, range(2))) == [0, 1]
+        blocker = pool.submit(wait_for_file, release)
+        shorts = [pool.submit(add, i, i) for i in range(6)]
+        assert [f.result(WAIT) for f in shorts] == [2 * i for i in range(6)]
+        cpu = time.process_time()
+        time.sleep(1.0)
+        assert time.process_time() - cpu < 0.5  # a spinning manager would use a whole second
+        assert not blocker.done()
+        with open(release, "w"):
+            pass
+        assert blocker.result(WAIT) is True
+
+
 def test_pool_argument_checks():
     with pytest.raises(ValueError):
         Pool(0)
@@ -927,6 +969,14 @@ def test_arguments_that_cannot_be_unpickled_in_the_worker_fail_only_their_task(e
         assert [next(got) for _ in range(7)] == list(range(7))
         with pytest.raises(WorkerError, match=r"task \d+ could not be unpickled in the worker"):
             next(got)
+        from _worker_tasks import FunctionOfTheParent
+
+        # a function the worker cannot rebuild: every call of it fails, alone or mapped
+        with pytest.raises(WorkerError, match="could not be unpickled in the worker"):
+            pool.submit(FunctionOfTheParent(), 1).result(WAIT)
+        mapped = pool.map(FunctionOfTheParent(), range(5))
+        with pytest.raises(WorkerError, match="could not be unpickled in the worker"):
+            next(mapped)
         assert pool.submit(getpid).result(WAIT) == pid  # the same worker: nothing crashed
         assert pool.crashes == [] and pool.broken is None
 

@@ -179,14 +179,14 @@ def task_loop(ctx: ChildContext) -> None:
             try:
                 msg = loads(blob)
             except Exception as exc:  # noqa: BLE001 - the arguments of one task: it fails
-                inbox.append(_unloadable(blob, exc, 2))
+                inbox.extend(_unloadable(blob, exc, 2))
                 continue
             if msg[0] == BATCH:
                 for blob in msg[1]:
                     try:
                         inbox.append(loads(blob))
                     except Exception as exc:  # noqa: BLE001 - as above
-                        inbox.append(_unloadable(blob, exc, 2))
+                        inbox.extend(_unloadable(blob, exc, 2))
                 continue
             if msg[0] == MAP:
                 fn = msg[1]
@@ -194,7 +194,7 @@ def task_loop(ctx: ChildContext) -> None:
                     try:
                         tid, args = loads(blob)
                     except Exception as exc:  # noqa: BLE001 - as above
-                        inbox.append(_unloadable(blob, exc, 1))
+                        inbox.extend(_unloadable(blob, exc, 1))
                     else:
                         inbox.append((CALL, tid, fn, args, _NO_KWARGS))
                 continue
@@ -256,11 +256,9 @@ _UNLOADABLE = -1  # in a worker's inbox only: a task whose message could not be 
 _INT_OPS = frozenset({"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4"})
 
 
-def _unloadable(blob: bytes, exc: BaseException, at: int) -> tuple[Any, ...]:
-    """The inbox entry for a task whose pickle (a message when ``at`` is 2, a map item when
-    it is 1) raised ``exc`` in the worker: that task fails with it, in its turn, and the
-    worker goes on. Its id is the ``at``-th integer at the head of the pickle, read without
-    running it; a message without one is not a task's, and ``exc`` ends the worker."""
+def _leading_ints(blob: bytes, n: int) -> list[int]:
+    """The first ``n`` integers at the head of a pickle, read without running it (fewer when
+    something else comes first)."""
     import pickletools
 
     ints: list[int] = []
@@ -268,21 +266,43 @@ def _unloadable(blob: bytes, exc: BaseException, at: int) -> tuple[Any, ...]:
         for op, arg, _ in pickletools.genops(blob):
             if op.name in _INT_OPS:
                 ints.append(arg)
-                if len(ints) == at:
+                if len(ints) == n:
                     break
             elif op.name not in ("PROTO", "FRAME", "MARK"):
                 break
-    except Exception:  # noqa: BLE001 - not even the head reads: no task to blame
+    except Exception:  # noqa: BLE001 - not even the head reads
         pass
-    if len(ints) < at or (at == 2 and ints[0] not in (CALL, STREAM)):
+    return ints
+
+
+def _unloadable(blob: bytes, exc: BaseException, at: int) -> list[tuple[Any, ...]]:
+    """The inbox entries for the tasks of a pickle (a message when ``at`` is 2, a map item
+    when it is 1) that raised ``exc`` in the worker: those tasks fail with it, each in its
+    turn, and the worker goes on. A task's id is the ``at``-th integer at the head of its
+    pickle; the items of a MAP message are the pickles inside it. A message of no task ends
+    the worker with ``exc``."""
+    import pickletools
+
+    ints = _leading_ints(blob, at)
+    tids: list[int] = []
+    if len(ints) == at and (at == 1 or ints[0] in (CALL, STREAM)):
+        tids = [ints[-1]]
+    elif at == 2 and ints[:1] == [MAP]:  # the function: every item fails
+        for _, arg, _ in pickletools.genops(blob):
+            if isinstance(arg, bytes) and arg[:1] == b"\x80":
+                tids += _leading_ints(arg, 1)[:1]
+    if not tids:
         raise exc
-    err = WorkerError(
-        f"the arguments of task {ints[-1]} could not be unpickled in the worker: "
-        f"{type(exc).__name__}: {exc} (the function, its arguments and what they refer to "
-        "must be importable in the worker)"
-    )
-    err.__cause__ = exc
-    return (_UNLOADABLE, ints[-1], err)
+    entries = []
+    for tid in tids:
+        err = WorkerError(
+            f"task {tid} could not be unpickled in the worker: {type(exc).__name__}: {exc} "
+            "(the function, its arguments and what they refer to must be importable in the "
+            "worker)"
+        )
+        err.__cause__ = exc
+        entries.append((_UNLOADABLE, tid, err))
+    return entries
 
 
 def _run_stream(ctx: ChildContext, tid: int, fn: Any, args: Any, kwargs: Any, window: int) -> None:
@@ -1493,7 +1513,7 @@ class Core:
                 head = slot.outstanding[0]
                 if head.timeout is not None and head.stream is None:
                     yield slot.head_since + head.timeout
-                if self.policy == "pool" and len(slot.outstanding) > 1 and not slot.revoking:
+                if self.policy == "pool" and self._may_steal_from(slot):
                     yield max(slot.head_since + max(SLOW_HEAD, 4.0 * slot.avg), slot.steal_look)
 
     def _drain(self, slot: Slot) -> None:
@@ -1637,8 +1657,7 @@ class Core:
         elif kind == RECYCLE:
             # Past max_rss after a task: it runs no task it was sent after that one (msg[2]
             # on), and closes once it answered the rest. Those run elsewhere.
-            slot.retiring = True
-            self._requeue(slot, msg[2], slot.sent)
+            self._requeue(slot, msg[2], None, retire=True)
             self._dirty = True
             self.wake()  # when a caller read it
         elif kind == "ready":
@@ -1703,9 +1722,15 @@ class Core:
                 task.fail(err)
         else:
             with self._lock:
-                for task in reversed(orphans):
-                    task.delivered = False
-                    self._pending.appendleft(task)
+                broken = self.broken
+                if broken is None:
+                    for task in reversed(orphans):
+                        if not task.future.done():  # (one a timeout failed already)
+                            task.delivered = False
+                            self._pending.appendleft(task)
+            if broken is not None:  # the pool gave up: nothing runs again
+                for task in orphans:
+                    task.fail(broken)
         if not slot.ready and not expected and not self.closing:
             # It died before it could take a task (its bootstrap or imports failed): another
             # process would die the same way, so the workers are not restarted.
@@ -1788,23 +1813,30 @@ class Core:
         behind it while other workers wait."""
         idle = not self._pending and any(s.usable and not s.outstanding for s in slots)
         for slot in slots:
-            if (
-                slot.usable
-                and not slot.revoking
-                and len(slot.outstanding) > 1
-                and now >= slot.steal_look
-                and slot.slow(now)
-            ):
+            if self._may_steal_from(slot) and now >= slot.steal_look and slot.slow(now):
                 if idle:
                     self._revoke(slot)
                 else:
                     slot.steal_look = now + STEAL_LOOK
 
+    @staticmethod
+    def _may_steal_from(slot: Slot) -> bool:
+        """A live worker (retiring ones included) holding tasks behind its head, not asked
+        for them yet."""
+        return (
+            slot.ready
+            and not slot.dead
+            and slot.stopping is None
+            and not slot.revoking
+            and len(slot.outstanding) > 1
+        )
+
     def _revoke(self, slot: Slot) -> None:
         with self._lock:
-            if slot.dead or slot.revoking or len(slot.outstanding) < 2:
+            held = list(slot.outstanding)  # a copy: a caller reading its channel pops the head
+            if slot.dead or slot.revoking or len(held) < 2:
                 return
-            first, end = slot.outstanding[1].seq, slot.sent
+            first, end = held[1].seq, slot.sent
             slot.revoking = True  # given nothing until it answers
         reply = self.health_request(slot, "revoke", first, end)
         reply.add_done_callback(lambda r: self._revoked(slot, end, r))
@@ -1817,20 +1849,30 @@ class Core:
         except BaseException:  # noqa: BLE001 - it died: its death reschedules what it held
             slot.revoking = False
             return
-        self._requeue(slot, first, end)
+        try:
+            self._requeue(slot, first, end)
+        except BaseException as exc:  # noqa: BLE001 - never a task left that nobody runs
+            self._break(WorkerError(f"{self.name} lost track of its tasks: {exc!r}"))
 
-    def _requeue(self, slot: Slot, first: int, end: int) -> None:
-        """The worker of ``slot`` will not run its tasks numbered ``first`` to ``end`` (it
-        said so): they go to the front of the queue, as tasks not started."""
+    def _requeue(self, slot: Slot, first: int, end: int | None, retire: bool = False) -> None:
+        """The worker of ``slot`` will not run its tasks numbered ``first`` to ``end`` (None:
+        all it was sent; it said so): they go to the front of the queue, as tasks not
+        started. ``retire``: it is given nothing more (decided under the same lock that
+        gives tasks out, so that none is given it after ``end`` was read)."""
         with self._submit_lock, self._lock:
             slot.revoking = False
+            if retire:
+                slot.retiring = True
+            if end is None:
+                end = slot.sent
             if slot.dead:
                 return
-            moved = [t for t in slot.outstanding if first <= t.seq < end]
+            # a copy: a caller reading the channel pops the head meanwhile (never one of these)
+            moved = [t for t in list(slot.outstanding) if first <= t.seq < end]
             back = []
             for task in moved:
                 slot.outstanding.remove(task)
-                slot.done_bytes += task.size
+                slot.sent_bytes -= task.size  # (done_bytes is the reader's)
                 task.slot = None
                 task.delivered = False
                 if task.future.done():
