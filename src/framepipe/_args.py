@@ -22,6 +22,15 @@ def check_timeout(timeout: Any) -> float | None:
     return t
 
 
+POLL_MAX_MS = float(2**31 - 1)  # the longest wait of one poll(): INT_MAX milliseconds
+
+
+def poll_ms(seconds: float | None) -> float | None:
+    """A wait in seconds (None: no limit) as poll()'s milliseconds: at most INT_MAX, so that a
+    longer wait (an infinite timeout) waits that long at a time instead of overflowing."""
+    return None if seconds is None else min(seconds * 1000.0, POLL_MAX_MS)
+
+
 def check_send_args(view_len: int, offset: int, size: int | None) -> int:
     """The stdlib's argument checks for send_bytes; returns the size to send. An offset or
     size that is not an integer is a TypeError, as in the stdlib."""

@@ -72,12 +72,11 @@ _table: dict[Any, Any] = {}
 
 
 def _look() -> None:
+    """Take in what was registered since the last look (both tables only grow)."""
     global _seen, _plain_first, _table
-    seen = (len(_registry), len(copyreg.dispatch_table))
-    if seen != _seen:
-        _plain_first = _registry.keys() <= _STDLIB_REDUCED
-        _table = {**copyreg.dispatch_table, **_registry}
-        _seen = seen
+    _plain_first = _registry.keys() <= _STDLIB_REDUCED
+    _table = {**copyreg.dispatch_table, **_registry}
+    _seen = (len(_registry), len(copyreg.dispatch_table))
 
 
 def _pickle(obj: Any, keep: Any, buffers: list[Any]) -> bytes:

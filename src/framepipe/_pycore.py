@@ -24,7 +24,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ._args import check_send_args, check_timeout
+from ._args import check_send_args, check_timeout, poll_ms
 from ._stream_errors import (
     DEATH_GRACE,
     DEATH_SPIN,
@@ -161,9 +161,6 @@ def _close_owned(fds: tuple[int, ...], identities: tuple[Any, ...]) -> None:
         seen.add(fd)
         if ident is not None and _fd_identity(fd) == ident:
             os.close(fd)
-
-
-_POLL_MAX_MS = float(2**31 - 1)  # the longest wait of one poll(): INT_MAX milliseconds
 
 
 def _deadline(timeout: float | None) -> float:
@@ -721,10 +718,7 @@ class Engine:
                         self._bpoller = poller
                     else:
                         self._poller = poller
-                # poll() takes at most INT_MAX ms: a longer wait (an infinite timeout) waits
-                # that long at a time
-                ms = None if wait is None else min(wait * 1000.0, _POLL_MAX_MS)
-                ready = [r for r, _ in poller.poll(ms)]
+                ready = [r for r, _ in poller.poll(poll_ms(wait))]
             if wake >= 0 and wake in ready:
                 self._woken()  # only close() wakes; anything else is drained and ignored
                 try:

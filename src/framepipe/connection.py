@@ -27,6 +27,7 @@ from multiprocessing import connection as _mpc
 from typing import TYPE_CHECKING, Any
 
 from . import _impl
+from ._args import poll_ms
 from ._lazy import hmac  # imported on first use (see _lazy)
 from .errors import BufferTooShort, FrameError
 
@@ -114,8 +115,7 @@ def wait(object_list: Iterable[Any], timeout: float | None = None) -> list[Any]:
         wait_s = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         if soonest is not None:
             wait_s = soonest if wait_s is None else min(wait_s, soonest)
-        # at most INT_MAX ms a poll(): an infinite timeout waits that long at a time
-        events = poller.poll(None if wait_s is None else min(wait_s * 1000.0, 2147483647.0))
+        events = poller.poll(poll_ms(wait_s))
         if events:
             found: list[Any] = []
             for fd, _ in events:

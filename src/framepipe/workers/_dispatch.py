@@ -715,9 +715,12 @@ class Slot:
     def cap(self) -> int:
         return max(2, min(MAX_INFLIGHT, int(QUEUE_SECONDS / max(self.avg, 1e-7))))
 
+    def slow_at(self) -> float:
+        """When its head task will have run longer than its tasks take (see SLOW_HEAD)."""
+        return self.head_since + max(SLOW_HEAD, 4.0 * self.avg)
+
     def slow(self, now: float) -> bool:
-        """Whether its head task has run for longer than its tasks take (see SLOW_HEAD)."""
-        return now - self.head_since > max(SLOW_HEAD, 4.0 * self.avg)
+        return now > self.slow_at()
 
 
 _live_cores: weakref.WeakSet[Core] = weakref.WeakSet()
@@ -866,10 +869,7 @@ class Core:
             return Task(tid, future, _task_name(fn), b"", timeout, stream)
         task = Task(tid, future, _task_name(fn), payload, timeout, stream)
         with self._submit_lock:  # never held by the manager: submitting never waits for it
-            if self.broken is not None:
-                raise self.broken.with_traceback(None)  # not the last raise's frames
-            if self.closing:
-                raise RuntimeError(f"cannot submit to {self.name}: it has been shut down")
+            self._check_open()  # again: it may have been shut down meanwhile
             # Nothing queued ahead of it and nobody dispatching: straight to a hungry worker.
             direct = not self._pending and self._dispatch_lock.acquire(blocking=False)
             if not direct:
@@ -898,7 +898,7 @@ class Core:
         """Raise what a submit to this core raises now: the error that broke it, or
         RuntimeError once it was shut down."""
         if self.broken is not None:
-            raise self.broken.with_traceback(None)
+            raise self.broken.with_traceback(None)  # not the last raise's frames
         if self.closing:
             raise RuntimeError(f"cannot submit to {self.name}: it has been shut down")
 
@@ -977,10 +977,7 @@ class Core:
                     continue
                 tasks.append(MapTask(tid, results, i, name, payload, timeout, fn))
             with self._submit_lock:
-                if self.broken is not None:
-                    raise self.broken.with_traceback(None)  # not the last raise's frames
-                if self.closing:
-                    raise RuntimeError(f"cannot submit to {self.name}: it has been shut down")
+                self._check_open()
                 self._pending.extend(tasks)
             self.kick()
         return results
@@ -1514,7 +1511,7 @@ class Core:
                 if head.timeout is not None and head.stream is None:
                     yield slot.head_since + head.timeout
                 if self.policy == "pool" and self._may_steal_from(slot):
-                    yield max(slot.head_since + max(SLOW_HEAD, 4.0 * slot.avg), slot.steal_look)
+                    yield max(slot.slow_at(), slot.steal_look)
 
     def _drain(self, slot: Slot) -> None:
         """Handle every message the worker has sent (its death last, after them). The caller
@@ -1811,13 +1808,15 @@ class Core:
         started), for the idle ones to run. Tasks are queued ahead by the time earlier tasks
         took, and a task that runs far longer than those would otherwise hold up the queue
         behind it while other workers wait."""
+        slow = [s for s in slots if self._may_steal_from(s) and now >= s.steal_look and s.slow(now)]
+        if not slow:
+            return
         idle = not self._pending and any(s.usable and not s.outstanding for s in slots)
-        for slot in slots:
-            if self._may_steal_from(slot) and now >= slot.steal_look and slot.slow(now):
-                if idle:
-                    self._revoke(slot)
-                else:
-                    slot.steal_look = now + STEAL_LOOK
+        for slot in slow:
+            if idle:
+                self._revoke(slot)
+            else:
+                slot.steal_look = now + STEAL_LOOK
 
     @staticmethod
     def _may_steal_from(slot: Slot) -> bool:
@@ -1879,11 +1878,9 @@ class Core:
                     continue  # failed meanwhile (the pool broke, a timeout): nothing to run
                 task.running = False
                 fut = task.future
+                fut._slot = None  # type: ignore[attr-defined]
                 if type(fut) is _Future:
-                    fut._slot = None
                     fut._back_to_pending()
-                else:
-                    fut._slot = None  # type: ignore[attr-defined]
                 back.append(task)
             self._pending.extendleft(reversed(back))
         if moved:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import functools
 import itertools
 import math
 import multiprocessing
@@ -135,17 +136,12 @@ def get_worker_info() -> WorkerInfo | None:
     return _worker_info
 
 
-_NO_NUMPY: list[bool] = []  # set once an import of NumPy failed
-
-
+@functools.cache
 def _import_numpy() -> Any:
     """NumPy, imported if it is installed; None if not."""
-    if _NO_NUMPY:
-        return None
     try:
         import numpy
     except ImportError:
-        _NO_NUMPY.append(True)
         return None
     return numpy
 
