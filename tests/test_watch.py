@@ -796,3 +796,33 @@ def test_watcher_stops_at_interpreter_exit() -> None:
     assert out.returncode == 0, out.stderr
     assert "running at the end: False" in out.stdout
     assert out.stderr == ""
+
+
+def test_a_forked_copy_of_a_dead_writers_liveness_closes_without_its_lock():
+    """A child forked while a parent thread reads a dead writer's fault (its lock held) closes
+    its copy of that Liveness at once: the fault is the parent's to read."""
+    writer = subprocess.Popen([sys.executable, "-c", "pass"])
+    writer.wait()
+    lv = Liveness(writer.pid)
+    lv._mark_dead()
+    with lv._fault_lock:  # as a parent thread inside _read_fault at the fork
+        pid = os.fork()
+        if pid == 0:
+            try:
+                lv.close()
+            finally:
+                os._exit(0)
+    try:
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.01)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the child's close() waited for a lock its parent's thread held")
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        lv.close()

@@ -393,6 +393,7 @@ class Liveness:
         self._fault: Fault | None = None
         self._fault_read = False
         self._fault_lock = threading.Lock()
+        self._home = os.getpid()  # the process whose Liveness this is (a fork copies it)
         if use_pidfd is None:
             use_pidfd = HAVE_PIDFD
         if owner_known_status(self.obj) is not None:
@@ -440,8 +441,11 @@ class Liveness:
         fd, self.fd = self.fd, None
         if fd is not None:
             os.close(fd)
-        if self._dead:
-            self._read_fault()  # kept for a WriterDied not yet looked at; its file removed
+        if self._dead and os.getpid() == self._home:
+            # Kept for a WriterDied not yet looked at; its file removed. Not in a forked
+            # child's copy: the fault is its parent's to read, and a parent thread reading it
+            # at the fork left the lock held in the child for good.
+            self._read_fault()
 
     # -- death ----------------------------------------------------------------------------------
 
