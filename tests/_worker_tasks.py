@@ -287,3 +287,22 @@ class FunctionOfTheParent:
 
     def __call__(self, *args):
         return len(args)
+
+
+def nap(seconds):
+    """Sleep, then return (this worker's pid, seconds, when it ended)."""
+    time.sleep(seconds)
+    return os.getpid(), seconds, time.monotonic()
+
+
+def kill_self_unless_marked(path):
+    """Die by SIGKILL the first time (creating ``path``), return this pid once it exists."""
+    if not os.path.exists(path):
+        with open(path, "w"):
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+    return os.getpid()
+
+
+def die_always():
+    os.kill(os.getpid(), signal.SIGKILL)

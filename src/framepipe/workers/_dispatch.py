@@ -57,6 +57,7 @@ from .errors import (
     PoolBroken,
     TaskTimeout,
     WorkerCancelled,
+    WorkerCrashed,
     WorkerError,
     WorkerStartError,
     revive,
@@ -80,7 +81,10 @@ QUEUE_SECONDS = 0.002  # a worker is given about this much work ahead
 # time per task, if longer) makes its worker slow: it is given nothing more until it answers,
 # and while another worker is idle, the tasks queued behind it are taken back (see _steal).
 SLOW_HEAD = 0.01
-STEAL_LOOK = 0.01  # seconds between looks for an idle worker, while a slow one holds a queue
+# A worker idle while nothing is pending takes over the tasks another worker holds but has not
+# started, once that worker's head task has run this long (or its queue would take this long
+# at its recent time per task). See NOTE [ Feeding ahead and balance ].
+STEAL_AFTER = 0.001
 STACK_WAIT = 1.0  # seconds to wait for a worker's stack dump at a deadline
 _CLOSING_LOOK = 0.25  # seconds between a closing manager's looks at whether all is done
 _REAP_DELAY = 0.001  # a dead worker is reaped (and replaced) this long after its report
@@ -554,6 +558,7 @@ class Task:
         "running",
         "fn",
         "seq",
+        "crashes",
     )
 
     def __init__(
@@ -578,6 +583,7 @@ class Task:
         self.slot: Slot | None = None
         self.fn = fn
         self.seq = -1  # its number in the order of the tasks sent to its worker
+        self.crashes: list[WorkerCrashed] | None = None  # of workers that died under it
 
     def fail(self, exc: BaseException) -> None:
         if self.stream is not None:
@@ -624,6 +630,7 @@ class MapTask(Task):
         self._slot = None
         self.fn = fn
         self.seq = -1
+        self.crashes = None
 
     def done(self) -> bool:
         return self.results.values[self.index] is not _EMPTY
@@ -668,7 +675,7 @@ class Slot:
         self.retiring = False  # given no more work; closed once it has answered everything
         self.revoking = False  # it was asked for its queued tasks back (see Core._steal)
         self.cut_tid: int | None = None  # see Core.expire and _on_death (actors)
-        self.steal_look = 0.0  # when to look again for an idle worker to take its queue
+        self.steal_look = 0.0  # not asked for its queue again before this (see _steal)
         self.stopping: str | None = None  # why we are stopping it (its death is no crash)
         self.kill_at: float | None = None
         self.dead = False
@@ -722,6 +729,14 @@ class Slot:
     def slow(self, now: float) -> bool:
         return now > self.slow_at()
 
+    def steal_at(self) -> float:
+        """When the tasks it holds behind its head may be taken over by an idle worker: at
+        once if they are that much work at its recent time per task, else once its head task
+        has run ``STEAL_AFTER``. See NOTE [ Feeding ahead and balance ]."""
+        if (len(self.outstanding) - 1) * self.avg >= STEAL_AFTER:
+            return self.steal_look
+        return max(self.head_since + STEAL_AFTER, self.steal_look)
+
 
 _live_cores: weakref.WeakSet[Core] = weakref.WeakSet()
 
@@ -764,6 +779,7 @@ class Core:
         tee: bool = False,
         max_restarts: int | None = None,
         restart_window: float = 60.0,
+        max_task_crashes: int = 1,
         task_timeout: float | None = None,
         kill_grace: float = 1.0,
         max_tasks_per_worker: int | None = None,
@@ -786,6 +802,8 @@ class Core:
         self._loop = loop
         self.max_restarts = max_restarts
         self.restart_window = restart_window
+        self.max_task_crashes = max_task_crashes
+        self._progress_at = 0.0  # when a worker last finished a task (see _count_crash)
         self.task_timeout = task_timeout
         self.kill_grace = kill_grace
         self.max_tasks = max_tasks_per_worker
@@ -920,7 +938,7 @@ class Core:
         """Send ``task`` alone to the least busy worker if one is hungry (dispatch lock held);
         False when none is."""
         with self._lock:
-            slot = self._pick(task)
+            slot = self._pick(task, 1)
             if slot is None or len(slot.outstanding) >= LOW_WATER:
                 return False
             if not task.future.set_running_or_notify_cancel():
@@ -993,13 +1011,18 @@ class Core:
             finally:
                 self._dispatch_lock.release()
 
-    def _pick(self, task: Task) -> Slot | None:
+    def _pick(self, task: Task, queued: int) -> Slot | None:
+        """The least busy worker that may take ``task`` now (lock held), of ``queued`` tasks
+        waiting for one: never one already holding its share (see NOTE [ Feeding ahead and
+        balance ])."""
         best = None
         now = 0.0
+        held = 0
         for slot in self._slots:
+            n = len(slot.outstanding)
+            held += n
             if not slot.usable or slot.revoking:
                 continue
-            n = len(slot.outstanding)
             if n and (n >= slot.cap() or slot.out_bytes + task.size > PIPE_ROOM):
                 continue
             if n and self.policy == "pool":
@@ -1010,7 +1033,14 @@ class Core:
                 continue
             if best is None or n < len(best.outstanding):
                 best = slot
+        if best is not None and len(best.outstanding) >= self._share(queued, held):
+            return None
         return best
+
+    def _share(self, queued: int, held: int) -> int:
+        """The most tasks one worker may hold, of ``queued`` waiting and ``held`` in workers'
+        hands: its even part of them all. See NOTE [ Feeding ahead and balance ]."""
+        return max(1, -(-(queued + held) // self._n))
 
     def _dispatch_locked(self) -> None:
         while True:
@@ -1018,7 +1048,7 @@ class Core:
                 if not self._pending:
                     return
                 task = self._pending[0]
-                slot = self._pick(task)
+                slot = self._pick(task, len(self._pending))
                 if slot is None:
                     return
                 batch = self._take_for(slot)
@@ -1044,9 +1074,10 @@ class Core:
         batch: list[Task] = []
         nbytes = 0
         outstanding = slot.outstanding
-        room = max(1, slot.cap() - len(outstanding))
-        owed = slot.sent_bytes - slot.done_bytes
         pending = self._pending
+        share = self._share(len(pending), sum(len(s.outstanding) for s in self._slots))
+        room = max(1, min(slot.cap(), share) - len(outstanding))
+        owed = slot.sent_bytes - slot.done_bytes
         max_tasks = self.max_tasks
         while pending and len(batch) < room:
             task = pending[0]
@@ -1409,6 +1440,7 @@ class Core:
             deadline = None
             with self._lock:
                 slots = list(self._slots)
+                steal = self._may_steal(slots)
                 # the pool's own timers count even when no worker is left to carry them
                 if self._to_reap:
                     deadline = self._reap_at
@@ -1419,7 +1451,7 @@ class Core:
                         else min(deadline, self._close_deadline)
                     )
             for slot in slots:
-                for t in self._deadlines(slot):
+                for t in self._deadlines(slot, steal):
                     deadline = t if deadline is None else min(deadline, t)
             if deadline is not None:
                 self._timers = True
@@ -1494,7 +1526,7 @@ class Core:
         conn = slot.proc.conn
         return bool(conn._has_buffered() or conn.poll(0))
 
-    def _deadlines(self, slot: Slot) -> Iterator[float]:
+    def _deadlines(self, slot: Slot, steal: bool) -> Iterator[float]:
         if self._to_reap:
             yield self._reap_at
         if self._close_deadline is not None:
@@ -1510,8 +1542,8 @@ class Core:
                 head = slot.outstanding[0]
                 if head.timeout is not None and head.stream is None:
                     yield slot.head_since + head.timeout
-                if self.policy == "pool" and self._may_steal_from(slot):
-                    yield max(slot.slow_at(), slot.steal_look)
+                if steal and self._may_steal_from(slot):
+                    yield slot.steal_at()
 
     def _drain(self, slot: Slot) -> None:
         """Handle every message the worker has sent (its death last, after them). The caller
@@ -1541,8 +1573,12 @@ class Core:
                         self._version += 1
                     return
         except WriterDied as died:
+            if answered:
+                self._progress_at = time.monotonic()  # before its death counts
             self._on_death(slot, died)
         except (EOFError, OSError) as exc:
+            if answered:
+                self._progress_at = time.monotonic()
             self._on_death(slot, None, reason=f"its channel failed: {exc}")
         finally:
             _shm.set_receiving(None)
@@ -1554,8 +1590,17 @@ class Core:
                 # a worker is fed), when the new head task started, and now and then the RSS.
                 now = time.monotonic()
                 per_task = (now - slot.head_since) / answered
+                self._progress_at = now
                 slot.avg = slot.avg * 0.7 + per_task * 0.3
                 slot.head_since = slot.active_at = now
+                if not slot.outstanding and self.policy == "pool":
+                    # Idle now: the manager looks for tasks it may take over (see NOTE
+                    # [ Feeding ahead and balance ]); woken for it when a caller read this.
+                    self._timers = True
+                    if threading.get_ident() != self._manager_id and any(
+                        len(s.outstanding) > 1 for s in self._slots
+                    ):
+                        self.wake()
                 if slot.outstanding and threading.get_ident() != self._manager_id:
                     # Read by a caller: the manager sleeps until the deadline it knew of; a
                     # new head task with a shorter one must wake it.
@@ -1659,6 +1704,7 @@ class Core:
             self.wake()  # when a caller read it
         elif kind == "ready":
             slot.ready = True
+            self._timers = True  # an idle worker (see _steal)
             slot.proc.sample_rss()  # its initializer may have moved it to another cgroup
             slot.last_rss_sample = time.monotonic()
         elif kind == "init-failed":
@@ -1701,7 +1747,10 @@ class Core:
                 fut.set_exception(err)
         if head is not None:
             orphans.pop(0)
-            head.fail(err)  # a task that timed out has failed already: this does nothing
+            if self._blame(head, err):
+                orphans.insert(0, head)  # it runs again, first (see NOTE [ Crashes ... ])
+            else:
+                head.fail(err)  # a task that timed out has failed already: this does nothing
         if self.policy == "actor":
             # The actor's state is gone: the calls queued here behind the ones it held fail
             # too, those made before its end was known (a crash now, a deadline when it
@@ -1735,20 +1784,7 @@ class Core:
             start_err.__cause__ = err
             self._break(start_err)
         elif not expected and not self.closing:
-            self.crashes.append(err)
-            del self.crashes[:-20]
-            now = time.monotonic()
-            self._crash_times.append(now)
-            while self._crash_times and now - self._crash_times[0] > self.restart_window:
-                self._crash_times.popleft()
-            if self.max_restarts is not None and len(self._crash_times) > self.max_restarts:
-                self._break(
-                    PoolBroken(
-                        f"{self.name}: workers crashed {len(self._crash_times)} times within "
-                        f"{self.restart_window:g} s (max_restarts={self.max_restarts}); giving up",
-                        self.crashes,
-                    )
-                )
+            self._count_crash(err)
         if self._pending:
             self.kick()  # the other workers take the orphans now, not after the replacement
         # Reaping and respawning wait for the next turn of the loop, after a short poll that
@@ -1760,6 +1796,52 @@ class Core:
             self._timers = True
         if threading.get_ident() != self._manager_id:
             self.wake()  # a caller reading the channel saw the death
+
+    # NOTE [ Crashes blamed on tasks ]
+    #
+    # A worker that dies fails the task it was running, not the pool: that task has killed a
+    # worker, and after ``max_task_crashes`` such deaths it fails with the last WorkerCrashed
+    # (every report it caused in ``task_crashes``); before that it runs again, first, on
+    # another worker. Tasks queued behind it never started and go to the other workers. The
+    # pool itself breaks only on a crash loop: more than ``max_restarts`` workers dying in a
+    # row, within ``restart_window`` seconds, with no task finished in between (a worker that
+    # dies before it is ready, or a failing initializer, breaks it at once). A pool that keeps
+    # finishing tasks between its crashes is never broken by them.
+
+    def _blame(self, task: Task, err: WorkerCrashed) -> bool:
+        """``task`` was running in a worker that died with ``err``: True when it goes again,
+        else ``err`` carries every report of the crashes it caused. See NOTE [ Crashes blamed
+        on tasks ]."""
+        crashes = task.crashes = [*(task.crashes or ()), err]  # (dropped with the task)
+        if (
+            self.policy == "pool"
+            and len(crashes) < self.max_task_crashes
+            and task.stream is None
+            and self.broken is None
+            and not task.future.done()
+        ):
+            return True
+        if len(crashes) > 1:
+            err.blame(crashes[:-1])
+        return False
+
+    def _count_crash(self, err: WorkerCrashed) -> None:
+        """Break the pool on a crash loop. See NOTE [ Crashes blamed on tasks ]."""
+        self.crashes.append(err)
+        del self.crashes[:-20]
+        now = time.monotonic()
+        times = self._crash_times
+        times.append(now)
+        while times and (now - times[0] > self.restart_window or times[0] < self._progress_at):
+            times.popleft()
+        if self.max_restarts is not None and len(times) > self.max_restarts:
+            self._break(
+                PoolBroken(
+                    f"{self.name}: {len(times)} workers crashed in a row with no task finished "
+                    f"between them (max_restarts={self.max_restarts}): a crash loop; giving up",
+                    self.crashes,
+                )
+            )
 
     def _reap(self, slot: Slot) -> None:
         slot.proc.stop(timeout=1.0, grace=0.5)
@@ -1777,8 +1859,7 @@ class Core:
         now = time.monotonic()
         with self._lock:
             slots = list(self._slots)
-        if self.policy == "pool" and not self._terminating:
-            self._steal(slots, now)
+        self._steal(slots, now)
         for slot in slots:
             if slot.kill_at is not None and now >= slot.kill_at:
                 slot.kill_at = None
@@ -1802,21 +1883,25 @@ class Core:
 
     # -- taking queued tasks back from a slow worker --
 
+    def _may_steal(self, slots: list[Slot]) -> bool:
+        """Whether an idle worker waits while nothing is pending (a pool's only)."""
+        return (
+            self.policy == "pool"
+            and not self._pending
+            and not self._terminating
+            and any(s.usable and not s.outstanding for s in slots)
+        )
+
     def _steal(self, slots: list[Slot], now: float) -> None:
-        """A worker is idle with nothing pending, while another holds tasks queued behind a
-        head task that runs long: ask that one for its queue back (the tasks it has not
-        started), for the idle ones to run. Tasks are queued ahead by the time earlier tasks
-        took, and a task that runs far longer than those would otherwise hold up the queue
-        behind it while other workers wait."""
-        slow = [s for s in slots if self._may_steal_from(s) and now >= s.steal_look and s.slow(now)]
-        if not slow:
+        """A worker is idle with nothing pending, while another holds tasks it has not started:
+        ask that one for them back (``_revoke``), for the idle ones to run. See NOTE [ Feeding
+        ahead and balance ]."""
+        if not self._may_steal(slots):
             return
-        idle = not self._pending and any(s.usable and not s.outstanding for s in slots)
-        for slot in slow:
-            if idle:
+        for slot in slots:
+            if self._may_steal_from(slot) and now >= slot.steal_at():
+                slot.steal_look = now + STEAL_AFTER
                 self._revoke(slot)
-            else:
-                slot.steal_look = now + STEAL_LOOK
 
     @staticmethod
     def _may_steal_from(slot: Slot) -> bool:

@@ -62,8 +62,10 @@ class WorkerCrashed(WorkerError):
     OOM-kill counter of the worker's memory cgroup rose, None when unknown), ``memory_limit``
     (the limit in bytes of that cgroup, when the OOM killer struck and it has one),
     ``native_traceback`` (faulthandler's dump of a crash in C code), ``stderr_tail`` (the
-    last lines the worker wrote to its stderr, at the fd level) and ``log_path`` (where its
-    whole stderr was kept, when it was).
+    last lines the worker wrote to its stderr, at the fd level), ``log_path`` (where its
+    whole stderr was kept, when it was) and ``task_crashes`` (for a pool's task that killed
+    workers before this one, see ``max_task_crashes``: the reports of those earlier deaths,
+    oldest first; else empty).
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class WorkerCrashed(WorkerError):
         stderr_tail: str = "",
         log_path: str | None = None,
         reason: str | None = None,
+        task_crashes: list[WorkerCrashed] | None = None,
     ) -> None:
         self.worker = worker
         self.pid = pid
@@ -97,7 +100,13 @@ class WorkerCrashed(WorkerError):
         self.log_path = log_path
         self.reason = reason
         self.signal_name = signal_name(-exitcode) if exitcode is not None and exitcode < 0 else None
+        self.task_crashes: list[WorkerCrashed] = list(task_crashes or ())
         super().__init__(self._message())
+
+    def blame(self, earlier: list[WorkerCrashed]) -> None:
+        """Record that the task it names had killed the workers of ``earlier`` before."""
+        self.task_crashes = list(earlier)
+        self.args = (self._message(),)
 
     def _message(self) -> str:
         who = f"worker {self.worker!r} (pid {self.pid})"
@@ -112,6 +121,13 @@ class WorkerCrashed(WorkerError):
         msg = f"{who} {how} {_task_text(self.task_name, self.task_id)}"
         if self.reason:
             msg += f" ({self.reason})"
+        if self.task_crashes:
+            earlier = ", ".join(
+                f"{c.worker!r} ({c.signal_name or f'exit code {c.exitcode}'})"
+                for c in self.task_crashes
+            )
+            n = len(self.task_crashes)
+            msg += f"; the task had killed {n} worker{'s' if n > 1 else ''} before: {earlier}"
         if self.oom_killed:
             msg += f"; likely the OOM killer: peak RSS {format_bytes(self.peak_rss)}"
             if self.memory_limit is not None:

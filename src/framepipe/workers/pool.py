@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import itertools
 import os
+import queue
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -25,8 +27,13 @@ class Pool(concurrent.futures.Executor):
     - A worker that dies fails only the task it was running, with :class:`WorkerCrashed`
       (which worker, pid, signal or exit code, the task, peak RSS, the OOM hint, its native
       traceback and last stderr lines); tasks queued behind it go to the other workers and a
-      replacement starts at once. More than ``max_restarts`` crashes within ``restart_window``
-      seconds break the pool with one :class:`PoolBroken` naming the last crashes (None: never).
+      replacement starts at once. With ``max_task_crashes=N`` (default 1), a task runs again
+      on another worker until N workers have died under it; then it fails, its
+      ``WorkerCrashed`` listing the earlier deaths in ``task_crashes``.
+    - The pool breaks only on a crash loop: more than ``max_restarts`` workers dying in a row
+      within ``restart_window`` seconds with no task finished between them (None: never), or a
+      worker dying before it is ready; one :class:`PoolBroken` then names the last crashes. A
+      pool that keeps finishing tasks between its crashes goes on.
     - An exception raised by a task, whatever its type or constructor, reaches the caller as
       itself with the worker's traceback, and never harms the pool.
     - ``task_timeout``: a task still running that many seconds after it started fails with
@@ -54,6 +61,7 @@ class Pool(concurrent.futures.Executor):
         kill_grace: float = 1.0,
         max_restarts: int | None = 10,
         restart_window: float = 60.0,
+        max_task_crashes: int = 1,
         max_tasks_per_worker: int | None = None,
         max_rss: int | None = None,
         env: dict[str, str] | None = None,
@@ -77,6 +85,15 @@ class Pool(concurrent.futures.Executor):
                 not isinstance(value, int) or value < 0 or (value == 0 and label != "max_restarts")
             ):
                 raise ValueError(f"{label} must be a positive int or None, not {value!r}")
+        if (
+            not isinstance(max_task_crashes, int)
+            or isinstance(max_task_crashes, bool)
+            or max_task_crashes < 1
+        ):
+            raise ValueError(
+                f"max_task_crashes must be an int >= 1 (the workers a task may kill before it "
+                f"fails), not {max_task_crashes!r}"
+            )
         if not restart_window > 0:
             raise ValueError(f"restart_window must be positive, not {restart_window!r}")
         if not kill_grace >= 0:
@@ -95,6 +112,7 @@ class Pool(concurrent.futures.Executor):
             tee=tee,
             max_restarts=max_restarts,
             restart_window=restart_window,
+            max_task_crashes=max_task_crashes,
             task_timeout=_check_timeout("task_timeout", task_timeout),
             kill_grace=kill_grace,
             max_tasks_per_worker=max_tasks_per_worker,
@@ -135,27 +153,56 @@ class Pool(concurrent.futures.Executor):
         *iterables: Iterable[Any],
         timeout: float | None = None,
         chunksize: int = 1,
+        buffersize: int | None = None,
     ) -> Iterator[T]:
         """Like ``Executor.map``: results in order; ``timeout`` bounds the whole iteration
         (from this call), raising ``TimeoutError``. ``chunksize`` groups that many calls into
-        one task (a crash then fails the whole chunk)."""
-        if not isinstance(chunksize, int) or chunksize < 1:
-            raise ValueError(f"chunksize must be a positive int, not {chunksize!r}")
+        one task (a crash then fails the whole chunk). ``buffersize`` (as Python 3.14's
+        ``Executor.map``): at most that many tasks submitted and not yet yielded; the items
+        are then taken from ``iterables`` only as results are consumed, so an endless
+        generator runs in bounded memory. Without it, every item is taken at once, as
+        ``concurrent.futures`` does."""
+        _check_positive("chunksize", chunksize)
+        if buffersize is not None:
+            _check_positive("buffersize", buffersize)
         deadline = None if timeout is None else time.monotonic() + timeout
-        if chunksize == 1:
-            results = self._core.submit_many(fn, zip(*iterables), self._core.task_timeout)
-            return _ordered(results, len(results.values), deadline)
-        it = zip(*iterables)
-        chunks = iter(lambda: list(itertools.islice(it, chunksize)), [])
-        results = self._core.submit_many(
-            _run_chunk, ((fn, c) for c in chunks), self._core.task_timeout
-        )
-        return itertools.chain.from_iterable(_ordered(results, len(results.values), deadline))
+        items: Iterator[tuple[Any, ...]] = zip(*iterables)
+        run: Callable[..., Any] = fn
+        if chunksize > 1:
+            it = items
+            items = ((fn, c) for c in iter(lambda: list(itertools.islice(it, chunksize)), []))
+            run = _run_chunk
+        if buffersize is None:
+            results = self._core.submit_many(run, items, self._core.task_timeout)
+            out = _ordered(results, len(results.values), deadline)
+        else:
+            out = _lazy(self._core, run, items, buffersize, deadline)
+        return itertools.chain.from_iterable(out) if chunksize > 1 else out
 
-    def imap_unordered(self, fn: Callable[..., T], iterable: Iterable[Any]) -> Iterator[T]:
-        """Results of ``fn(x)`` for each x of ``iterable`` as they complete, in any order."""
-        futures = [self.submit(fn, x) for x in iterable]
-        return _unordered(futures)
+    def imap(
+        self,
+        fn: Callable[..., T],
+        iterable: Iterable[Any],
+        chunksize: int = 1,
+        buffersize: int | None = None,
+    ) -> Iterator[T]:
+        """Results of ``fn(x)`` for each x of ``iterable``, in order, taking items only as
+        results are consumed: at most ``buffersize`` (default: 256 a worker) submitted and not
+        yet yielded (``multiprocessing.Pool.imap``, in bounded memory)."""
+        if buffersize is None:
+            buffersize = D._MAP_STEP * self._max_workers
+        return self.map(fn, iterable, chunksize=chunksize, buffersize=buffersize)
+
+    def imap_unordered(
+        self, fn: Callable[..., T], iterable: Iterable[Any], buffersize: int | None = None
+    ) -> Iterator[T]:
+        """Results of ``fn(x)`` for each x of ``iterable`` as they complete, in any order,
+        taking items only as results are consumed (at most ``buffersize``, default 256 a
+        worker, submitted and not yet yielded)."""
+        if buffersize is None:
+            buffersize = D._MAP_STEP * self._max_workers
+        _check_positive("buffersize", buffersize)
+        return _unordered(self, fn, iter(iterable), buffersize)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop accepting tasks; with ``wait``, wait for the submitted ones and for every
@@ -250,10 +297,61 @@ def _ordered(results: D.MapResults, n: int, deadline: float | None) -> Iterator[
         results.cancelled = True
 
 
-def _unordered(futures: list[concurrent.futures.Future[Any]]) -> Iterator[Any]:
+def _check_positive(label: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{label} must be a positive int, not {value!r}")
+
+
+def _lazy(
+    core: D.Core,
+    fn: Callable[..., Any],
+    items: Iterator[tuple[Any, ...]],
+    buffersize: int,
+    deadline: float | None,
+) -> Iterator[Any]:
+    """``map`` with a ``buffersize``: items are submitted in blocks of a quarter of it (so
+    small tasks still share frames) while at most ``buffersize`` are submitted and not yet
+    yielded; closing the iterator cancels what has not started."""
+    step = max(1, buffersize // 4)
+    blocks: collections.deque[D.MapResults] = collections.deque()
+    unyielded = 0
     try:
-        for fut in concurrent.futures.as_completed(futures):
+        while True:
+            while buffersize - unyielded >= step or not blocks:
+                chunk = list(itertools.islice(items, min(step, buffersize - unyielded) or 1))
+                if not chunk:
+                    break
+                blocks.append(core.submit_many(fn, chunk, core.task_timeout))
+                unyielded += len(chunk)
+            if not blocks:
+                return
+            results = blocks.popleft()
+            for value in _ordered(results, len(results.values), deadline):
+                unyielded -= 1
+                yield value
+    finally:
+        for results in blocks:
+            results.cancelled = True  # (the block being read cancels itself)
+
+
+def _unordered(
+    pool: Pool, fn: Callable[..., Any], items: Iterator[Any], buffersize: int
+) -> Iterator[Any]:
+    done: queue.SimpleQueue[concurrent.futures.Future[Any]] = queue.SimpleQueue()
+    running: set[concurrent.futures.Future[Any]] = set()
+    try:
+        for x in itertools.islice(items, buffersize):
+            fut = pool.submit(fn, x)
+            running.add(fut)
+            fut.add_done_callback(done.put)
+        while running:
+            fut = done.get()
+            running.discard(fut)
+            for x in itertools.islice(items, 1):
+                nxt = pool.submit(fn, x)
+                running.add(nxt)
+                nxt.add_done_callback(done.put)
             yield fut.result()
     finally:
-        for fut in futures:
+        for fut in running:
             fut.cancel()
