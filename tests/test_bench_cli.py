@@ -401,8 +401,43 @@ def test_workers_suite_runs_with_progress_and_json(tmp_path: Path) -> None:
     got = report["rows"]["framepipe Pool"]
     assert got["submit"] > 0 and got["map"] > 0 and 0 < got["rt_median"] <= got["rt_p99"]
     assert got["crash"]["queued_ok"] == 20
+    assert 0 < got["mixed"] <= 1.5 and report["bare_rt"] > 0
+    assert "mixed is the efficiency" in proc.stdout and "bare transport" in proc.stdout
     proc = run_bench("workers", "--rows", "no-such-pool")
     assert proc.returncode == 2 and "ProcessPoolExecutor" in proc.stderr
+
+
+def test_workers_scaling_table(tmp_path: Path) -> None:
+    path = tmp_path / "scaling.json"
+    proc = run_bench(
+        "workers",
+        "--quick",
+        "--rows",
+        "framepipe,ProcessPool",
+        "--workers",
+        "1,3",
+        "--json",
+        str(path),
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(path.read_text())
+    assert list(report["scaling"]) == ["1", "3"]
+    for at in report["scaling"].values():
+        assert list(at) == ["framepipe Pool", "ProcessPoolExecutor"]
+        assert all(r["submit"] > 0 and r["map"] > 0 and r["mixed"] > 0 for r in at.values())
+    assert {t["what"] for t in report["targets"]} >= {
+        "no-op submit/s vs the fastest peer, 1 workers",
+        "mixed durations efficiency, 3 workers",
+    }
+    proc = run_bench("workers", "--quick", "--rows", "framepipe,ProcessPool", "--workers", "1,3")
+    assert proc.returncode == 0, proc.stderr
+    assert_fits(proc.stdout)
+    lines = proc.stdout.splitlines()
+    assert "mixed durations efficiency" in lines
+    header = lines[lines.index("submit/s") + 1]
+    assert header.split() == ["pool", "N=1", "N=3"]
+    proc = run_bench("workers", "--workers", "0,x")
+    assert proc.returncode == 2 and "positive worker counts" in proc.stderr
 
 
 def test_loader_suite_runs_with_progress_and_json(tmp_path: Path) -> None:

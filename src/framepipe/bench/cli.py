@@ -100,7 +100,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="core: where reader and writer run: free (the scheduler decides), same (one "
         "CPU), split (two CPUs)",
     )
+    parser.add_argument(
+        "--workers",
+        type=_counts,
+        default=None,
+        metavar="N[,N...]",
+        help="workers: workers a pool (default 2); a list such as 1,2,4,8,16 runs the pools "
+        "side by side at each count and prints a scaling table",
+    )
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or any(c < 1 for c in counts):
+        raise argparse.ArgumentTypeError(
+            f"expected positive worker counts separated by commas, such as 1,2,4, not {text!r}"
+        )
+    return counts
 
 
 def selected(sections: Sequence[Section], names: Sequence[str], *, full: bool) -> list[Section]:

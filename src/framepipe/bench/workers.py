@@ -1,8 +1,12 @@
 """``python -m framepipe bench workers``: framepipe's Pool against the pools people use, side by
-side in one run, 2 workers each.
+side in one run, 2 workers each (``--workers N``; a list such as ``1,2,4,8,16`` runs the
+throughput rows at each count and prints a scaling table).
 
-Rows: no-op tasks/s through ``submit`` and through ``map(chunksize=1)``; the round trip of one
-task (median, p99); 1 MiB and 16 MiB NumPy results (MB/s); a worker SIGKILLed mid-task (time to
+Rows: no-op tasks/s through ``submit`` and through ``map(chunksize=1)``; mixed durations (a
+burst of 2,000 no-op tasks, then ``40 * N`` tasks of 2 ms: the ideal time over the time taken,
+the median of 5 runs); the round trip of one task (median, p99) beside the bare transport's (a
+send and a receive on a framepipe ``Pipe`` between two processes); 1 MiB and 16 MiB NumPy
+results (MB/s); a worker SIGKILLed mid-task (time to
 the failed future, time until the pool serves again, what became of the 20 tasks queued behind
 it); a task raising an exception whose constructor takes two arguments; a 0.5 s task timeout
 (how late the task fails, and whether the hung worker's stack is shown). Peers: the stdlib's
@@ -47,6 +51,24 @@ def noop(x: Any) -> Any:
 def pid_after(seconds: float) -> int:
     time.sleep(seconds)
     return os.getpid()
+
+
+MIXED_TASK = 0.002  # seconds a task of the mixed-durations row sleeps
+MIXED_PER_WORKER = 40  # tasks of it per worker
+
+
+def nap_mixed() -> int:
+    time.sleep(MIXED_TASK)
+    return os.getpid()
+
+
+def echo(conn: Any) -> None:
+    """The far end of the bare transport's round trip: send back what comes, until None."""
+    while True:
+        obj = conn.recv()
+        conn.send(obj)
+        if obj is None:
+            return
 
 
 def warm(a: Adapter, timeout: float = 60.0) -> None:
@@ -278,6 +300,49 @@ def tasks_per_second(a: Adapter, n: int, repeat: int) -> tuple[float, float]:
     return _best(submit_all, repeat), _best(map_all, repeat)
 
 
+def mixed(a: Adapter, runs: int) -> float:
+    """Efficiency under mixed durations: a burst of 2,000 no-op tasks, then
+    ``MIXED_PER_WORKER * WORKERS`` tasks of ``MIXED_TASK`` seconds; the ideal time (each worker
+    sleeping its share back to back) over the time taken, the median of ``runs`` runs."""
+    ideal = MIXED_PER_WORKER * MIXED_TASK
+    effs = []
+    for _ in range(runs):
+        for h in [a.submit(noop, i) for i in range(2000)]:
+            a.result(h, 60)
+        t0 = time.perf_counter()
+        for h in [a.submit(nap_mixed) for _ in range(MIXED_PER_WORKER * WORKERS)]:
+            a.result(h, 60)
+        effs.append(ideal / (time.perf_counter() - t0))
+    return statistics.median(effs)
+
+
+def bare_round_trip(n: int) -> float:
+    """The median round trip of a small object on a framepipe ``Pipe`` between this process
+    and a spawned one (send, receive): what a pool's round trip is measured against."""
+    from ..connection import Pipe
+
+    here, there = Pipe()
+    child = multiprocessing.get_context("spawn").Process(target=echo, args=(there,))
+    child.start()
+    there.close()
+    try:
+        times = []
+        for i in range(n + 100):
+            t0 = time.perf_counter()
+            here.send(i)
+            here.recv()
+            times.append(time.perf_counter() - t0)
+        here.send(None)
+        here.recv()
+    finally:
+        child.join(5)
+        if child.is_alive():
+            child.kill()
+            child.join()
+        here.close()
+    return statistics.median(times[100:])
+
+
 def round_trip(a: Adapter, n: int) -> tuple[float, float]:
     times = []
     for i in range(n):
@@ -441,42 +506,70 @@ def run(
     quick: bool,
     progress: Callable[[str], None] = lambda line: None,
     names: Sequence[str] = (),
+    workers: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """Every chosen pool's rows: ``{"machine", "settings", "rows", "missing", ...}``."""
+    """Every chosen pool's rows: ``{"machine", "settings", "rows", "missing", ...}``; with
+    more than one count in ``workers``, the throughput rows at each (``"scaling"``)."""
+    global WORKERS
+    counts = list(workers) or [WORKERS]
+    if any(not isinstance(k, int) or k < 1 for k in counts):
+        raise ValueError(f"--workers takes positive counts, not {counts}")
     chosen = _chosen(names)
     n = 5000 if quick else 20000
     repeat = 2 if quick else 3
+    mixed_runs = 3 if quick else 5
     machine = machine_info()
     started = time.monotonic()
     rows: dict[str, dict[str, Any]] = {}
+    scaling: dict[int, dict[str, dict[str, Any]]] = {}
     skipped = missing_peers()
     runnable = [peer for peer in chosen if peer[2] not in skipped]
-    progress(f"bench workers: {len(runnable)} pools, {WORKERS} workers each, {n:,} tasks a run")
-    for k, (name, cls, _module) in enumerate(runnable, 1):
-        progress(f"[{k}/{len(runnable)}] {name}: throughput")
-        row: dict[str, Any] = {}
+    if len(counts) > 1:
+        for count in counts:
+            WORKERS = count
+            progress(f"bench workers: {len(runnable)} pools, {count} workers each")
+            at: dict[str, dict[str, Any]] = {}
+            for name, cls, _module in runnable:
+                cell: dict[str, Any] = {}
 
-        def speed(a: Adapter, row: dict[str, Any] = row) -> None:
-            row["submit"], row["map"] = tasks_per_second(a, n, repeat)
-            row["rt_median"], row["rt_p99"] = round_trip(a, 1000 if quick else 3000)
-            row["mb1"] = array_rate(a, 1 << 20, 32 if quick else 64, repeat)
-            row["mb16"] = array_rate(a, 16 << 20, 4 if quick else 16, repeat)
+                def scale(a: Adapter, cell: dict[str, Any] = cell) -> None:
+                    cell["submit"], cell["map"] = tasks_per_second(a, n, repeat)
+                    cell["mixed"] = mixed(a, mixed_runs)
 
-        failed = _fresh(cls, speed)
-        if failed:
-            row["error"] = failed
-        progress(
-            f"[{k}/{len(runnable)}] {name}: an exception with two arguments, a crash, a timeout"
-        )
-        row["two_arg"] = _fresh(cls, two_arg)
-        row["crash"] = crash_median(cls, 1 if quick else 5)
-        if cls is FramepipePool or cls.timeout_kw is not None:
-            kw = {"task_timeout": 0.5} if cls is FramepipePool else {}
-            late = timeout_median(cls, 1 if quick else 3, **kw)
-        else:
-            late = (None, None)
-        row["timeout_late"], row["timeout_stack"] = late
-        rows[name] = row
+                failed = _fresh(cls, scale)
+                at[name] = {"error": failed} if failed else cell
+            scaling[count] = at
+        rows = scaling[counts[-1]]
+    else:
+        WORKERS = counts[0]
+        progress(f"bench workers: {len(runnable)} pools, {WORKERS} workers each, {n:,} tasks a run")
+        for k, (name, cls, _module) in enumerate(runnable, 1):
+            progress(f"[{k}/{len(runnable)}] {name}: throughput")
+            row: dict[str, Any] = {}
+
+            def speed(a: Adapter, row: dict[str, Any] = row) -> None:
+                row["submit"], row["map"] = tasks_per_second(a, n, repeat)
+                row["mixed"] = mixed(a, mixed_runs)
+                row["rt_median"], row["rt_p99"] = round_trip(a, 1000 if quick else 3000)
+                row["mb1"] = array_rate(a, 1 << 20, 32 if quick else 64, repeat)
+                row["mb16"] = array_rate(a, 16 << 20, 4 if quick else 16, repeat)
+
+            failed = _fresh(cls, speed)
+            if failed:
+                row["error"] = failed
+            progress(
+                f"[{k}/{len(runnable)}] {name}: an exception with two arguments, a crash, a timeout"
+            )
+            row["two_arg"] = _fresh(cls, two_arg)
+            row["crash"] = crash_median(cls, 1 if quick else 5)
+            if cls is FramepipePool or cls.timeout_kw is not None:
+                kw = {"task_timeout": 0.5} if cls is FramepipePool else {}
+                late = timeout_median(cls, 1 if quick else 3, **kw)
+            else:
+                late = (None, None)
+            row["timeout_late"], row["timeout_stack"] = late
+            rows[name] = row
+    bare = bare_round_trip(1000 if quick else 3000) if len(counts) == 1 else None
     elapsed = time.monotonic() - started
     progress(f"done in {elapsed:.1f} s")
     gone = [p for p in peers.missing("workers") if p.module != "matplotlib"]
@@ -485,7 +578,7 @@ def run(
         "settings": {
             "suite": "workers",
             "quick": quick,
-            "workers": WORKERS,
+            "workers": counts if len(counts) > 1 else WORKERS,
             "tasks": n,
             "repeat": repeat,
             "elapsed_s": round(elapsed, 2),
@@ -493,10 +586,12 @@ def run(
         "workers": WORKERS,
         "tasks": n,
         "rows": rows,
+        "bare_rt": bare,
+        "scaling": {str(k): v for k, v in scaling.items()},
         "missing": skipped,
         "missing_line": peers.missing_line_for(gone),
         "peers": peers.versions("workers"),
-        "targets": _targets(rows),
+        "targets": _scaling_targets(scaling) if scaling else _targets(rows, bare),
     }
 
 
@@ -514,35 +609,60 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.1f}"
 
 
-def _targets(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+def _target(what: str, got: float, unit: str, target: str, met: bool) -> dict[str, Any]:
+    return {"what": what, "got": got, "unit": unit, "target": target, "met": met}
+
+
+def _throughput_targets(rows: dict[str, dict[str, Any]], at: str = "") -> list[dict[str, Any]]:
+    """submit and map against the fastest peer, mixed durations against 0.9 and the best
+    peer: the targets the scaling table checks at each worker count too."""
+    fp = rows.get("framepipe Pool", {})
+    others = {k: v for k, v in rows.items() if k != "framepipe Pool" and "error" not in v}
+    if not fp or "error" in fp or not others:
+        return []
+    best_submit = max(v["submit"] for v in others.values())
+    best_map = max(v["map"] for v in others.values())
+    best_mixed = max(v["mixed"] for v in others.values())
+    submit, mapped = fp["submit"] / best_submit, fp["map"] / best_map
+    return [
+        _target(f"no-op submit/s vs the fastest peer{at}", submit, "x", ">= 1.3x", submit >= 1.3),
+        _target(f"no-op map/s vs the fastest peer{at}", mapped, "x", ">= 2x", mapped >= 2),
+        _target(
+            f"mixed durations efficiency{at}",
+            fp["mixed"],
+            "",
+            f">= 0.9, >= {best_mixed:.2f}",
+            fp["mixed"] >= 0.9 and fp["mixed"] >= best_mixed,
+        ),
+    ]
+
+
+def _scaling_targets(scaling: dict[int, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    out = []
+    for count, rows in scaling.items():
+        out += _throughput_targets(rows, f", {count} workers")
+    fp = {k: r.get("framepipe Pool", {}).get("submit") for k, r in scaling.items()}
+    top = max(scaling)
+    if 4 in fp and top > 4 and fp[4] and fp[top]:
+        got = fp[top] / fp[4]
+        out.append(_target(f"submit/s at {top} workers vs at 4", got, "x", ">= 1x", got >= 1))
+    return out
+
+
+def _targets(rows: dict[str, dict[str, Any]], bare: float | None = None) -> list[dict[str, Any]]:
     """framepipe's Pool against the peers of this run: ``{"what", "got", "unit", "target",
     "met"}`` each."""
     fp = rows.get("framepipe Pool", {})
     if not fp or "error" in fp:
         return []
-    out: list[dict[str, Any]] = []
+    out = _throughput_targets(rows)
 
     def add(what: str, got: float, unit: str, target: str, met: bool) -> None:
-        out.append({"what": what, "got": got, "unit": unit, "target": target, "met": met})
+        out.append(_target(what, got, unit, target, met))
 
-    others = {k: v for k, v in rows.items() if k != "framepipe Pool" and "error" not in v}
-    if others:
-        best_submit = max(v["submit"] for v in others.values())
-        best_map = max(v["map"] for v in others.values())
-        add(
-            "no-op submit/s vs the fastest peer",
-            fp["submit"] / best_submit,
-            "x",
-            ">= 1.3x",
-            fp["submit"] / best_submit >= 1.3,
-        )
-        add(
-            "no-op map/s vs the fastest peer",
-            fp["map"] / best_map,
-            "x",
-            ">= 2x",
-            fp["map"] / best_map >= 2,
-        )
+    if bare:
+        rt = fp["rt_median"] / bare
+        add("round trip vs the bare transport's", rt, "x", "<= 2x", rt <= 2)
     ppe = rows.get("ProcessPoolExecutor", {})
     if ppe and "error" not in ppe:
         rt = fp["rt_median"] / ppe["rt_median"]
@@ -578,11 +698,74 @@ def _targets(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _format_scaling(report: dict[str, Any]) -> list[str]:
+    """The scaling table: each pool's submit/s, map/s and mixed-durations efficiency at each
+    worker count."""
+    scaling = report["scaling"]
+    counts = list(scaling)
+    names = list(next(iter(scaling.values())))
+    head = f"{'pool':<21}" + "".join(f"{'N=' + c:>9}" for c in counts)
+    lines = [
+        *wrap(
+            "scaling: no-op tasks per second through submit() + result() and through "
+            "map(chunksize=1), and the mixed-durations efficiency (a burst of 2,000 no-op "
+            f"tasks, then {MIXED_PER_WORKER} * N tasks of {MIXED_TASK * 1e3:g} ms: the ideal "
+            "time over the time taken, 1 is best), at each number N of workers a pool",
+            "",
+        ),
+    ]
+    for key, title, fmt in (
+        ("submit", "submit/s", _fmt_rate),
+        ("map", "map/s", _fmt_rate),
+        ("mixed", "mixed durations efficiency", lambda x: "-" if x is None else f"{x:.2f}"),
+    ):
+        lines += ["", title, head]
+        for name in names:
+            cells = []
+            for c in counts:
+                r = scaling[c].get(name, {})
+                cells.append("failed" if "error" in r else fmt(r.get(key)))
+            lines.append(f"{name:<21}" + "".join(f"{cell:>9}" for cell in cells))
+    return lines
+
+
+def _format_targets(report: dict[str, Any]) -> list[str]:
+    if not report["targets"]:
+        return []
+    lines = ["", "targets (framepipe's Pool against the other pools of this run):"]
+    for t in report["targets"]:
+        unit = t["unit"]
+        got = (
+            f"{t['got']:.2f}x"
+            if unit == "x"
+            else f"{t['got']:.1f}ms"
+            if unit
+            else f"{t['got']:.2f}"
+        )
+        lines.append(
+            f"  {t['what']:<46}{got:>8}  {t['target']:<16}{'met' if t['met'] else 'MISSED'}"
+        )
+    return lines
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The throughput table, the fault table, the timeouts, the targets and the missing
     pools, within 100 columns."""
     rows = report["rows"]
     m = report["machine"]
+    if report.get("scaling"):
+        lines = [
+            f"framepipe {m['framepipe']} bench workers: the scaling run, {report['tasks']:,} "
+            f"no-op tasks a run, the best of {report['settings']['repeat']} runs",
+            f"run {m['date']} on {m['cpus_usable']} CPUs; {m['cpu_model']}; {m['python']}; "
+            f"core {m['core']}",
+            "",
+            *_format_scaling(report),
+            *_format_targets(report),
+        ]
+        if report.get("missing_line"):
+            lines += ["", *wrap(report["missing_line"], "")]
+        return "\n".join(fit(lines))
     lines = [
         f"framepipe {m['framepipe']} bench workers: {report['workers']} workers a pool, "
         f"{report['tasks']:,} no-op tasks a run, the best of {report['settings']['repeat']} runs",
@@ -591,13 +774,16 @@ def format_report(report: dict[str, Any]) -> str:
         "",
         *wrap(
             "throughput: submit/s and map/s are no-op tasks per second through submit() + "
-            "result() and through map(chunksize=1); rt is one task's round trip (median, "
+            "result() and through map(chunksize=1); mixed is the efficiency under mixed "
+            f"durations (2,000 no-op tasks, then {MIXED_PER_WORKER} * N tasks of "
+            f"{MIXED_TASK * 1e3:g} ms: the ideal time over the time taken, median of 5 runs; "
+            "1 is best); rt is one task's round trip (median, "
             "p99); 1MiB and 16MiB are MB/s of float32 array results; higher rates and "
             "lower times are better",
             "",
         ),
         "",
-        f"{'pool':<21}{'submit/s':>9}{'map/s':>9}{'rt med':>8}{'rt p99':>8}"
+        f"{'pool':<21}{'submit/s':>9}{'map/s':>9}{'mixed':>6}{'rt med':>8}{'rt p99':>8}"
         f"{'1MiB MB/s':>10}{'16MiB MB/s':>11}",
     ]
     for name, r in rows.items():
@@ -606,8 +792,14 @@ def format_report(report: dict[str, Any]) -> str:
             continue
         lines.append(
             f"{name:<21}{_fmt_rate(r.get('submit')):>9}{_fmt_rate(r.get('map')):>9}"
+            f"{r.get('mixed', float('nan')):>6.2f}"
             f"{r['rt_median'] * 1e6:>6.0f}us{r['rt_p99'] * 1e6:>6.0f}us"
             f"{_fmt_mb(r.get('mb1')):>10}{_fmt_mb(r.get('mb16')):>11}"
+        )
+    if report.get("bare_rt"):
+        lines.append(
+            f"{'bare transport':<21}{'':>24}{report['bare_rt'] * 1e6:>6.0f}us"
+            "  (send + recv on a framepipe Pipe)"
         )
     lines += [
         "",
@@ -651,13 +843,7 @@ def format_report(report: dict[str, Any]) -> str:
                 f"  {name:<21} {late * 1e3:6.1f} ms late, stack: "
                 f"{'yes' if r.get('timeout_stack') else 'no'}"
             )
-    if report["targets"]:
-        lines += ["", "targets (framepipe's Pool against the other pools of this run):"]
-        for t in report["targets"]:
-            got = f"{t['got']:.2f}x" if t["unit"] == "x" else f"{t['got']:.1f}ms"
-            lines.append(
-                f"  {t['what']:<46}{got:>8}  {t['target']:<10}{'met' if t['met'] else 'MISSED'}"
-            )
+    lines += _format_targets(report)
     if report.get("missing_line"):
         lines += ["", *wrap(report["missing_line"], "")]
     return "\n".join(fit(lines))
@@ -700,7 +886,9 @@ def main(args: argparse.Namespace) -> int:
 
     return run_and_emit(
         args,
-        lambda: run(quick=args.quick, progress=progress, names=args.rows),
+        lambda: run(
+            quick=args.quick, progress=progress, names=args.rows, workers=args.workers or ()
+        ),
         format_report,
         plot_groups,
         "speed against concurrent.futures.ProcessPoolExecutor (x, log scale; above 1 is faster)",
