@@ -23,6 +23,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,7 +92,8 @@ def _blocks(path: Path) -> list[Block]:
                 i += 1
             if i == len(lines):
                 raise AssertionError(f"{_rel(path)}:{start + 1}: a fence that is never closed")
-            blocks.append(Block(path, start + 1, lang, "\n".join(body) + "\n", marker))
+            code = textwrap.dedent("\n".join(body) + "\n")  # a block inside a list item
+            blocks.append(Block(path, start + 1, lang, code, marker))
             marker = None
         elif stripped in (FRAGMENT, OUTPUT):
             marker = stripped
