@@ -7,9 +7,9 @@ Two properties:
 - ``test_reads_follow_the_wire_format``: streams of valid frames, frames with a flipped check
   byte, headers announcing 2**40, 2**62, 2**63 or 2**64-1 bytes (or more than ``max_size``),
   TIMEOUT and DEAD sentinels, junk, cut at any byte (end of file inside a frame) and delivered
-  in parts between reads. A model of the wire format written here from the README says what
-  each read must do; the core must do exactly that (the same bytes, or an error of the
-  documented class), within its deadline, and without allocating more than the frame cap.
+  in parts between reads. A model of the wire format written here from docs/architecture.md
+  says what each read must do; the core must do exactly that (the same bytes, or an error of
+  the documented class), within its deadline, and without allocating more than the frame cap.
 - ``test_both_cores_agree_on_any_bytes``: any bytes, including the error, object, buffer and
   bulk check values: the compiled core and the twin must return the same bytes and raise the
   same errors with the same text, each a documented one.
@@ -102,7 +102,7 @@ def _alarm(signum, frame):
     raise Hung(f"a read without a timeout was still blocked after {HANG} s")
 
 
-# --- the model: what the README's wire format says each read does -----------------------------
+# --- the model: what the wire format (docs/architecture.md) says each read does ----------------
 
 # Check values a model stream may hold: data, TIMEOUT, DEAD, PAD, and values that are not a check.
 MODEL_BYTES = [0, 1, 2, *range(7, 256)]

@@ -162,7 +162,7 @@ def test_framepipe_guard_is_the_module_and_calls_the_function() -> None:
 # --- types: a user program checked by mypy --strict -----------------------------------------
 
 USER_PROGRAM = '''
-"""Uses the public API of watch, remote and guard as the README does."""
+"""Uses the public API of watch, remote and guard as the docs do."""
 from __future__ import annotations
 
 import multiprocessing

@@ -1,4 +1,4 @@
-"""framepipe's public API used the way the README uses it, for ``mypy --strict`` (CI runs it).
+"""framepipe's public API used the way the docs use it, for ``mypy --strict`` (CI runs it).
 
 It is also a program: ``python tests/typing/usage.py`` runs every part for real and prints
 ``usage: ok``. ``assert_type`` pins the types the API promises: a public name whose type

@@ -26,7 +26,7 @@ from .errors import WorkerError
 #: each passed to the parent once (SCM_RIGHTS over a SOCK_SEQPACKET socketpair), mapped by
 #: the parent for each array and handed back to the worker when the array is freed. Smaller
 #: arrays go out of band on the connection's bulk channel (16 KiB and more) or in the pickle.
-#: The README's loader section has the measurement behind the value.
+#: docs/loader.md (How the data travels) has the measurement behind the value.
 SHM_MIN = int(os.environ.get("FRAMEPIPE_LOADER_SHM_MIN", str(1 << 20)))
 HAVE_MEMFD = hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
 _MAX_FDS = 250  # descriptors per SCM_RIGHTS message (the kernel's limit is 253)
