@@ -1618,13 +1618,17 @@ class Core:
                 self._progress_at = now
                 slot.avg = slot.avg * 0.7 + per_task * 0.3
                 slot.head_since = slot.active_at = now
-                if not slot.outstanding and self.policy == "pool":
-                    # Idle now: the manager looks for tasks it may take over (see NOTE
-                    # [ Feeding ahead and balance ]); woken for it when a caller read this.
+                if (
+                    not slot.outstanding
+                    and self.policy == "pool"
+                    and not self._pending
+                    and any(len(s.outstanding) > 1 for s in self._slots)
+                ):
+                    # Idle now, while another worker holds tasks it has not started: the
+                    # manager looks at taking them over (see NOTE [ Feeding ahead and
+                    # balance ]); woken for it when a caller read this.
                     self._timers = True
-                    if threading.get_ident() != self._manager_id and any(
-                        len(s.outstanding) > 1 for s in self._slots
-                    ):
+                    if threading.get_ident() != self._manager_id:
                         self.wake()
                 if slot.outstanding and threading.get_ident() != self._manager_id:
                     # Read by a caller: the manager sleeps until the deadline it knew of; a
