@@ -90,9 +90,7 @@ def _job(launcher: str, out: str, kill: bool) -> float:
         raise RuntimeError(f"{launcher}: the agents exited with {codes}")
 
     def stamps(again: int) -> list[float]:
-        return [
-            float(open(os.path.join(out, f"collective-{r}-{again}")).read()) for r in range(4)
-        ]
+        return [float(open(os.path.join(out, f"collective-{r}-{again}")).read()) for r in range(4)]
 
     if not kill:
         return max(stamps(0)) - start

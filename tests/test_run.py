@@ -197,7 +197,9 @@ def _script(tmp_path, text: str) -> str:
 
 
 def _detail(agents: list[Agent]) -> str:
-    return "\n".join(f"--- agent {i} ({a.code}):\n{a.out[-2000:]}\n{a.err[-4000:]}" for i, a in enumerate(agents))
+    return "\n".join(
+        f"--- agent {i} ({a.code}):\n{a.out[-2000:]}\n{a.err[-4000:]}" for i, a in enumerate(agents)
+    )
 
 
 def _ranks(out_dir) -> dict[int, dict]:
@@ -219,7 +221,9 @@ def _allreduce_job(tmp_path, launcher: str, extra: list[str]) -> tuple[list[Agen
 @pytest.fixture(scope="module")
 def framepipe_job(torch_dist, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fp2x2")
-    agents, ranks = _allreduce_job(tmp, "framepipe.run", ["--tee", "1", "--local-ranks-filter", "0"])
+    agents, ranks = _allreduce_job(
+        tmp, "framepipe.run", ["--tee", "1", "--local-ranks-filter", "0"]
+    )
     return tmp, agents, ranks
 
 
@@ -271,7 +275,9 @@ def test_log_dir_laid_out_as_torchrun(framepipe_job):
 
 def test_same_job_under_torchrun_sees_the_same_environment(framepipe_job, tmp_path):
     _, _, ours = framepipe_job
-    _, theirs = _allreduce_job(tmp_path, "torch.distributed.run", ["--tee", "1", "--local-ranks-filter", "0"])
+    _, theirs = _allreduce_job(
+        tmp_path, "torch.distributed.run", ["--tee", "1", "--local-ranks-filter", "0"]
+    )
     assert sorted(theirs) == sorted(ours) == [0, 1, 2, 3]
     # values that name this run: its id, its ports, its files
     varying = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", TAG}
@@ -303,7 +309,8 @@ def test_sigkilled_rank_is_the_root_cause_and_the_job_restarts(torch_dist, tmp_p
     assert f"rank {victim} about to be killed" in report  # its last stderr line
     assert "restarting (1 of 1 left)" in report
     records = [
-        json.load(open(p)) for p in glob.glob(str(tmp_path / "logs*" / "job_*" / "attempt_0" / "1" / "error.json"))
+        json.load(open(p))
+        for p in glob.glob(str(tmp_path / "logs*" / "job_*" / "attempt_0" / "1" / "error.json"))
     ]
     killed = [r for r in records if r.get("framepipe", {}).get("signal") == "SIGKILL"]
     assert len(killed) == 1, records
@@ -321,7 +328,10 @@ def test_root_cause_across_nodes_in_torchs_summary(torch_dist, tmp_path):
     # and its summary names the first failure of the job, on the other node
     argvs[0][argvs[0].index("--monitor-interval") : 0] = ["--rdzv-conf", "is_host=1"]
     argvs[1][argvs[1].index("--monitor-interval") : 0] = ["--rdzv-conf", "is_host=0"]
-    envs = [{"NODE_ROLE": "host", "VICTIM_NODE": "guest"}, {"NODE_ROLE": "guest", "VICTIM_NODE": "guest"}]
+    envs = [
+        {"NODE_ROLE": "host", "VICTIM_NODE": "guest"},
+        {"NODE_ROLE": "guest", "VICTIM_NODE": "guest"},
+    ]
     agents = _run_agents(tmp_path, "framepipe.run", argvs, envs)
     assert agents[0].code != 0 and agents[1].code != 0, _detail(agents)
     victim = int((out / "killed").read_text())

@@ -44,6 +44,7 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerState,
 )
 from torch.distributed.elastic.agent.server.api import WorkerGroup as _TorchWorkerGroup
+from torch.distributed.elastic.metrics.api import MetricsConfig
 from torch.distributed.elastic.multiprocessing import LogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.api import LogsDest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
@@ -53,7 +54,7 @@ from torch.distributed.elastic.multiprocessing.errors import (
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-from torch.distributed.elastic.utils import macros
+from torch.distributed.elastic.utils.api import macros
 from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
@@ -118,7 +119,9 @@ class _NodeRanks(WorkerGroup):
 
     def _rank_paths(self, rank: int, base: str) -> tuple[str | None, str | None, str]:
         dest = self._dest
-        error = self._file(dest.error_files.get(rank)) or os.path.join(base, str(rank), "error.json")
+        error = self._file(dest.error_files.get(rank)) or os.path.join(
+            base, str(rank), "error.json"
+        )
         return self._file(dest.stdouts.get(rank)), self._file(dest.stderrs.get(rank)), error
 
     def _stream_plan(self, rank: int, which: Std, path: str | None) -> str:
@@ -378,6 +381,7 @@ class FramepipeAgent(SimpleElasticAgent):
         }
         store = worker_group.store
         with contextlib.suppress(Exception):
+            assert store is not None
             store.set(f"{_STORE_KEY}{node}", json.dumps(mine))
         last = self._remaining_restarts == 0
         others = self._gather(worker_group, _GATHER_SECONDS if last else 0.0)
@@ -458,6 +462,8 @@ class FramepipeAgent(SimpleElasticAgent):
         """The other nodes' root failures of this rendezvous round, from the store (waiting
         up to ``wait`` seconds for nodes that have not written one yet)."""
         store = worker_group.store
+        if store is None:
+            return []
         size = worker_group.group_world_size or 0
         keys = {g: f"{_STORE_KEY}{g}" for g in range(size) if g != worker_group.group_rank}
         found: dict[int, dict[str, Any]] = {}
@@ -605,14 +611,15 @@ def launch(
     name = _entrypoint_name(entrypoint, args)
     shutdown_rdzv = True
     try:
-        metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
+        metrics.initialize_metrics(MetricsConfig(config.metrics_cfg))
         result = agent.run()
         events.record(agent.get_event_succeeded(), config.event_log_handler)
         if result.is_failed():
             if not result.failures:
                 raise RuntimeError("the worker group was stopped before any rank failed")
             raise ChildFailedError(name=name, failures=result.failures)
-        return result.return_values
+        values: dict[int, Any] = result.return_values
+        return values
     except ChildFailedError:
         raise
     except SignalException:
@@ -681,7 +688,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.hang_timeout is not None and not args.hang_timeout > 0:
-        parser.error(f"--hang-timeout must be a positive number of seconds, not {args.hang_timeout}")
+        parser.error(
+            f"--hang-timeout must be a positive number of seconds, not {args.hang_timeout}"
+        )
     _run(args)
 
 
@@ -689,4 +698,3 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _run(args: Any) -> None:
     config, cmd, cmd_args = _config(args)
     launch(config, cmd, cmd_args, hang_timeout=args.hang_timeout)
-
