@@ -85,6 +85,8 @@ def _mib(n: int | None) -> str:
 class _NodeRanks(WorkerGroup):
     """The ranks of one node, laid out as torchrun lays them out (``LogsDest``)."""
 
+    _own_session = True  # as torchrun starts each rank (start_new_session)
+
     def __init__(
         self,
         entrypoint: Callable[..., Any] | str,

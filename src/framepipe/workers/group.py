@@ -638,6 +638,11 @@ class WorkerGroup:
         """The console prefix of ``rank``'s lines, without the brackets."""
         return str(rank)
 
+    #: a command rank (its launcher and the command) runs in a session of its own rather than
+    #: in a process group of this one's session: where the kernel schedules by session
+    #: (autogroup), each rank then gets a session's share of the CPU, as under torchrun
+    _own_session = False
+
     def quiet_for(self) -> dict[int, float]:
         """``{rank: seconds}`` since each running rank last wrote to a stream the supervisor
         copies (or since its start): how a hang shows. Ranks that ended are left out."""
@@ -738,7 +743,9 @@ class WorkerGroup:
             *map(str, self.args[r.rank]),
         ]
         kwargs: dict[str, Any] = {}
-        if sys.version_info >= (3, 11):
+        if self._own_session:
+            kwargs["start_new_session"] = True
+        elif sys.version_info >= (3, 11):
             kwargs["process_group"] = 0
         else:  # pragma: no cover - Python 3.10
             kwargs["start_new_session"] = True
