@@ -349,10 +349,8 @@ class FramepipeAgent(SimpleElasticAgent):
             at_ns = hung[1] if hung else int((o.failed_at or time.time()) * 1e9)
             path = group.error_files.get(rank) or ""
             own = o.error is not None and o.error.error_file not in ("<N/A>", "")
-            if own and not hung:
-                with open(path, encoding="utf-8") as f:
-                    data = json.load(f)
-            else:
+            data = _read_record(path) if own and not hung else None
+            if data is None:
                 data = self._record(o, node, by_local[rank], host, at_ns, hung)
                 with contextlib.suppress(OSError):
                     _write_json(path, data)
@@ -509,15 +507,14 @@ class FramepipeAgent(SimpleElasticAgent):
     ) -> str:
         spec = self._worker_group.spec
         attempt = spec.max_restarts - self._remaining_restarts
-        text = mine["record"]["message"]["extraInfo"]["py_callstack"]
+        text = _record_text(mine["record"])
         lines = [f"node{node}: the ranks failed (attempt {attempt}); first failure here:"]
         lines += [f"  {line}" for line in text.split("\n")]
         if job_root is not mine:
-            rec = job_root["record"]["message"]
+            first = _record_text(job_root["record"]).split("\n")[0]
             late = (mine["at_ns"] - job_root["at_ns"]) / 1e9
             lines.append(
-                f"root cause of the job: {rec['message']} ({late:.3f} s before the first "
-                f"failure here)"
+                f"root cause of the job: {first} ({late:.3f} s before the first failure here)"
             )
         elif others:
             lines.append("root cause of the job: the failure above (the first of all nodes)")
@@ -526,6 +523,26 @@ class FramepipeAgent(SimpleElasticAgent):
         else:
             lines.append(f"restarting ({self._remaining_restarts} of {spec.max_restarts} left)")
         return "\n".join(lines)
+
+
+def _read_record(path: str) -> dict[str, Any] | None:
+    """A rank's own error file, None when it cannot be read as torchelastic's JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and "message" in data else None
+
+
+def _record_text(data: dict[str, Any]) -> str:
+    """What torch's summary shows of a record: its traceback, else its message."""
+    message = data.get("message")
+    if isinstance(message, dict):
+        extra = message.get("extraInfo")
+        stack = extra.get("py_callstack") if isinstance(extra, dict) else None
+        return str(stack or message.get("message") or "<N/A>")
+    return str(message)
 
 
 def _raise_signal_exception(signum: int, frame: Any) -> None:
@@ -692,6 +709,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.hang_timeout is not None and not args.hang_timeout > 0:
         parser.error(
             f"--hang-timeout must be a positive number of seconds, not {args.hang_timeout}"
+        )
+    unsupported = [
+        flag
+        for flag, value in (
+            ("--duplicate-stdout-filters", args.duplicate_stdout_filters),
+            ("--duplicate-stderr-filters", args.duplicate_stderr_filters),
+            ("--numa-binding", getattr(args, "numa_binding", None)),
+        )
+        if value
+    ]
+    if unsupported:
+        parser.error(
+            f"{', '.join(unsupported)}: not supported by python -m framepipe.run; leave "
+            "it out, or launch this job with torchrun"
+        )
+    if os.environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") == "1":
+        _say(
+            "TORCHELASTIC_ENABLE_FILE_TIMER=1 is ignored: framepipe.run runs no file timer "
+            "server (--hang-timeout takes hung ranks' stacks and stops them)"
         )
     _run(args)
 
