@@ -77,6 +77,21 @@ for i in range(600):
     time.sleep(0.05)
 """
 
+SEGFAULT = r"""
+import ctypes, os, time
+def crash_in_c():
+    ctypes.string_at(0)
+if os.environ["RANK"] == "1":
+    crash_in_c()
+time.sleep(30)
+"""
+
+SLEEPER = r"""
+import os, sys, time
+open(os.path.join(sys.argv[1], "up" + os.environ["RANK"]), "w").close()
+time.sleep(120)
+"""
+
 SELF_KILL = r"""
 import os, signal, sys, time
 if os.environ["RANK"] == "1":
@@ -118,10 +133,15 @@ class Agent:
 
 
 def _run_agents(
-    tmp_path, launcher: str, argvs: list[list[str]], envs: list[dict[str, str]] | None = None
+    tmp_path,
+    launcher: str,
+    argvs: list[list[str]],
+    envs: list[dict[str, str]] | None = None,
+    meanwhile=None,
 ) -> list[Agent]:
-    """Start one agent per argv (``python -m launcher ARGV``), wait for all, return their exit
-    codes and output; whatever is left of them is killed and fails the test."""
+    """Start one agent per argv (``python -m launcher ARGV``), call ``meanwhile(procs)`` if
+    given, wait for all, return their exit codes and output; whatever is left of them is
+    killed and fails the test."""
     tag = uuid.uuid4().hex
     procs, files = [], []
     try:
@@ -144,6 +164,8 @@ def _run_agents(
                     start_new_session=True,
                 )
             )
+        if meanwhile is not None:
+            meanwhile(procs)
         deadline = time.monotonic() + AGENT_TIMEOUT
         for p in procs:
             try:
@@ -417,3 +439,56 @@ def test_without_torch_it_says_so(tmp_path):
     assert proc.returncode == 1
     assert "python -m framepipe.run needs PyTorch" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_native_crash_record_has_the_stack(torch_dist, tmp_path):
+    script = _script(tmp_path, SEGFAULT)
+    agents = _run_agents(
+        tmp_path, "framepipe.run", [["--standalone", "--nproc-per-node", "2", script]]
+    )
+    assert agents[0].code != 0
+    root = agents[0].err.split("Root Cause (first observed failure):")[1]
+    assert "rank      : 1 (local_rank: 1)" in root and "(SIGSEGV)" in root
+    assert "Fatal Python error: Segmentation fault" in root
+    assert "in crash_in_c" in root
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_ranks_end_with_their_agent(torch_dist, tmp_path, sig):
+    out = tmp_path / "out"
+    out.mkdir()
+    script = _script(tmp_path, SLEEPER)
+
+    def kill_agent_once_ranks_run(procs):
+        deadline = time.monotonic() + AGENT_TIMEOUT
+        while len(list(out.glob("up*"))) < 2:
+            assert time.monotonic() < deadline and procs[0].poll() is None, "ranks never ran"
+            time.sleep(0.1)
+        procs[0].send_signal(sig)
+
+    agents = _run_agents(
+        tmp_path,
+        "framepipe.run",
+        [["--standalone", "--nproc-per-node", "2", script, str(out)]],
+        meanwhile=kill_agent_once_ranks_run,
+    )
+    # _run_agents fails the test if a rank (or its launcher) outlived the agent
+    assert agents[0].code == (-signal.SIGKILL if sig == signal.SIGKILL else 1)
+    if sig == signal.SIGTERM:
+        assert "SignalException" in agents[0].err
+
+
+@pytest.mark.parametrize(
+    "flag", ["--duplicate-stdout-filters", "--duplicate-stderr-filters", "--numa-binding"]
+)
+def test_unsupported_torchrun_options_are_refused(torch_dist, flag):
+    value = "node" if flag == "--numa-binding" else "loss"
+    proc = subprocess.run(
+        [sys.executable, "-m", "framepipe.run", flag, value, "x.py"],
+        env={**os.environ, "PYTHONPATH": SRC},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"{flag}: not supported by python -m framepipe.run" in proc.stderr
