@@ -97,7 +97,9 @@ class RankOutcome:
     one), ``error_file`` its path (None without a ``log_dir``: the file is removed at close),
     ``failed_at`` when it failed in seconds since the epoch (its error file's time, else when
     its death was seen), ``ended_at`` when its death was seen, ``stderr_tail`` the last lines
-    of its stderr (with the traceback shown once, in ``traceback``).
+    of its stderr (with the traceback shown once, in ``traceback``), ``native_stack`` the
+    stack dump faulthandler wrote to its stderr as it died (``Fatal Python error: ...``), if
+    one is there.
     """
 
     rank: int
@@ -116,6 +118,7 @@ class RankOutcome:
     stdout_path: str | None = None
     stderr_path: str | None = None
     note: str = ""
+    native_stack: str | None = None
 
     @property
     def signal_name(self) -> str | None:
@@ -374,6 +377,7 @@ class _Rank:
         self.exitcode: int | None = None
         self.core_dumped = False
         self.oom_killed: bool | None = None
+        self.output_at = 0.0  # time.monotonic() of its start, then of its last output
 
     def signal(self, sig: int) -> None:
         if self.ended or self.pgid is None:
@@ -598,16 +602,52 @@ class WorkerGroup:
         else:
             base = self._temp_dir = tempfile.mkdtemp(prefix="framepipe-group-")
         for r in self._ranks:
-            d = os.path.join(base, str(r.rank))
-            os.makedirs(d, exist_ok=True)
-            r.error_file = os.path.join(d, "error.json")
+            r.stdout_path, r.stderr_path, r.error_file = self._rank_paths(r.rank, base)
+            for path in (r.stdout_path, r.stderr_path, r.error_file):
+                os.makedirs(os.path.dirname(path or r.error_file), exist_ok=True)
             with contextlib.suppress(FileNotFoundError):
                 os.remove(r.error_file)  # an earlier run's: never taken for this one's
-            kept = self.redirects[r.rank] | self.tee[r.rank] if self.log_dir else Std.NONE
-            if kept & Std.OUT:
-                r.stdout_path = os.path.join(d, "stdout.log")
-            if kept & Std.ERR:
-                r.stderr_path = os.path.join(d, "stderr.log")
+
+    # -- hooks a subclass may override (framepipe.run's elastic agent lays out torchrun's) --
+
+    def _rank_paths(self, rank: int, base: str) -> tuple[str | None, str | None, str]:
+        """Where ``rank`` keeps its stdout, its stderr (None: not kept in a file) and its
+        error file, under ``base`` (the ``log_dir``, else a temporary directory)."""
+        d = os.path.join(base, str(rank))
+        kept = self.redirects[rank] | self.tee[rank] if self.log_dir else Std.NONE
+        return (
+            os.path.join(d, "stdout.log") if kept & Std.OUT else None,
+            os.path.join(d, "stderr.log") if kept & Std.ERR else None,
+            os.path.join(d, "error.json"),
+        )
+
+    def _stream_plan(self, rank: int, which: Std, path: str | None) -> str:
+        """How ``rank``'s stream ``which`` (kept in ``path``, or None) travels: ``"file"``
+        (straight into ``path``), ``"inherit"`` (this process's own; stdout only), or through
+        a pipe the supervisor copies and watches: ``"prefix"`` (to the console, each line
+        after ``[label]``), ``"raw"`` (to the console as written), ``"quiet"`` (not to the
+        console: into ``path`` if any, and the tail kept for failure reports)."""
+        tee = bool(self.tee[rank] & which)
+        if path and not tee:
+            return "file"
+        if not tee and which is Std.OUT:
+            return "inherit"
+        return "prefix" if tee else "raw"
+
+    def _label(self, rank: int) -> str:
+        """The console prefix of ``rank``'s lines, without the brackets."""
+        return str(rank)
+
+    #: a command rank (its launcher and the command) runs in a session of its own rather than
+    #: in a process group of this one's session: where the kernel schedules by session
+    #: (autogroup), each rank then gets a session's share of the CPU, as under torchrun
+    _own_session = False
+
+    def quiet_for(self) -> dict[int, float]:
+        """``{rank: seconds}`` since each running rank last wrote to a stream the supervisor
+        copies (or since its start): how a hang shows. Ranks that ended are left out."""
+        now = time.monotonic()
+        return {r.rank: now - r.output_at for r in self._ranks if r.ready and not r.ended}
 
     def _env(self, rank: int) -> dict[str, str]:
         env = {
@@ -624,18 +664,19 @@ class WorkerGroup:
         """The fd the rank writes ``which`` to (the caller closes it after the start), or
         None to share this process's own."""
         path = r.stdout_path if which is Std.OUT else r.stderr_path
-        tee = bool(self.tee[r.rank] & which)
+        plan = self._stream_plan(r.rank, which, path)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
-        if path and not tee:
+        if plan == "file" and path:
             return os.open(path, flags, 0o644)  # straight to the file: no copying
-        if not tee and which is Std.OUT:
+        if plan == "inherit" and which is Std.OUT:
             return None
         if path:
             os.close(os.open(path, flags, 0o644))
         read, write = os.pipe()
         os.set_blocking(read, False)
-        console = "prefix" if tee else "raw"
-        pipe = _Stderr(read, str(r.rank), path, console, "stdout" if which is Std.OUT else "stderr")
+        console = plan if plan in ("prefix", "raw") else None
+        stream = "stdout" if which is Std.OUT else "stderr"
+        pipe = _Stderr(read, self._label(r.rank), path, console, stream)
         r.pipes.append(pipe)
         if which is Std.ERR:
             r.stderr_pipe = pipe
@@ -654,6 +695,7 @@ class WorkerGroup:
             for fd in (out_fd, err_fd):
                 if fd is not None:
                     os.close(fd)
+        r.output_at = time.monotonic()
         r.liveness = Liveness(r.process)
         r.death_fd = r.liveness.fd
         if r.death_fd is None:  # no pidfds here: the launcher's report pipe or the sentinel
@@ -701,7 +743,9 @@ class WorkerGroup:
             *map(str, self.args[r.rank]),
         ]
         kwargs: dict[str, Any] = {}
-        if sys.version_info >= (3, 11):
+        if self._own_session:
+            kwargs["start_new_session"] = True
+        elif sys.version_info >= (3, 11):
             kwargs["process_group"] = 0
         else:  # pragma: no cover - Python 3.10
             kwargs["start_new_session"] = True
@@ -814,7 +858,7 @@ class WorkerGroup:
                     handlers[r.conn] = functools.partial(self._on_result, r)
                 for p in r.pipes:
                     if p.fd is not None:
-                        handlers[p.fd] = functools.partial(self._on_output, p)
+                        handlers[p.fd] = functools.partial(self._on_output, p, r)
             timeout = None
             if self._kill_at is not None:
                 timeout = max(0.0, self._kill_at - time.monotonic())
@@ -839,7 +883,9 @@ class WorkerGroup:
             sig, grace, reason = self._requests.popleft()
             self._begin_stop(sig, grace, reason)
 
-    def _on_output(self, pipe: _Stderr) -> None:
+    def _on_output(self, pipe: _Stderr, r: _Rank | None = None) -> None:
+        if r is not None:
+            r.output_at = time.monotonic()
         try:
             eof = pipe.pump()
         except OSError:
@@ -975,7 +1021,23 @@ class WorkerGroup:
         elif r.exitcode == 0 and not self.is_command:
             o.note = "before returning its value"
         o.stderr_tail = self._stderr_tail(r, o.traceback)
+        o.native_stack = self._native_stack(r)
         return o
+
+    @staticmethod
+    def _native_stack(r: _Rank) -> str | None:
+        if r.stderr_pipe is not None:
+            return r.stderr_pipe.native_traceback()
+        if r.stderr_path:
+            try:
+                with open(r.stderr_path, "rb") as f:
+                    f.seek(max(0, os.fstat(f.fileno()).st_size - TAIL_BYTES))
+                    text = f.read().decode("utf-8", "replace")
+            except OSError:
+                return None
+            at = text.rfind("Fatal Python error")
+            return text[at:].rstrip() if at >= 0 else None
+        return None
 
     @staticmethod
     def _failed_ns(error: ProcessFailure | None, ended_ns: int | None) -> int | None:
