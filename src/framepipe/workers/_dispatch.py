@@ -52,6 +52,7 @@ from .._stream_errors import workers_may_spin
 from ..errors import ReadTimeout, WriterDied
 from ..remote import dumps_exception
 from . import _process, _shm
+from ._mainguard import refuse_during_main_import
 from ._process import ChildContext, WorkerProcess
 from .errors import (
     PoolBroken,
@@ -60,6 +61,7 @@ from .errors import (
     WorkerError,
     WorkerStartError,
     revive,
+    start_error,
 )
 
 # Operations, parent to worker (first item of the pickled tuple). BATCH carries the pickles of
@@ -770,6 +772,7 @@ class Core:
         max_rss: int | None = None,
         loop: Callable[[ChildContext], None] = task_loop,
     ) -> None:
+        refuse_during_main_import(f"{'a Pool' if policy == 'pool' else 'a Worker'} {name!r}")
         self.name = name
         self.policy = policy
         self._n = max_workers
@@ -1695,6 +1698,7 @@ class Core:
             head.name if head else None,
             head.tid if head else None,
             reason or slot.crash_reason,
+            starting=not slot.ready,
         )
         for fut in waiters:
             if not fut.done():
@@ -1731,9 +1735,7 @@ class Core:
         if not slot.ready and not expected and not self.closing:
             # It died before it could take a task (its bootstrap or imports failed): another
             # process would die the same way, so the workers are not restarted.
-            start_err = WorkerStartError(f"a worker of {self.name} died while starting: {err}")
-            start_err.__cause__ = err
-            self._break(start_err)
+            self._break(start_error(self.name, err))
         elif not expected and not self.closing:
             self.crashes.append(err)
             del self.crashes[:-20]
@@ -1950,7 +1952,8 @@ class Core:
         if self.policy == "pool" and not isinstance(exc, PoolBroken):
             # An Executor that cannot go on raises BrokenExecutor (as ProcessPoolExecutor's
             # BrokenProcessPool), the reason as its cause.
-            broken = PoolBroken(f"{self.name} is broken: {exc}")
+            # (the reason's first line: the rest of it is shown once, as the cause)
+            broken = PoolBroken(f"{self.name} is broken: {str(exc).partition(chr(10))[0]}")
             broken.__cause__ = exc
             exc = broken
         with self._submit_lock, self._lock:

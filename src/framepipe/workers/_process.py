@@ -817,6 +817,8 @@ class WorkerProcess:
         task_name: str | None = None,
         task_id: int | None = None,
         reason: str | None = None,
+        *,
+        starting: bool = False,
     ) -> WorkerCrashed:
         """The report of this worker's death, with what it held."""
         if self.stderr is not None:
@@ -845,6 +847,7 @@ class WorkerProcess:
             stderr_tail=tail,
             log_path=self.stderr.log_path if self.stderr is not None else None,
             reason=reason,
+            starting=starting,
         )
 
     # -- end --

@@ -9,6 +9,11 @@ using ``concurrent.futures`` already catches: :class:`TaskTimeout` is a ``Timeou
 from __future__ import annotations
 
 import concurrent.futures
+import multiprocessing
+import os
+import re
+import sys
+import threading
 from typing import Any
 
 from ..errors import FramepipeError, signal_name
@@ -21,6 +26,7 @@ __all__ = [
     "WorkerCancelled",
     "PoolBroken",
     "WorkerStartError",
+    "MainGuardError",
     "format_bytes",
 ]
 
@@ -37,10 +43,67 @@ def format_bytes(n: int | None) -> str:
     return f"{size:.1f} TiB"  # pragma: no cover - the loop always returns
 
 
-def _task_text(task_name: str | None, task_id: int | None) -> str:
+def _task_text(task_name: str | None, task_id: int | None, starting: bool = False) -> str:
     if task_name is None:
-        return "while idle"
+        return "while starting" if starting else "while idle"
     return f"while running {task_name}" + ("" if task_id is None else f" (task {task_id})")
+
+
+_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
+_FRAME_FILE = re.compile(r'^  File "(.*)", line')
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_INTERNAL = (
+    _PKG + os.sep,
+    os.path.dirname(os.path.abspath(multiprocessing.__file__)) + os.sep,
+    os.path.abspath(threading.__file__),
+    "<string>",
+)
+
+
+def _internal(frame: str) -> bool:
+    """A faulthandler frame line in framepipe, multiprocessing or threading (not the user's)."""
+    m = _FRAME_FILE.match(frame)
+    return m is not None and m.group(1).startswith(_INTERNAL)
+
+
+def tidy_dump(text: str) -> str:
+    """A faulthandler dump (a native crash, or the stacks taken at a deadline) ordered for a
+    reader: its first line, then the thread that was running (the crash's own), with the
+    frames of framepipe's worker loop below the user's collapsed into one line; then the
+    user's other threads. framepipe's own threads (the health thread) are left out. Text that
+    is not a dump comes back as it was."""
+    lines = text.rstrip().split("\n")
+    head: list[str] = []
+    blocks: list[list[str]] = []
+    tail: list[str] = []
+    for line in lines:
+        if _THREAD.match(line):
+            blocks.append([line])
+        elif blocks and (line.startswith("  ") or not line.strip()) and not tail:
+            blocks[-1].append(line)
+        elif blocks:
+            tail.append(line)
+        else:
+            head.append(line)
+    if not blocks:
+        return text.rstrip()
+    current = [b for b in blocks if b[0].startswith("Current")]
+    others = [b for b in blocks if not b[0].startswith("Current")]
+    own = [b for b in others if all(_internal(f) for f in b[1:] if f.strip())]
+    out = [line for line in head if line.strip()]
+    if out:
+        out.append("")
+    for block in current + [b for b in others if b not in own]:
+        frames = [f for f in block[1:] if f.strip()]
+        user = [i for i, f in enumerate(frames) if not _internal(f)]
+        if user and user[-1] < len(frames) - 1:
+            n = len(frames) - 1 - user[-1]
+            frames = frames[: user[-1] + 1] + [f"  ... {n} more frames (framepipe's worker loop)"]
+        out += [block[0], *frames, ""]
+    if own:
+        out.append(f"(framepipe's own threads left out: {len(own)})")
+    out += [line for line in tail if line.strip()]
+    return "\n".join(out).rstrip()
 
 
 class WorkerError(FramepipeError):
@@ -50,6 +113,72 @@ class WorkerError(FramepipeError):
 class WorkerStartError(WorkerError):
     """A worker could not start: its initializer raised (the exception is ``__cause__``), or
     the process died before it was ready."""
+
+
+class MainGuardError(WorkerStartError):
+    """A worker died while starting because the main module starts workers when it is
+    imported: a spawned (or forkserver) worker imports the main module again, which would start
+    workers of its own. The fix is the ``if __name__ == "__main__":`` guard around the code
+    that starts workers, or ``start_method="fork"``.
+
+    Attributes: ``worker``, ``pid``, ``where`` (``"file, line N"`` of the code that started
+    workers at import, when known) and ``stderr_tail`` (the worker's last stderr lines)."""
+
+    def __init__(
+        self,
+        worker: str,
+        pid: int | None,
+        *,
+        where: str | None = None,
+        stderr_tail: str = "",
+    ) -> None:
+        self.worker = worker
+        self.pid = pid
+        self.where = where
+        self.stderr_tail = stderr_tail
+        at = f" ({where})" if where else ""
+        msg = (
+            f"worker {worker!r} died while starting: the main module starts workers when it is "
+            f"imported{at}, and each spawned worker imports it again; put that code under "
+            '`if __name__ == "__main__":` or pass start_method="fork"'
+        )
+        if stderr_tail:
+            msg += f"\n\nlast stderr of worker {worker!r} (pid {pid}):\n" + _indent(stderr_tail)
+        super().__init__(msg)
+
+    def __reduce__(self) -> Any:
+        state = {"where": self.where, "stderr_tail": self.stderr_tail}
+        return (_rebuild, (type(self), (self.worker, self.pid), state))
+
+
+#: the first words of the line a worker writes when it finds itself started by the import of
+#: the main module (see ``_mainguard``); the stdlib's own words for the same mistake follow
+MAIN_GUARD_MARK = "framepipe: workers started while the main module was being imported"
+#: ... and the exit code it exits with (its stderr is still the parent's then, not the pipe)
+MAIN_GUARD_EXIT = 121
+_STDLIB_MARK = "bootstrapping phase"
+_WHERE = re.compile(r"\(at (.+?, line \d+)\)")
+START_TAIL_LINES = 6
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.rstrip().split("\n"))
+
+
+def start_error(owner: str, crash: WorkerCrashed) -> WorkerStartError:
+    """What a worker that died before it was ready means: a :class:`MainGuardError` when its
+    stderr shows the main module started workers at import, else a :class:`WorkerStartError`
+    whose cause is ``crash``."""
+    tail = crash.stderr_tail or ""
+    if crash.exitcode == MAIN_GUARD_EXIT or MAIN_GUARD_MARK in tail or _STDLIB_MARK in tail:
+        m = _WHERE.search(tail)
+        main = getattr(sys.modules.get("__main__"), "__file__", None)
+        where = m.group(1) if m else os.path.basename(main) if isinstance(main, str) else None
+        short = "\n".join(tail.rstrip().split("\n")[-START_TAIL_LINES:]) if tail else ""
+        return MainGuardError(crash.worker, crash.pid, where=where, stderr_tail=short)
+    err = WorkerStartError(f"a worker of {owner} could not start: {crash}")
+    err.__cause__ = crash
+    return err
 
 
 class WorkerCrashed(WorkerError):
@@ -82,6 +211,7 @@ class WorkerCrashed(WorkerError):
         stderr_tail: str = "",
         log_path: str | None = None,
         reason: str | None = None,
+        starting: bool = False,
     ) -> None:
         self.worker = worker
         self.pid = pid
@@ -96,6 +226,7 @@ class WorkerCrashed(WorkerError):
         self.stderr_tail = stderr_tail
         self.log_path = log_path
         self.reason = reason
+        self.starting = starting
         self.signal_name = signal_name(-exitcode) if exitcode is not None and exitcode < 0 else None
         super().__init__(self._message())
 
@@ -109,7 +240,7 @@ class WorkerCrashed(WorkerError):
                 how += " (core dumped)"
         else:
             how = f"exited with code {self.exitcode}"
-        msg = f"{who} {how} {_task_text(self.task_name, self.task_id)}"
+        msg = f"{who} {how} {_task_text(self.task_name, self.task_id, self.starting)}"
         if self.reason:
             msg += f" ({self.reason})"
         if self.oom_killed:
@@ -119,7 +250,7 @@ class WorkerCrashed(WorkerError):
         elif self.peak_rss is not None:
             msg += f"; peak RSS {format_bytes(self.peak_rss)}"
         if self.native_traceback:
-            msg += "\n\nnative traceback:\n" + self.native_traceback.rstrip()
+            msg += "\n\nnative traceback:\n" + tidy_dump(self.native_traceback)
         if self.stderr_tail:
             msg += "\n\nlast stderr:\n" + self.stderr_tail.rstrip()
         elif self.log_path:
@@ -167,7 +298,7 @@ class TaskTimeout(WorkerError, TimeoutError):
         )
         msg += "; the worker was stopped and will be replaced"
         if stack:
-            msg += "\n\nits stack when the deadline passed:\n" + stack.rstrip()
+            msg += "\n\nits stack when the deadline passed:\n" + tidy_dump(stack)
         else:
             msg += " (its stack could not be taken: the worker did not answer)"
         super().__init__(msg)
