@@ -61,7 +61,9 @@ from .errors import (
     WorkerError,
     WorkerStartError,
     revive,
+    init_error,
     start_error,
+    unloadable_error,
 )
 
 # Operations, parent to worker (first item of the pickled tuple). BATCH carries the pickles of
@@ -297,13 +299,7 @@ def _unloadable(blob: bytes, exc: BaseException, at: int) -> list[tuple[Any, ...
         raise exc
     entries = []
     for tid in tids:
-        err = WorkerError(
-            f"task {tid} could not be unpickled in the worker: {type(exc).__name__}: {exc} "
-            "(the function, its arguments and what they refer to must be importable in the "
-            "worker)"
-        )
-        err.__cause__ = exc
-        entries.append((_UNLOADABLE, tid, err))
+        entries.append((_UNLOADABLE, tid, unloadable_error(tid, exc)))
     return entries
 
 
@@ -1665,12 +1661,7 @@ class Core:
             slot.proc.sample_rss()  # its initializer may have moved it to another cgroup
             slot.last_rss_sample = time.monotonic()
         elif kind == "init-failed":
-            exc = revive(msg[2])
-            err = WorkerStartError(
-                f"the initializer of worker {slot.proc.name!r} (pid {msg[1]}) raised "
-                f"{type(exc).__name__}: {exc}"
-            )
-            err.__cause__ = exc
+            err = init_error(slot.proc, msg[1], msg[2])
             slot.stopping = "initializer failed"
             self._break(err)
         else:

@@ -553,6 +553,36 @@ def stack_text(data: bytes, quiet: float | None, expired: bool) -> str | None:
     return None
 
 
+_main_file_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _main_without_pseudo_file() -> Any:
+    """While a worker starts, hide a main module ``__file__`` that names no file (``<stdin>``
+    in a program piped to ``python -``): spawn would re-run it by that path in the worker and
+    fail; without it the worker does not re-import the main module, as under ``python -c``."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if (
+        main is None
+        or not isinstance(path, str)
+        or getattr(main, "__spec__", None) is not None
+        or not (path.startswith("<") and path.endswith(">"))
+    ):
+        yield
+        return
+    with _main_file_lock:
+        try:
+            del main.__file__
+        except AttributeError:
+            yield
+            return
+        try:
+            yield
+        finally:
+            main.__file__ = path
+
+
 class WorkerProcess:
     """The parent's handle on one worker process (see the module docstring).
 
@@ -646,7 +676,8 @@ class WorkerProcess:
             self.process = self._ctx.Process(
                 target=child_main, args=(boot,), name=self.name, daemon=False
             )
-            self.process.start()
+            with _main_without_pseudo_file():
+                self.process.start()
         finally:
             child_conn.close()
             child_health.close()

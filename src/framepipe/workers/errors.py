@@ -9,6 +9,7 @@ using ``concurrent.futures`` already catches: :class:`TaskTimeout` is a ``Timeou
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import multiprocessing
 import os
 import re
@@ -17,7 +18,7 @@ import threading
 from typing import Any
 
 from ..errors import FramepipeError, signal_name
-from ..remote import loads_exception
+from ..remote import RemoteTraceback, loads_exception
 
 __all__ = [
     "WorkerError",
@@ -337,14 +338,137 @@ def _rebuild(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return cls(*args, **kwargs)
 
 
-def revive(blob: bytes) -> BaseException:
+def init_error(proc: Any, pid: int, blob: bytes) -> WorkerStartError:
+    """The error of a worker whose initializer raised (``blob``, from the worker): what it
+    raised (a ``sys.exit()`` included, as such), with the worker's last stderr lines."""
+    exc = loads_exception(blob)
+    _show_once(exc)
+    stderr = getattr(proc, "stderr", None)
+    tail = ""
+    if stderr is not None:
+        with contextlib.suppress(OSError):
+            stderr.drain(0.2)  # the worker exits right after it sent this
+        tail = stderr.tail_text(START_TAIL_LINES)
+    what = (
+        f"called sys.exit({exc.code!r})"
+        if isinstance(exc, SystemExit)
+        else f"raised {type(exc).__name__}: {exc}"
+    )
+    msg = f"the initializer of worker {proc.name!r} (pid {pid}) {what}"
+    if tail:
+        msg += f"\n\nlast stderr of worker {proc.name!r}:\n" + _indent(tail)
+    err = WorkerStartError(msg)
+    err.__cause__ = exc
+    return err
+
+
+_MISSING_IN_MAIN = re.compile(r"Can't get attribute '([^']+)' on <module '(__mp_main__|__main__)'")
+
+
+def unloadable_error(tid: int, exc: BaseException) -> WorkerError:
+    """The error of a task the worker could not unpickle. A function (or class) of the main
+    module that the worker's copy of it does not have, because it is defined under
+    ``if __name__ == "__main__":`` (or the program has no file: ``python -c``, ``python -``),
+    gets a short message that says what to do, without the worker's traceback."""
+    m = _MISSING_IN_MAIN.search(str(exc)) if isinstance(exc, AttributeError) else None
+    if m is not None:
+        name = m.group(1)
+        if m.group(2) == "__mp_main__":
+            why = (
+                f"{name!r} is defined under `if __name__ == \"__main__\":` (or inside a "
+                "function), which a spawned worker does not run when it imports the main module"
+            )
+        else:
+            why = (
+                f"{name!r} is defined in a program that has no file (python -c, python -), "
+                "which a spawned worker cannot import"
+            )
+        err = WorkerError(
+            f"task {tid}: the worker cannot find {name!r}: {why}; define it at the top level "
+            'of a module file (above the `if __name__ == "__main__":` block), or use '
+            'start_method="fork"'
+        )
+        err.__suppress_context__ = True
+        return err
+    err = WorkerError(
+        f"task {tid} could not be unpickled in the worker: {type(exc).__name__}: {exc} "
+        "(the function, its arguments and what they refer to must be importable in the "
+        "worker)"
+    )
+    err.__cause__ = exc
+    return err
+
+
+def revive(blob: bytes, what: str = "the task") -> BaseException:
     """The exception a worker sent (``dumps_exception``), to raise in the caller. A
     SystemExit, KeyboardInterrupt or GeneratorExit raised by a task comes as a
     :class:`WorkerError` whose cause it is: never re-raised as itself in the caller, where it
-    would end the program or look like a Ctrl-C."""
+    would end the program or look like a Ctrl-C.
+
+    Its traceback shows once: as the worker's text (the :class:`~framepipe.RemoteTraceback`
+    ending its cause chain, which names the process), without the frames grafted onto the
+    revived exceptions (the same frames again) and without the text's last line (the
+    exception's own line, which the caller's traceback ends with)."""
     exc = loads_exception(blob)
+    _show_once(exc)
     if not isinstance(exc, Exception):
-        err = WorkerError(f"the task raised {type(exc).__name__}({exc})")
+        err = WorkerError(f"{what} raised {type(exc).__name__}({exc})")
         err.__cause__ = exc
         return err
     return exc
+
+
+def _without_loop_frames(lines: list[str]) -> list[str]:
+    """A traceback's lines without the frames of framepipe's worker loop that come before the
+    first frame of the user's (at the top of each ``Traceback`` block)."""
+    out: list[str] = []
+    leading = False
+    skipping = False
+    for line in lines:
+        if line.startswith("Traceback (most recent call last)"):
+            leading, skipping = True, False
+        elif line.startswith("  File "):
+            m = re.match(r'  File "(.*?)", line', line)
+            skipping = leading and m is not None and m.group(1).startswith(_INTERNAL)
+            if not skipping:
+                leading = False
+        elif not line.startswith("    "):
+            leading = skipping = False
+        if not skipping:
+            out.append(line)
+    return out
+
+
+def _show_once(exc: BaseException) -> None:
+    seen: set[int] = set()
+    chain: list[BaseException] = []
+    node: BaseException | None = exc
+    while node is not None and id(node) not in seen and not isinstance(node, RemoteTraceback):
+        seen.add(id(node))
+        chain.append(node)
+        node = node.__cause__ if node.__cause__ is not None else node.__context__
+    remote = node if isinstance(node, RemoteTraceback) else None
+    for e in chain:
+        e.__traceback__ = None
+    if remote is None:
+        return
+    lines = remote.text.rstrip().split("\n")
+    names = {type(exc).__qualname__, type(exc).__name__}
+    cut = None
+    for i in range(len(lines) - 1, -1, -1):
+        line = lines[i]
+        if line.startswith(("  ", "Traceback ")):
+            break
+        head = line.split(":", 1)[0]
+        if head.rsplit(".", 1)[-1] in names:
+            cut = i
+            break
+    if cut is None:
+        return
+    text = "\n".join(_without_loop_frames(lines[:cut])).rstrip()
+    if "\n  File " in "\n" + text:
+        remote.text = text + "\n"
+        remote.args = (remote.text, *remote.args[1:])
+    else:  # nothing but the exception's line: the worker's text adds nothing
+        chain[-1].__cause__ = None
+        chain[-1].__suppress_context__ = True
