@@ -451,6 +451,7 @@ class _Stderr:
         self.console_stream = console_stream  # the parent's "stderr" or "stdout"
         self.tail = bytearray()
         self._partial = b""
+        self._dumping = False  # a fatal error's dump is being written: not copied
         # the manager and a caller that saw the death may both pump: one at a time, so what
         # one of them read is in the tail before the other reports it
         self._lock = threading.Lock()
@@ -488,21 +489,33 @@ class _Stderr:
         if self._log is not None:
             with contextlib.suppress(OSError):
                 self._log.write(data)
-        if self.console == "raw":
-            _write_console(data, self.console_stream)
-        elif self.console == "prefix":
-            text = self._partial + data
-            lines = text.split(b"\n")
-            self._partial = lines.pop()
-            if lines:
-                prefix = f"[{self.name}] ".encode()
-                _write_console(
-                    b"".join(prefix + line + b"\n" for line in lines), self.console_stream
-                )
+        if self.console is None:
+            return
+        # Copied line by line (never a worker's half line in the middle of another's), and
+        # without the native dump of a crash, which its WorkerCrashed report shows.
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        if len(self._partial) > TAIL_BYTES:  # a very long line: copied in pieces
+            lines.append(self._partial)
+            self._partial = b""
+        self._copy(lines)
+
+    def _copy(self, lines: list[bytes]) -> None:
+        prefix = f"[{self.name}] ".encode() if self.console == "prefix" else b""
+        out = []
+        for line in lines:
+            if self._dumping:
+                continue
+            if line.startswith(b"Fatal Python error"):
+                self._dumping = True
+                line += b" (its native traceback is in the crash report)"
+            out.append(prefix + line + b"\n")
+        if out:
+            _write_console(b"".join(out), self.console_stream)
 
     def _flush_partial(self) -> None:
-        if self.console == "prefix" and self._partial:
-            _write_console(f"[{self.name}] ".encode() + self._partial + b"\n", self.console_stream)
+        if self.console is not None and self._partial:
+            self._copy([self._partial])
         self._partial = b""
 
     def tail_text(self, lines: int = TAIL_LINES) -> str:
