@@ -826,6 +826,7 @@ class Core:
         os.set_blocking(self._wake_w, False)
         _process.register_parent_side(self)
         self.stopped = concurrent.futures.Future()  # type: ignore[var-annotated]
+        self.launched = threading.Event()  # the first max_workers processes were started
         self._thread = threading.Thread(target=self._run, name=f"framepipe-{name}", daemon=True)
         _live_cores.add(self)
         self._thread.start()
@@ -863,9 +864,8 @@ class Core:
         )
         try:
             payload = pickle.dumps(msg, protocol=5)
-        except Exception as exc:  # noqa: BLE001 - goes to the future, as in concurrent.futures
-            future.set_exception(_unpicklable(fn, exc))
-            return Task(tid, future, _task_name(fn), b"", timeout, stream)
+        except Exception as exc:  # noqa: BLE001 - raised here, naming what could not be sent
+            raise _unpicklable(fn, exc, args, kwargs) from exc
         task = Task(tid, future, _task_name(fn), payload, timeout, stream)
         with self._submit_lock:  # never held by the manager: submitting never waits for it
             self._check_open()  # again: it may have been shut down meanwhile
@@ -1326,6 +1326,8 @@ class Core:
                     self._spawn()
             except BaseException as exc:  # noqa: BLE001 - every caller hears of it
                 self._break(WorkerStartError(f"cannot start the workers of {self.name}: {exc}"))
+            finally:
+                self.launched.set()
             while True:
                 self._step()
                 if self._finished():
@@ -2090,11 +2092,49 @@ class Core:
             time.sleep(0.001)
 
 
-def _unpicklable(fn: Any, exc: BaseException) -> TypeError:
-    err = TypeError(
-        f"cannot send {_task_name(fn)} and its arguments to a worker process: "
-        f"{type(exc).__name__}: {exc}; functions must be defined at module level and "
-        "arguments picklable"
-    )
+def _type_name(value: Any) -> str:
+    cls = type(value)
+    module = cls.__module__
+    return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
+
+
+def _unpicklable(
+    fn: Any,
+    exc: BaseException,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+) -> TypeError:
+    """The error of a call that cannot be pickled: which part (the function, or which
+    argument, by position or keyword, and its type) and what to do."""
+    name = _task_name(fn)
+    parts: list[tuple[str, Any]] = [("the function", fn)]
+    parts += [(f"argument {i}", a) for i, a in enumerate(args)]
+    parts += [(f"keyword argument {k!r}", v) for k, v in (kwargs or {}).items()]
+    for label, value in parts:
+        try:
+            pickle.dumps(value, protocol=5)
+        except Exception as e:  # noqa: BLE001 - the culprit
+            exc = e
+            break
+    else:
+        label, value = "", None
+    why = f"{type(exc).__name__}: {exc}"
+    if label == "the function":
+        text = (
+            f"cannot send the function {name} to a worker process ({why}); define it at the "
+            "top level of a module: a lambda or a nested function cannot be sent"
+        )
+    elif label:
+        text = (
+            f"cannot send {label} of {name} to a worker process: {_type_name(value)} "
+            f"cannot be pickled ({why}); pass something picklable "
+            "(a path, a number, a module-level function) and build the object in the worker"
+        )
+    else:
+        text = (
+            f"cannot send {name} and its arguments to a worker process ({why}); functions "
+            "must be defined at module level and arguments picklable"
+        )
+    err = TypeError(text)
     err.__cause__ = exc
     return err

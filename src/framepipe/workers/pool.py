@@ -16,6 +16,7 @@ from .worker import _check_timeout, get_context
 __all__ = ["Pool"]
 
 T = TypeVar("T")
+_LAUNCH_WAIT = 30.0  # seconds pids waits for the first workers to be launched
 
 
 class Pool(concurrent.futures.Executor):
@@ -64,7 +65,12 @@ class Pool(concurrent.futures.Executor):
     ) -> None:
         if max_workers is None:
             max_workers = os.cpu_count() or 1
-        if not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1:
+        if not isinstance(max_workers, int) or isinstance(max_workers, bool):
+            raise TypeError(
+                f"max_workers must be an int, not {type(max_workers).__name__} "
+                f"({max_workers!r}); pass a number such as Pool(4), or None for one per CPU"
+            )
+        if max_workers < 1:
             raise ValueError(f"max_workers must be a positive int, not {max_workers!r}")
         if initializer is not None and not callable(initializer):
             raise TypeError(f"initializer must be callable, not {type(initializer).__name__}")
@@ -191,6 +197,11 @@ class Pool(concurrent.futures.Executor):
 
     @property
     def pids(self) -> list[int]:
+        """The pids of the live workers. The workers start when the pool is made (not at the
+        first task, so that their start-up cost is paid before the work comes and a worker
+        that cannot start is known early): right after ``Pool(n)``, ``pids`` waits until the
+        ``n`` processes are launched (not until they are ready), so it lists them all."""
+        self._core.launched.wait(_LAUNCH_WAIT)
         return [s.proc.pid for s in self._core.slots() if s.proc.pid is not None and not s.dead]
 
     @property
