@@ -23,7 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version",
         action="version",
-        version=f"framepipe {__version__} ({implementation} engine, Python {platform.python_version()})",
+        version=(
+            f"framepipe {__version__} ({implementation} engine, Python {platform.python_version()})"
+        ),
         help="print framepipe's version and which engine runs, then exit",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")

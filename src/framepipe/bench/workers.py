@@ -28,6 +28,7 @@ from typing import Any
 
 from ..workers import Pool
 from . import peers
+from .load import LoadProbe, busy_lines
 from .machine import machine_info
 from .output import run_and_emit
 from .plot import Bar, Group
@@ -448,6 +449,7 @@ def run(
     repeat = 2 if quick else 3
     machine = machine_info()
     started = time.monotonic()
+    probe = LoadProbe()
     rows: dict[str, dict[str, Any]] = {}
     skipped = missing_peers()
     runnable = [peer for peer in chosen if peer[2] not in skipped]
@@ -497,6 +499,7 @@ def run(
         "missing_line": peers.missing_line_for(gone),
         "peers": peers.versions("workers"),
         "targets": _targets(rows),
+        "load": probe.finish(),
     }
 
 
@@ -658,6 +661,9 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(
                 f"  {t['what']:<46}{got:>8}  {t['target']:<10}{'met' if t['met'] else 'MISSED'}"
             )
+    missed = sum(1 for t in report["targets"] if not t["met"])
+    for line in busy_lines(report.get("load"), (), missed):
+        lines += ["", *wrap(line, "")]
     if report.get("missing_line"):
         lines += ["", *wrap(report["missing_line"], "")]
     return "\n".join(fit(lines))

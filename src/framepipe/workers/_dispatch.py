@@ -60,8 +60,8 @@ from .errors import (
     WorkerCancelled,
     WorkerError,
     WorkerStartError,
-    revive,
     init_error,
+    revive,
     start_error,
     unloadable_error,
 )
@@ -2110,14 +2110,13 @@ def _unpicklable(
     parts: list[tuple[str, Any]] = [("the function", fn)]
     parts += [(f"argument {i}", a) for i, a in enumerate(args)]
     parts += [(f"keyword argument {k!r}", v) for k, v in (kwargs or {}).items()]
-    for label, value in parts:
+    label, value = "", None
+    for part, obj in parts:
         try:
-            pickle.dumps(value, protocol=5)
+            pickle.dumps(obj, protocol=5)
         except Exception as e:  # noqa: BLE001 - the culprit
-            exc = e
+            label, value, exc = part, obj, e
             break
-    else:
-        label, value = "", None
     why = f"{type(exc).__name__}: {exc}"
     if label == "the function":
         text = (

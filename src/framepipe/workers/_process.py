@@ -542,10 +542,12 @@ class _Stderr:
 def _write_console(data: bytes, stream: str = "stderr") -> None:
     console = getattr(sys, stream)
     with contextlib.suppress(OSError):
-        try:
-            console.flush()
-        except (AttributeError, ValueError):
-            pass
+        # the parent's own lines first, whole: a worker's line never lands inside one
+        for own in (sys.stdout, sys.stderr):
+            try:
+                own.flush()
+            except (AttributeError, ValueError, OSError):
+                pass
         fd = console.fileno() if console is not None else (1 if stream == "stdout" else 2)
         view = memoryview(data)
         while view:

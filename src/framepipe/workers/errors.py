@@ -52,19 +52,22 @@ def _task_text(task_name: str | None, task_id: int | None, starting: bool = Fals
 
 _THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
 _FRAME_FILE = re.compile(r'^  File "(.*)", line')
-_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_INTERNAL = (
-    _PKG + os.sep,
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_STDLIB = (
     os.path.dirname(os.path.abspath(multiprocessing.__file__)) + os.sep,
     os.path.abspath(threading.__file__),
     "<string>",
 )
+# the frames of a worker's loop below the user's (framepipe.workers, multiprocessing's start)
+_LOOP = (os.path.dirname(os.path.abspath(__file__)) + os.sep, *_STDLIB)
+# the frames of framepipe's own threads in a worker (the health thread)
+_OWN = (_PKG, *_STDLIB)
 
 
-def _internal(frame: str) -> bool:
-    """A faulthandler frame line in framepipe, multiprocessing or threading (not the user's)."""
+def _internal(frame: str, where: tuple[str, ...] = _LOOP) -> bool:
+    """A faulthandler frame line in one of the places ``where`` (not the user's code)."""
     m = _FRAME_FILE.match(frame)
-    return m is not None and m.group(1).startswith(_INTERNAL)
+    return m is not None and m.group(1).startswith(where)
 
 
 def tidy_dump(text: str) -> str:
@@ -90,7 +93,7 @@ def tidy_dump(text: str) -> str:
         return text.rstrip()
     current = [b for b in blocks if b[0].startswith("Current")]
     others = [b for b in blocks if not b[0].startswith("Current")]
-    own = [b for b in others if all(_internal(f) for f in b[1:] if f.strip())]
+    own = [b for b in others if all(_internal(f, _OWN) for f in b[1:] if f.strip())]
     out = [line for line in head if line.strip()]
     if out:
         out.append("")
@@ -375,7 +378,7 @@ def unloadable_error(tid: int, exc: BaseException) -> WorkerError:
         name = m.group(1)
         if m.group(2) == "__mp_main__":
             why = (
-                f"{name!r} is defined under `if __name__ == \"__main__\":` (or inside a "
+                f'{name!r} is defined under `if __name__ == "__main__":` (or inside a '
                 "function), which a spawned worker does not run when it imports the main module"
             )
         else:
@@ -429,7 +432,7 @@ def _without_loop_frames(lines: list[str]) -> list[str]:
             leading, skipping = True, False
         elif line.startswith("  File "):
             m = re.match(r'  File "(.*?)", line', line)
-            skipping = leading and m is not None and m.group(1).startswith(_INTERNAL)
+            skipping = leading and m is not None and m.group(1).startswith(_LOOP)
             if not skipping:
                 leading = False
         elif not line.startswith("    "):
