@@ -59,6 +59,7 @@ class LoadProbe:
     def __init__(self) -> None:
         self._start = _cpu_ticks()
         self._own = _own_seconds()
+        self._load: float | None
         try:
             self._load = os.getloadavg()[0]
         except OSError:

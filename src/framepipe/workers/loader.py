@@ -61,7 +61,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic
 
 from .. import connection as _connection
 from .._stream_errors import workers_may_spin
@@ -72,6 +72,16 @@ from ._process import ChildContext, WorkerProcess, _FdHandle, register_parent_si
 from .errors import TaskTimeout, WorkerError, WorkerStartError, revive
 
 __all__ = ["DataLoader", "WorkerInfo", "get_worker_info", "default_collate"]
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeVar
+
+    #: what iterating a DataLoader gives: what its collate_fn returns (Any by default)
+    BatchT = TypeVar("BatchT", default=Any)
+else:
+    from typing import TypeVar
+
+    BatchT = TypeVar("BatchT")
 
 # Requests, parent to worker, on its channel: (FETCH, [batch ids], [indices, ...]) gives
 # batches to load later (read when the worker runs out); (RETURN, [memfds]) hands back memfds
@@ -1112,7 +1122,7 @@ class _RandomSampler:
         return self.n
 
 
-class DataLoader:
+class DataLoader(Generic[BatchT]):
     """Batches of a dataset, loaded by worker processes over framepipe channels.
 
     The arguments are torch's (``torch.utils.data.DataLoader``):
@@ -1143,7 +1153,7 @@ class DataLoader:
         sampler: Iterable[Any] | None = None,
         batch_sampler: Iterable[Any] | None = None,
         num_workers: int = 2,
-        collate_fn: Callable[[Any], Any] | None = None,
+        collate_fn: Callable[[Any], BatchT] | None = None,
         prefetch_factor: int = 2,
         in_order: bool = True,
         timeout: float = 0,
@@ -1250,7 +1260,7 @@ class DataLoader:
             return iter(self.sampler)
         return _batches(self.sampler, self.batch_size, self.drop_last)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[BatchT]:
         current = self._current_ref()
         if current is not None and self.persistent_workers:
             # One set of workers serves one epoch at a time: the new one takes them over.

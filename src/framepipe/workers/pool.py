@@ -7,7 +7,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar, overload
 
 from .._lazy import asyncio  # imported on first use (see _lazy)
 from . import _dispatch as D
@@ -16,6 +16,9 @@ from .worker import _check_timeout, get_context
 __all__ = ["Pool"]
 
 T = TypeVar("T")
+A = TypeVar("A")
+B = TypeVar("B")
+P = ParamSpec("P")
 _LAUNCH_WAIT = 30.0  # seconds pids waits for the first workers to be launched
 
 
@@ -114,12 +117,14 @@ class Pool(concurrent.futures.Executor):
     # -- Executor --
 
     def submit(
-        self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+        self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
     ) -> concurrent.futures.Future[T]:
-        """Schedule ``fn(*args, **kwargs)``; returns a :class:`concurrent.futures.Future`."""
+        """Schedule ``fn(*args, **kwargs)``; returns a :class:`concurrent.futures.Future`.
+        A call that cannot be pickled (the function, or an argument) raises TypeError here,
+        naming what could not be sent."""
         return self._core.submit(D.CALL, fn, args, kwargs, timeout=self._core.task_timeout).future
 
-    async def acall(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    async def acall(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Run ``fn(*args, **kwargs)`` in a worker and await its result (asyncio; no thread
         per call)."""
         return await asyncio.wrap_future(self.submit(fn, *args, **kwargs))
@@ -134,6 +139,45 @@ class Pool(concurrent.futures.Executor):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+    # Type checkers see the items' types checked against the function's parameters for one
+    # and two iterables (Executor.map takes any callable: hence the ignore); more iterables
+    # check the results' type only.
+    @overload  # type: ignore[override]
+    def map(
+        self,
+        fn: Callable[[A], T],
+        it1: Iterable[A],
+        /,
+        *,
+        timeout: float | None = None,
+        chunksize: int = 1,
+    ) -> Iterator[T]: ...
+
+    @overload
+    def map(
+        self,
+        fn: Callable[[A, B], T],
+        it1: Iterable[A],
+        it2: Iterable[B],
+        /,
+        *,
+        timeout: float | None = None,
+        chunksize: int = 1,
+    ) -> Iterator[T]: ...
+
+    @overload
+    def map(
+        self,
+        fn: Callable[..., T],
+        it1: Iterable[Any],
+        it2: Iterable[Any],
+        it3: Iterable[Any],
+        /,
+        *iterables: Iterable[Any],
+        timeout: float | None = None,
+        chunksize: int = 1,
+    ) -> Iterator[T]: ...
 
     def map(
         self,
@@ -158,7 +202,7 @@ class Pool(concurrent.futures.Executor):
         )
         return itertools.chain.from_iterable(_ordered(results, len(results.values), deadline))
 
-    def imap_unordered(self, fn: Callable[..., T], iterable: Iterable[Any]) -> Iterator[T]:
+    def imap_unordered(self, fn: Callable[[A], T], iterable: Iterable[A]) -> Iterator[T]:
         """Results of ``fn(x)`` for each x of ``iterable`` as they complete, in any order."""
         futures = [self.submit(fn, x) for x in iterable]
         return _unordered(futures)
