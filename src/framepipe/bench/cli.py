@@ -170,7 +170,8 @@ def run_core(
         impls = [i for i in fallback if i.is_framepipe] + impls
         notes += more
     ctx = Context(impls, depth=depth, placement=args.placement, notes=notes)
-    # each cell's figure is in the table: progress says only where the run is
+    # where the run is (each cell's figure is in the table, once)
+    ctx.progress = lambda line: progress("      " + line)
     machine = machine_info()
     progress(
         f"bench core: {len(chosen)} benchmarks, {', '.join(i.name for i in impls)}; "
