@@ -123,6 +123,27 @@ def test_workers_started_at_import_get_their_own_error_naming_the_fix(tmp_path):
     assert len(out.stderr.split(TRACEBACK)[0].splitlines()) <= 12, out.stderr
 
 
+def test_a_dataloader_iterated_at_import_gets_the_same_error(tmp_path):
+    code = """
+        from framepipe.workers import DataLoader
+
+        class Items:
+            def __len__(self):
+                return 8
+
+            def __getitem__(self, i):
+                return i
+
+        for batch in DataLoader(Items(), batch_size=4, num_workers=1, start_method="spawn"):
+            print(batch)
+    """
+    out = run_program(code, "file", tmp_path)
+    assert out.returncode == 1
+    first = exception_line(out.stderr, "MainGuardError")
+    assert "worker 'DataLoader-worker-0' died while starting: the main module" in first
+    assert '`if __name__ == "__main__":`' in first
+
+
 def test_main_guard_error_pickles_and_keeps_its_facts():
     import pickle
 

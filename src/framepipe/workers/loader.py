@@ -68,8 +68,16 @@ from .._stream_errors import workers_may_spin
 from ..errors import ReadTimeout, WriterDied
 from ..remote import add_note, dumps_exception, loads_exception
 from . import _shm
+from ._mainguard import refuse_during_main_import
 from ._process import ChildContext, WorkerProcess, _FdHandle, register_parent_side
-from .errors import TaskTimeout, WorkerError, WorkerStartError, revive
+from .errors import (
+    MAIN_GUARD_EXIT,
+    TaskTimeout,
+    WorkerError,
+    WorkerStartError,
+    revive,
+    start_error,
+)
 
 __all__ = ["DataLoader", "WorkerInfo", "get_worker_info", "default_collate"]
 
@@ -1021,6 +1029,8 @@ class _Workers:
             why += f"; {reason}"
         task = self._batch_text(*loading[0]) if loading else None
         err = slot.proc.crash_error(died, task, None, why)
+        if err.exitcode == MAIN_GUARD_EXIT:  # it never started: see _mainguard
+            return self._fail(start_error("a DataLoader", err))
         err.worker_id = slot.id  # type: ignore[attr-defined]
         err.batches = dict(loading)  # type: ignore[attr-defined]
         err.queued = dict(held[len(loading) :])  # type: ignore[attr-defined]
@@ -1271,6 +1281,8 @@ class DataLoader(Generic[BatchT]):
                 "iterator has workers of its own"
             )
         self._epoch += 1
+        if self.num_workers:
+            refuse_during_main_import("a DataLoader's workers")
         if self.num_workers == 0:
             fetcher = _Fetcher(
                 self.dataset,
