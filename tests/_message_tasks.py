@@ -42,3 +42,13 @@ def exit_with_pipe_end(conn: object) -> None:
 
 def parse(text: str) -> int:
     return int(text)
+
+
+def talk_then_die(lines: int) -> None:
+    """Write ``lines`` lines to stderr, then die by SIGKILL."""
+    import signal
+
+    for i in range(lines):
+        print(f"progress line {i}", file=sys.stderr)
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)

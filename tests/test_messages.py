@@ -24,6 +24,7 @@ from _message_tasks import (
     hang,
     identity,
     parse,
+    talk_then_die,
     write_in_two_parts,
 )
 
@@ -322,6 +323,19 @@ def test_a_native_crash_report_puts_the_users_frame_first_and_says_it_once(engin
     assert err.count("Fatal Python error") == 1, err
     assert "its native traceback is in the crash report" in err
     assert "Current thread" not in err and "_serve_health" not in err
+
+
+def test_a_crash_report_keeps_to_twelve_lines_whatever_the_worker_wrote(engine, capfd):
+    with Pool(1, start_method="fork") as pool:
+        with pytest.raises(WorkerCrashed) as info:
+            pool.submit(talk_then_die, 30).result(WAIT)
+    lines = str(info.value).splitlines()
+    assert "was killed by SIGKILL while running" in lines[0]
+    assert len(lines) <= 12, lines
+    assert lines[-1] == "progress line 29"
+    assert any(line.startswith("last stderr (the last ") for line in lines)
+    assert "progress line 10" in info.value.stderr_tail  # the attribute keeps 20 lines
+    capfd.readouterr()
 
 
 def test_a_task_timeout_shows_the_stuck_frame_first(engine):

@@ -163,6 +163,8 @@ MAIN_GUARD_EXIT = 121
 _STDLIB_MARK = "bootstrapping phase"
 _WHERE = re.compile(r"\(at (.+?, line \d+)\)")
 START_TAIL_LINES = 6
+#: a crash report's stderr lines are cut to keep it about this long (a native dump aside)
+REPORT_LINES = 12
 
 
 def _indent(text: str) -> str:
@@ -256,7 +258,13 @@ class WorkerCrashed(WorkerError):
         if self.native_traceback:
             msg += "\n\nnative traceback:\n" + tidy_dump(self.native_traceback)
         if self.stderr_tail:
-            msg += "\n\nlast stderr:\n" + self.stderr_tail.rstrip()
+            lines = self.stderr_tail.rstrip().split("\n")
+            room = max(REPORT_LINES - msg.count("\n") - 3, 3)
+            if len(lines) > room:
+                msg += f"\n\nlast stderr (the last {room} lines; more in .stderr_tail):\n"
+                msg += "\n".join(lines[-room:])
+            else:
+                msg += "\n\nlast stderr:\n" + "\n".join(lines)
         elif self.log_path:
             msg += f"\n(its stderr is in {self.log_path})"
         return msg

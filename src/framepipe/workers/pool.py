@@ -38,8 +38,12 @@ class Pool(concurrent.futures.Executor):
       ``kill_grace`` seconds later (its whole process group), and is replaced.
     - Workers are replaced after ``max_tasks_per_worker`` tasks, or when their resident size
       passes ``max_rss`` bytes after a task.
-    - ``initializer(*initargs)`` runs in each worker before its first task; if it raises, the
-      pool is broken (:class:`PoolBroken` from :class:`WorkerStartError`).
+    - ``initializer(*initargs)`` runs in each worker before its first task; if it raises (or
+      exits), the pool is broken (:class:`PoolBroken` from :class:`WorkerStartError`, with the
+      worker's last stderr lines).
+    - The workers start when the pool is made, not at the first task: their start-up is paid
+      before work arrives, ``pids`` lists them at once, and a worker that cannot start (a
+      missing ``if __name__ == "__main__":`` guard: :class:`MainGuardError`) is known early.
 
     ``start_method`` is ``"spawn"`` (default), ``"fork"`` or ``"forkserver"``; ``log_dir`` and
     ``tee`` are as for :class:`Worker`. Code written against ``Executor`` runs unchanged on
