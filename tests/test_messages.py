@@ -415,6 +415,11 @@ def test_an_unpicklable_argument_fails_at_submit_naming_it(engine):
         with pytest.raises(TypeError, match=r"^cannot send the function "):
             pool.submit(lambda: 1)
         assert pool.submit(identity, 5).result(WAIT) == 5  # nothing was queued
+        # map: the item that cannot be sent fails in its place, naming its argument
+        it = pool.map(max, [1, lock], [2, 3])
+        assert next(it) == 2
+        with pytest.raises(TypeError, match=r"^cannot send argument 0 of max .*_thread.lock"):
+            next(it)
     with Worker(start_method="fork") as w:
         with pytest.raises(TypeError, match=r"^cannot send argument 1 of "):
             w.call(max, 1, lock)

@@ -972,7 +972,7 @@ class Core:
                 try:
                     payload = dumps((tid, items[i]), protocol=5)
                 except Exception as exc:  # noqa: BLE001 - this item fails, the others run
-                    results.store(i, _Failure(_unpicklable(fn, exc)))
+                    results.store(i, _Failure(_unpicklable(fn, exc, tuple(items[i]))))
                     continue
                 tasks.append(MapTask(tid, results, i, name, payload, timeout, fn))
             with self._submit_lock:
