@@ -64,6 +64,7 @@ from .errors import (
     revive,
     start_error,
     unloadable_error,
+    unpicklable_error,
 )
 
 # Operations, parent to worker (first item of the pickled tuple). BATCH carries the pickles of
@@ -2092,48 +2093,10 @@ class Core:
             time.sleep(0.001)
 
 
-def _type_name(value: Any) -> str:
-    cls = type(value)
-    module = cls.__module__
-    return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
-
-
 def _unpicklable(
     fn: Any,
     exc: BaseException,
     args: tuple[Any, ...] = (),
     kwargs: dict[str, Any] | None = None,
 ) -> TypeError:
-    """The error of a call that cannot be pickled: which part (the function, or which
-    argument, by position or keyword, and its type) and what to do."""
-    name = _task_name(fn)
-    parts: list[tuple[str, Any]] = [("the function", fn)]
-    parts += [(f"argument {i}", a) for i, a in enumerate(args)]
-    parts += [(f"keyword argument {k!r}", v) for k, v in (kwargs or {}).items()]
-    label, value = "", None
-    for part, obj in parts:
-        try:
-            pickle.dumps(obj, protocol=5)
-        except Exception as e:  # noqa: BLE001 - the culprit
-            label, value, exc = part, obj, e
-            break
-    why = f"{type(exc).__name__}: {exc}"
-    if label == "the function":
-        text = (
-            f"cannot send the function {name} to a worker process ({why}); define it at the "
-            "top level of a module: a lambda or a nested function cannot be sent"
-        )
-    elif label:
-        text = (
-            f"cannot send {label} of {name} to a worker process: {_type_name(value)} "
-            f"cannot be pickled ({why}); pass something picklable "
-            "(a path, a number, a module-level function) and build the object in the worker"
-        )
-    else:
-        text = (
-            f"cannot send {name} and its arguments to a worker process ({why}); functions "
-            "must be defined at module level and arguments picklable"
-        )
-    err = TypeError(text)
-    err.__cause__ = exc
-    return err
+    return unpicklable_error(_task_name(fn), fn, exc, args, kwargs)

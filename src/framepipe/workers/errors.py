@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import multiprocessing
 import os
+import pickle
 import re
 import sys
 import threading
@@ -347,6 +348,53 @@ class PoolBroken(WorkerError, concurrent.futures.BrokenExecutor):
 
 def _rebuild(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return cls(*args, **kwargs)
+
+
+def _type_name(value: Any) -> str:
+    cls = type(value)
+    module = cls.__module__
+    return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
+
+
+def unpicklable_error(
+    name: str,
+    fn: Any,
+    exc: BaseException,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+) -> TypeError:
+    """The error of a call of ``fn`` (named ``name``) that cannot be pickled: which part (the
+    function, or which argument, by position or keyword, and its type) and what to do."""
+    parts: list[tuple[str, Any]] = [("the function", fn)]
+    parts += [(f"argument {i}", a) for i, a in enumerate(args)]
+    parts += [(f"keyword argument {k!r}", v) for k, v in (kwargs or {}).items()]
+    label, value = "", None
+    for part, obj in parts:
+        try:
+            pickle.dumps(obj, protocol=5)
+        except Exception as e:  # noqa: BLE001 - the culprit
+            label, value, exc = part, obj, e
+            break
+    why = f"{type(exc).__name__}: {exc}"
+    if label == "the function":
+        text = (
+            f"cannot send the function {name} to a worker process ({why}); define it at the "
+            "top level of a module: a lambda or a nested function cannot be sent"
+        )
+    elif label:
+        text = (
+            f"cannot send {label} of {name} to a worker process: {_type_name(value)} "
+            f"cannot be pickled ({why}); pass something picklable "
+            "(a path, a number, a module-level function) and build the object in the worker"
+        )
+    else:
+        text = (
+            f"cannot send {name} and its arguments to a worker process ({why}); functions "
+            "must be defined at module level and arguments picklable"
+        )
+    err = TypeError(text)
+    err.__cause__ = exc
+    return err
 
 
 def init_error(proc: Any, pid: int, blob: bytes) -> WorkerStartError:
