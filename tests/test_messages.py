@@ -100,13 +100,14 @@ UNGUARDED = """
     def square(x):
         return x * x
 
-    with Pool(2, start_method="spawn") as pool:
+    with Pool(2, start_method="METHOD") as pool:
         print(pool.submit(square, 3).result())
 """
 
 
-def test_workers_started_at_import_get_their_own_error_naming_the_fix(tmp_path):
-    out = run_program(UNGUARDED, "file", tmp_path)
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_workers_started_at_import_get_their_own_error_naming_the_fix(tmp_path, method):
+    out = run_program(UNGUARDED.replace("METHOD", method), "file", tmp_path)
     assert out.returncode == 1
     first = exception_line(out.stderr, "MainGuardError")
     assert first.startswith("framepipe.workers.errors.MainGuardError: worker 'pool-")

@@ -36,7 +36,8 @@ def _user_frame() -> str | None:
 
 def refuse_during_main_import(what: str) -> None:
     """Exit this process (a worker still importing its parent's main module) with one line
-    that says why; do nothing anywhere else."""
+    on its stderr that says why, and the exit code the parent recognises; do nothing anywhere
+    else."""
     if not getattr(multiprocessing.current_process(), "_inheriting", False):
         return
     where = _user_frame()
@@ -46,5 +47,8 @@ def refuse_during_main_import(what: str) -> None:
             f"{MAIN_GUARD_MARK}: {what} started{at}; put that code under "
             '`if __name__ == "__main__":` or use start_method="fork"\n'
         )
-        sys.stderr.flush()
-    raise SystemExit(MAIN_GUARD_EXIT)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    # os._exit, not SystemExit: a forkserver's child would turn that into exit code 1
+    os._exit(MAIN_GUARD_EXIT)
