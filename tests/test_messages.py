@@ -375,7 +375,7 @@ def test_tidy_dump_orders_threads_and_leaves_text_that_is_no_dump_alone():
         "",
         "Current thread 0x0000000000000001 (most recent call first):",
         '  File "/app/mine.py", line 3 in crash',
-        "  ... 2 more frames (framepipe's worker loop)",
+        "  ... 2 more frames below (framepipe's and Python's own)",
         "",
         "Thread 0x0000000000000003 (most recent call first):",
         '  File "/app/mine.py", line 9 in poller',

@@ -103,7 +103,9 @@ def tidy_dump(text: str) -> str:
         user = [i for i, f in enumerate(frames) if not _internal(f)]
         if user and user[-1] < len(frames) - 1:
             n = len(frames) - 1 - user[-1]
-            frames = frames[: user[-1] + 1] + [f"  ... {n} more frames (framepipe's worker loop)"]
+            frames = frames[: user[-1] + 1] + [
+                f"  ... {n} more frames below (framepipe's and Python's own)"
+            ]
         out += [block[0], *frames, ""]
     if own:
         out.append(f"(framepipe's own threads left out: {len(own)})")
