@@ -146,6 +146,24 @@ def test_a_dataloader_iterated_at_import_gets_the_same_error(tmp_path):
     assert '`if __name__ == "__main__":`' in first
 
 
+def test_a_worker_group_started_at_import_says_the_same(tmp_path):
+    code = """
+        from framepipe.workers import WorkerGroup
+
+        def rank_main(x):
+            return x
+
+        group = WorkerGroup(rank_main, 2, args=(1,))
+        group.start()
+        group.wait(60)
+    """
+    out = run_program(code, "file", tmp_path)
+    assert out.returncode == 1
+    first = exception_line(out.stderr, "GroupFailed")
+    assert "exited with code 121 while starting: the main module starts workers" in first
+    assert '`if __name__ == "__main__":`' in first
+
+
 def test_main_guard_error_pickles_and_keeps_its_facts():
     import pickle
 
