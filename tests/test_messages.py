@@ -125,6 +125,20 @@ def test_workers_started_at_import_get_their_own_error_naming_the_fix(tmp_path, 
     assert len(out.stderr.split(TRACEBACK)[0].splitlines()) <= 12, out.stderr
 
 
+def test_a_worker_started_at_import_fails_its_call_saying_why(tmp_path):
+    code = """
+        from framepipe.workers import Worker
+
+        with Worker() as w:
+            print(w.call(abs, -2))
+    """
+    out = run_program(code, "file", tmp_path)
+    assert out.returncode == 1
+    first = exception_line(out.stderr, "WorkerCrashed")
+    assert "exited with code 121 while starting: the main module starts workers" in first
+    assert '`if __name__ == "__main__":`' in first
+
+
 def test_a_dataloader_iterated_at_import_gets_the_same_error(tmp_path):
     code = """
         from framepipe.workers import DataLoader

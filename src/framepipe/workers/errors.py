@@ -146,8 +146,7 @@ class MainGuardError(WorkerStartError):
         at = f" ({where})" if where else ""
         msg = (
             f"worker {worker!r} died while starting: the main module starts workers when it is "
-            f"imported{at}, and each spawned worker imports it again; put that code under "
-            '`if __name__ == "__main__":` or pass start_method="fork"'
+            f"imported{at}, and each spawned worker imports it again; {MAIN_GUARD_FIX}"
         )
         if stderr_tail:
             msg += f"\n\nlast stderr of worker {worker!r} (pid {pid}):\n" + _indent(stderr_tail)
@@ -161,6 +160,7 @@ class MainGuardError(WorkerStartError):
 #: the first words of the line a worker writes when it finds itself started by the import of
 #: the main module (see ``_mainguard``); the stdlib's own words for the same mistake follow
 MAIN_GUARD_MARK = "framepipe: workers started while the main module was being imported"
+MAIN_GUARD_FIX = 'put that code under `if __name__ == "__main__":` or pass start_method="fork"'
 #: ... and the exit code it exits with (its stderr is still the parent's then, not the pipe)
 MAIN_GUARD_EXIT = 121
 _STDLIB_MARK = "bootstrapping phase"
@@ -250,6 +250,11 @@ class WorkerCrashed(WorkerError):
         else:
             how = f"exited with code {self.exitcode}"
         msg = f"{who} {how} {_task_text(self.task_name, self.task_id, self.starting)}"
+        if self.starting and self.exitcode == MAIN_GUARD_EXIT:
+            msg += (
+                ": the main module starts workers when it is imported, and each spawned "
+                f"worker imports it again; {MAIN_GUARD_FIX}"
+            )
         if self.reason:
             msg += f" ({self.reason})"
         if self.oom_killed:
