@@ -542,12 +542,12 @@ class _Stderr:
 def _write_console(data: bytes, stream: str = "stderr") -> None:
     console = getattr(sys, stream)
     with contextlib.suppress(OSError):
-        # the parent's own lines first, whole: a worker's line never lands inside one
-        for own in (sys.stdout, sys.stderr):
-            try:
-                own.flush()
-            except (AttributeError, ValueError, OSError):
-                pass
+        # what the parent wrote to that stream first (its stdout is left alone: flushed from
+        # here, between the pieces of a print(), it would show a half line)
+        try:
+            console.flush()
+        except (AttributeError, ValueError):
+            pass
         fd = console.fileno() if console is not None else (1 if stream == "stdout" else 2)
         view = memoryview(data)
         while view:
