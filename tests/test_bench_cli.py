@@ -37,13 +37,19 @@ ITEM_7 = {  # the compiled core's targets, judged by the default run
 }
 
 
+@pytest.fixture(autouse=True)
+def _width_100(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reports wrap at $COLUMNS (the terminal's width); these tests read them at 100."""
+    monkeypatch.setenv("COLUMNS", str(WIDTH))
+
+
 def run_bench(
     *args: str, hide: tuple[str, ...] = (), tmp: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     """``python -m framepipe bench ARGS``. Each module in ``hide`` fails to import in that
     process (a module of that name that raises ImportError comes first on the path), as it
     does where it is not installed."""
-    env = dict(os.environ)
+    env = dict(os.environ, COLUMNS=str(WIDTH))  # the width the tests read reports at
     paths = [str(Path(framepipe.__file__).resolve().parent.parent)]
     if hide:
         assert tmp is not None

@@ -541,9 +541,8 @@ def test_pool_task_exceptions_never_break_it(engine):
         for i, fut in enumerate(futures):
             exc = fut.exception(WAIT)
             assert type(exc) is TwoArgError and exc.code == i
-        fut = pool.submit(identity, lambda: 1)  # not picklable: fails this task only
-        with pytest.raises(TypeError, match="cannot send"):
-            fut.result(WAIT)
+        with pytest.raises(TypeError, match="cannot send argument 0 of"):
+            pool.submit(identity, lambda: 1)  # not picklable: refused at once
         assert pool.submit(add, 1, 1).result(WAIT) == 2
         assert pool.crashes == []
 
@@ -636,7 +635,7 @@ def test_pool_worker_dying_while_starting_breaks_it_instead_of_looping(engine):
             with pytest.raises(PoolBroken) as info:
                 fut.result(WAIT)
             err = info.value
-        assert "died while starting" in str(err) and "exited with code 3" in str(err)
+        assert "exited with code 3 while starting" in str(err).splitlines()[0]
         assert isinstance(pool.broken, PoolBroken)
         assert isinstance(pool.broken.__cause__, WorkerStartError)
         assert pool._core.restarts == 0  # no process was started to replace them

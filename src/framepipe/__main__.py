@@ -1,13 +1,16 @@
 """Command line: ``python -m framepipe bench [core|workers|loader] [--full] [--json FILE]
-[--plot FILE.png]`` and ``python -m framepipe demo``."""
+[--plot FILE.png]``, ``python -m framepipe demo`` and ``python -m framepipe --version``."""
 
 from __future__ import annotations
 
 import argparse
+import platform
 import sys
 from collections.abc import Sequence
 
 from . import _demo
+from ._impl import implementation
+from ._version import __version__
 from .bench import cli
 
 
@@ -16,6 +19,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m framepipe",
         description="framepipe: framed pipes for worker processes",
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=(
+            f"framepipe {__version__} ({implementation} engine, Python {platform.python_version()})"
+        ),
+        help="print framepipe's version and which engine runs, then exit",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True

@@ -33,6 +33,7 @@ from ._stream_errors import SPIN_CPU_CHECKS as _SPIN_CPU_CHECKS, on_allow_spin, 
 from ._stream_errors import (
     bad_header, blocking_send_under_async_send, broken, closed, closed_while_waiting,
     no_bulk_channel, record_too_long, sentinel_timeout, timeout_error, truncated, unallocatable,
+    watched,
 )
 from ._wire import BULK_MIN as _BULK_MIN, KIND_BULK, READ_BUFFER, RECORD_MAX as _RECORD_MAX
 from ._wire import FRAME_RECORD_MAX as _FRAME_RECORD_MAX, READ_WAITS_NONE, READ_WAITS_PIPE
@@ -1427,7 +1428,7 @@ cdef class Engine:
             finally:
                 self._unlock_read()
         except _Expired:
-            raise timeout_error(timeout, *self._lost()) from None
+            raise timeout_error(timeout, *self._lost(), watched(self)) from None
 
     def recv_bytes_into(self, buf, offset=0, *, timeout=None):
         cdef Py_buffer view
@@ -1464,7 +1465,7 @@ cdef class Engine:
                     finally:
                         self._unlock_read()
                 except _Expired:
-                    raise timeout_error(timeout, *self._lost()) from None
+                    raise timeout_error(timeout, *self._lost(), watched(self)) from None
                 if len(result) > view.len - off:
                     raise BufferTooShort(result)
                 memcpy(<char *>view.buf + off, PyBytes_AS_STRING(result), len(result))
@@ -1491,7 +1492,7 @@ cdef class Engine:
             finally:
                 self._unlock_read()
         except _Expired:
-            raise timeout_error(timeout, *self._lost()) from None
+            raise timeout_error(timeout, *self._lost(), watched(self)) from None
 
     def poll(self, timeout=0.0):
         cdef int fd, rc

@@ -12,7 +12,9 @@ import os
 import signal
 import sys
 import time
+from typing import TextIO
 
+from ._width import DEFAULT_WIDTH, output_width, wrap_line
 from .workers import Pool, TaskTimeout, WorkerCrashed
 
 
@@ -42,45 +44,59 @@ def wait_for_lock() -> None:
         time.sleep(0.05)
 
 
+class _Out:
+    """The demo's lines, each wrapped at the terminal's width (100 columns when unknown) and
+    written whole, in one write (a worker's stderr line never lands in the middle of one)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.width = output_width(stream.fileno() if hasattr(stream, "fileno") else 1)
+
+    def __call__(self, text: str = "", quote: str = "") -> None:
+        lines: list[str] = []
+        for line in text.split("\n"):
+            lines += [w.rstrip() for w in wrap_line(quote + line, self.width)]
+        self.stream.write("\n".join(lines) + "\n")
+        self.stream.flush()
+
+
 def main(args: argparse.Namespace) -> int:
-    out = sys.stdout
+    try:
+        say = _Out(sys.stdout)
+    except (OSError, ValueError):  # a stdout without a file descriptor
+        say = _Out.__new__(_Out)
+        say.stream, say.width = sys.stdout, DEFAULT_WIDTH
     with Pool(2, task_timeout=1.0, name="demo") as pool:
-        print("1. A task raises QuotaExceeded('alice', 100): it arrives as itself.\n", file=out)
+        say("1. A task raises QuotaExceeded('alice', 100): it arrives as itself.\n")
         try:
             pool.submit(check_quota, "alice").result()
         except QuotaExceeded as exc:
-            print(f"   caught {type(exc).__name__}: {exc}", file=out)
-            print(f"   exc.user = {exc.user!r}, exc.limit = {exc.limit}", file=out)
+            say(f"   caught {type(exc).__name__}: {exc}")
+            say(f"   exc.user = {exc.user!r}, exc.limit = {exc.limit}")
             tb = exc.__cause__
-            print(
-                f"   with the worker's traceback: {type(tb).__name__} (shown when it is printed)\n",
-                file=out,
-            )
+            say(f"   with the worker's traceback: {type(tb).__name__} (shown when it is printed)\n")
 
-        print("2. Six resize tasks; the worker running image 3 is SIGKILLed mid-task.\n", file=out)
+        say("2. Six resize tasks; the worker running image 3 is SIGKILLed mid-task.\n")
         futures = [pool.submit(resize, i) for i in range(6)]
         for fut in futures:
             try:
-                print(f"   {fut.result()}", file=out)
+                say(f"   {fut.result()}")
             except WorkerCrashed as exc:
-                text = str(exc).replace("\n", "\n   | ")
-                print(f"   WorkerCrashed: {text}", file=out)
-        print("   (the other five finished; a new worker took the dead one's place)\n", file=out)
+                first, _, rest = str(exc).partition("\n")
+                say(f"   WorkerCrashed: {first}")
+                if rest.strip():
+                    say(rest.strip("\n"), quote="   | ")
+        say("   (the other five finished; a new worker took the dead one's place)\n")
 
-        print(
-            "3. A task hangs; task_timeout=1.0 takes its stack, then stops the worker.\n", file=out
-        )
+        say("3. A task hangs; task_timeout=1.0 takes its stack, then stops the worker.\n")
         start = time.monotonic()
         try:
             pool.submit(wait_for_lock).result()
         except TaskTimeout as exc:
             late = (time.monotonic() - start - 1.0) * 1000
             first, _, stack = str(exc).partition("\n\n")
-            print(f"   TaskTimeout after 1 s (+{late:.1f} ms): {first}", file=out)
-            blocks = (exc.stack or "").split("\n\n")
-            stuck = next((b for b in blocks if "wait_for_lock" in b), "")
-            print("   the stuck thread's stack, as the worker had it:", file=out)
-            for line in stuck.splitlines()[:4]:
-                print(f"   | {line}", file=out)
-        print("\n   the pool still serves:", pool.submit(resize, 7).result(), file=out)
+            say(f"   TaskTimeout after 1 s (+{late:.1f} ms): {first}")
+            say("   its stack, the stuck thread first:")
+            say("\n".join(stack.splitlines()[1:6]), quote="   | ")
+        say(f"\n   the pool still serves: {pool.submit(resize, 7).result()}")
     return 0

@@ -45,6 +45,7 @@ from ._stream_errors import (
     timeout_error,
     truncated,
     unallocatable,
+    watched,
 )
 from ._wire import (
     BULK_MIN,
@@ -1159,7 +1160,7 @@ class Engine:
             finally:
                 self._unlock_read()
         except _Expired:
-            raise timeout_error(timeout, *self._lost()) from None
+            raise timeout_error(timeout, *self._lost(), watched(self)) from None
 
     def recv_bytes_into(self, buf: Any, offset: int = 0, *, timeout: float | None = None) -> int:
         self._check_readable()
@@ -1187,7 +1188,7 @@ class Engine:
                 finally:
                     self._unlock_read()
             except _Expired:
-                raise timeout_error(timeout, *self._lost()) from None
+                raise timeout_error(timeout, *self._lost(), watched(self)) from None
             if isinstance(result, int):
                 return result
             if len(result) > into.nbytes:
@@ -1210,7 +1211,7 @@ class Engine:
             finally:
                 self._unlock_read()
         except _Expired:
-            raise timeout_error(timeout, *self._lost()) from None
+            raise timeout_error(timeout, *self._lost(), watched(self)) from None
 
     def poll(self, timeout: float | None = 0.0) -> bool:
         self._check_readable()

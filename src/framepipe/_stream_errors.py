@@ -223,9 +223,17 @@ def missing_buffer(kind: int, got: int, expected: int | None) -> FrameError:
     )
 
 
-def timeout_error(timeout: float | None, lost: int = 0, expected: int | None = None) -> ReadTimeout:
+def watched(conn: object) -> bool:
+    """Whether ``conn`` watches its writer (see ``Connection.watch``)."""
+    return getattr(conn, "_watch_handle", None) is not None
+
+
+def timeout_error(
+    timeout: float | None, lost: int = 0, expected: int | None = None, watched: bool = True
+) -> ReadTimeout:
     """The read deadline passed; ``lost`` and ``expected`` are what the connection's
-    ``_lost()`` says of the frame in progress (``expected`` None: between frames)."""
+    ``_lost()`` says of the frame in progress (``expected`` None: between frames);
+    ``watched`` is False when no writer is watched (the message then names ``watch``)."""
     if expected is not None:
         state = (
             f"{lost:,} of the {expected:,} bytes of a frame (header included) had arrived; "
@@ -238,7 +246,22 @@ def timeout_error(timeout: float | None, lost: int = 0, expected: int | None = N
         )
     else:
         state = "between frames, no byte of the next frame had arrived; nothing was lost"
-    return ReadTimeout(f"timed out after {timeout} s: {state}")
+    if timeout is not None and timeout <= 0:
+        if expected is None and not lost:
+            return ReadTimeout(
+                f"no frame had arrived (timeout={timeout:g} does not wait: a timeout of 0 or "
+                "less reads only what has already arrived); nothing was lost"
+            )
+        head = f"the frame had not arrived whole (timeout={timeout:g} does not wait)"
+    else:
+        head = f"timed out after {timeout:g} s" if timeout is not None else "timed out"
+    if not watched and expected is None and not lost and timeout is not None and timeout > 0:
+        # nothing came: a writer that died may be why, and only a watched one says so
+        return ReadTimeout(
+            f"{head}: nothing arrived; if the writer may have died, conn.watch(process) makes "
+            "a read raise WriterDied as soon as it does (nothing was lost)"
+        )
+    return ReadTimeout(f"{head}: {state}")
 
 
 def sentinel_timeout() -> ReadTimeout:

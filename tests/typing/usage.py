@@ -35,6 +35,18 @@ def square(x: int) -> int:
     return x * x
 
 
+def add(x: int, y: int) -> int:
+    return x + y
+
+
+def label(x: int, *, prefix: str = "#") -> str:
+    return f"{prefix}{x}"
+
+
+def pairs(items: list[int]) -> tuple[int, ...]:
+    return tuple(items)
+
+
 def count(n: int) -> Iterator[int]:
     yield from range(n)
 
@@ -145,8 +157,11 @@ def send_an_exception() -> None:
 def worker_calls() -> int:
     with Worker(name="usage") as w:
         result = assert_type(w.call(square, 7, timeout=60), int)
+        assert assert_type(w.call(label, 2, prefix="n"), str) == "n2"
+        assert assert_type(w.call(label, 2, timeout=60, prefix="n"), str) == "n2"
         future = assert_type(w.submit(square, 3), Future[int])
         assert future.result(60) == 9
+        assert assert_type(w.submit(label, 4, prefix="k"), Future[str]).result(60) == "k4"
         items = list(w.stream(count, 3, window=2, item_timeout=60))
         assert items == [0, 1, 2]
         rtt = assert_type(w.ping(timeout=30), float)
@@ -159,11 +174,18 @@ def pool_map() -> list[int]:
     with Pool(2) as pool:
         future = assert_type(pool.submit(square, 5), Future[int])
         assert future.result(60) == 25
+        sums = assert_type(pool.map(add, [1, 2], [10, 20], timeout=60), Iterator[int])
+        assert list(sums) == [11, 22]
+        labels = assert_type(pool.imap_unordered(label, [1]), Iterator[str])
+        assert list(labels) == ["#1"]
         return list(assert_type(pool.map(square, range(4), timeout=60), Iterator[int]))
 
 
 def load_batches() -> list[object]:
     loader = DataLoader(Squares(), batch_size=4, num_workers=2)
+    typed = DataLoader(Squares(), batch_size=4, num_workers=2, collate_fn=pairs)
+    for batch in typed:
+        assert len(assert_type(batch, tuple[int, ...])) == 4
     return [batch for batch in loader]
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from . import loader, peers, workers
 from .core import READ_TIMEOUT, SECTIONS
+from .load import LoadProbe
 from .machine import machine_info
 from .output import check_plot, run_and_emit
 from .plot import core_groups
@@ -189,6 +190,7 @@ def run_core(
         impls = [i for i in fallback if i.is_framepipe] + impls
         notes += more
     ctx = Context(impls, depth=depth, placement=args.placement, notes=notes)
+    # where the run is (each cell's figure is in the table, once)
     ctx.progress = lambda line: progress("      " + line)
     machine = machine_info()
     progress(
@@ -196,6 +198,7 @@ def run_core(
         + ("the long run" if full else "--full for every benchmark and a deeper run")
     )
     started = time.monotonic()
+    probe = LoadProbe()
     rows: list[Row] = []
     for k, section in enumerate(chosen, 1):
         progress(f"[{k}/{len(chosen)}] {section.title}")
@@ -204,6 +207,7 @@ def run_core(
         except Exception as exc:  # noqa: BLE001 - a broken benchmark is a note, not a crash
             ctx.note(f"{section.name} failed: {type(exc).__name__}: {exc}")
     finish(rows)
+    load = probe.finish()
     elapsed = time.monotonic() - started
     progress(f"done in {elapsed:.1f} s")
     needs = {m for s in chosen for m in s.needs}
@@ -231,6 +235,7 @@ def run_core(
         "sections": [
             {"name": s.name, "title": s.title, "about": s.about, "target": s.target} for s in chosen
         ],
+        "load": load,
         "notes": ctx.notes,
         "missing": peers.missing_line_for(gone),
         "missing_peers": [{"package": p.package, "used_for": p.used_for} for p in gone],

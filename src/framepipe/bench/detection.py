@@ -272,7 +272,7 @@ def bench_same_kill(ctx: Context, kills: int) -> list[Row]:
             stdlib_median_ms=round(statistics.median(theirs) * 1000, 4),
             paired_ratio_median=round(statistics.median(a / b for a, b in pairs), 4),
         )
-        ctx.progress(f"{label:<34} {out['value']:.3f} ms, stdlib {out['stdlib_median_ms']:.3f} ms")
+        ctx.progress(label)
         rows.append(out)
     if stdlib_all:
         rows.append(_row(STDLIB_LABEL, "stdlib", stdlib_all))
@@ -444,7 +444,7 @@ def bench_others(ctx: Context, kills: int) -> list[Row]:
             rows.append(_row(label, family, run(), **extra))
         except Exception as exc:  # noqa: BLE001 - one observer failing is its row's error
             rows.append(_error_row(label, family, exc))
-        ctx.progress(f"{label:<34} {_ms(rows[-1])}")
+        ctx.progress(label)
     loop = None
     try:
         loop = _PsutilLoop()
@@ -454,13 +454,8 @@ def bench_others(ctx: Context, kills: int) -> list[Row]:
     finally:
         if loop is not None:
             loop.close()
-    ctx.progress(f"{'psutil loop, 1 s cadence':<34} {_ms(rows[-1])}")
+    ctx.progress("psutil loop, 1 s cadence")
     return rows
-
-
-def _ms(item: Row) -> str:
-    value = item.get("value")
-    return f"{value:.3f} ms" if isinstance(value, float) else f"error: {item.get('error')}"
 
 
 def bench_detection(ctx: Context) -> list[Row]:

@@ -64,7 +64,7 @@ def bench_exceptions(ctx: Context) -> list[Row]:
                 n=iterations,
             )
         )
-        ctx.progress(f"{case:<16} {value:.0f} us per round trip")
+        ctx.progress(case)
     return rows
 
 

@@ -422,7 +422,7 @@ def measure(
             else:
                 out["value"] = 1.0 / per_message
                 out["mb_per_s"] = size / per_message / 1e6
-        ctx.progress(f"{cell.impl:<16} {describe(out)}")
+        ctx.progress(cell.impl + (": failed (the table says why)" if "error" in out else ""))
         rows.append(out)
     return rows
 

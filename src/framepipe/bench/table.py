@@ -1,6 +1,7 @@
-"""Text output: the core suite's report as a table of at most :data:`WIDTH` columns, one group
-per benchmark under a line that says what its rows measure and what its target means, then
-the targets met and missed, the notes and the missing peers. Helpers here (:func:`wrap`,
+"""Text output: the core suite's report as a table as wide as the terminal (:data:`WIDTH`
+columns when unknown), one group per benchmark under a line that says what its rows measure
+and what its target means, then the targets met and missed, whether the machine was busy,
+the notes and the missing peers. Helpers here (:func:`wrap`,
 :func:`fit`) keep the other suites' reports within the same width."""
 
 from __future__ import annotations
@@ -9,19 +10,35 @@ import textwrap
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from .._width import DEFAULT_WIDTH, output_width
+from .load import busy_lines, spreads_of
 from .rows import Row
 
-__all__ = ["WIDTH", "fit", "format_report", "format_table", "result_text", "targets", "wrap"]
+__all__ = [
+    "WIDTH",
+    "width",
+    "fit",
+    "format_report",
+    "format_table",
+    "result_text",
+    "targets",
+    "wrap",
+]
 
-WIDTH = 100
+WIDTH = DEFAULT_WIDTH  # when the terminal's width is unknown (see width())
 IMPL_WIDTH = 34
 
 
+def width() -> int:
+    """The columns a report is wrapped to: the terminal's, :data:`WIDTH` when unknown."""
+    return output_width(1)
+
+
 def wrap(text: str, indent: str = "", subsequent: str | None = None) -> list[str]:
-    """``text`` wrapped to :data:`WIDTH` columns."""
+    """``text`` wrapped to the output's width (:func:`width`)."""
     return textwrap.wrap(
         text,
-        WIDTH,
+        width(),
         initial_indent=indent,
         subsequent_indent=indent + "  " if subsequent is None else subsequent,
         break_on_hyphens=False,
@@ -29,10 +46,12 @@ def wrap(text: str, indent: str = "", subsequent: str | None = None) -> list[str
 
 
 def fit(lines: Iterable[str]) -> list[str]:
-    """Lines longer than :data:`WIDTH` wrapped (continuations indented under their start)."""
+    """Lines longer than the output's width wrapped (continuations indented under their
+    start)."""
     out: list[str] = []
+    cols = width()
     for line in lines:
-        if len(line) <= WIDTH:
+        if len(line) <= cols:
             out.append(line)
             continue
         lead = len(line) - len(line.lstrip(" "))
@@ -201,6 +220,10 @@ def format_report(report: dict[str, Any]) -> str:
     lines = _target_lines(report["rows"])
     if lines:
         out += ["", *lines]
+    missed = sum(1 for r in targets(report["rows"]) if not r.get("met"))
+    busy = busy_lines(report.get("load"), spreads_of(report["rows"]), missed)
+    if busy:
+        out += ["", *(w for line in busy for w in wrap(line, ""))]
     if report["notes"]:
         out += ["", "notes:"]
         for note in report["notes"]:

@@ -32,6 +32,7 @@ from typing import Any
 
 from ..workers import Pool
 from . import peers
+from .load import LoadProbe, busy_lines
 from .machine import machine_info
 from .output import run_and_emit
 from .plot import Bar, Group
@@ -520,6 +521,7 @@ def run(
     mixed_runs = 3 if quick else 5
     machine = machine_info()
     started = time.monotonic()
+    probe = LoadProbe()
     rows: dict[str, dict[str, Any]] = {}
     scaling: dict[int, dict[str, dict[str, Any]]] = {}
     skipped = missing_peers()
@@ -592,6 +594,7 @@ def run(
         "missing_line": peers.missing_line_for(gone),
         "peers": peers.versions("workers"),
         "targets": _scaling_targets(scaling) if scaling else _targets(rows, bare),
+        "load": probe.finish(),
     }
 
 
@@ -763,6 +766,9 @@ def format_report(report: dict[str, Any]) -> str:
             *_format_scaling(report),
             *_format_targets(report),
         ]
+        missed = sum(1 for t in report["targets"] if not t["met"])
+        for line in busy_lines(report.get("load"), (), missed):
+            lines += ["", *wrap(line, "")]
         if report.get("missing_line"):
             lines += ["", *wrap(report["missing_line"], "")]
         return "\n".join(fit(lines))
@@ -844,6 +850,9 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{'yes' if r.get('timeout_stack') else 'no'}"
             )
     lines += _format_targets(report)
+    missed = sum(1 for t in report["targets"] if not t["met"])
+    for line in busy_lines(report.get("load"), (), missed):
+        lines += ["", *wrap(line, "")]
     if report.get("missing_line"):
         lines += ["", *wrap(report["missing_line"], "")]
     return "\n".join(fit(lines))

@@ -9,11 +9,14 @@
 
 Failures explain themselves: :class:`WorkerCrashed` (which worker, pid, signal, task, peak
 RSS, OOM hint, native traceback, last stderr lines), :class:`TaskTimeout` (with the stuck
-worker's stack), :class:`PoolBroken`, :class:`WorkerCancelled`.
+worker's stack), :class:`PoolBroken`, :class:`WorkerCancelled`, :class:`MainGuardError` (a
+spawned worker re-imported a main module that starts workers: the ``__main__`` guard is
+missing).
 """
 
 from ._dispatch import worker_namespace
 from .errors import (
+    MainGuardError,
     PoolBroken,
     TaskTimeout,
     WorkerCancelled,
@@ -27,6 +30,7 @@ from .worker import Stream, Worker
 
 __all__ = [
     "DataLoader",
+    "MainGuardError",
     "Pool",
     "PoolBroken",
     "Stream",

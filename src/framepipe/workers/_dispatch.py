@@ -52,6 +52,7 @@ from .._stream_errors import workers_may_spin
 from ..errors import ReadTimeout, WriterDied
 from ..remote import dumps_exception
 from . import _process, _shm
+from ._mainguard import refuse_during_main_import
 from ._process import ChildContext, WorkerProcess
 from .errors import (
     PoolBroken,
@@ -60,7 +61,11 @@ from .errors import (
     WorkerCrashed,
     WorkerError,
     WorkerStartError,
+    init_error,
     revive,
+    start_error,
+    unloadable_error,
+    unpicklable_error,
 )
 
 # Operations, parent to worker (first item of the pickled tuple). BATCH carries the pickles of
@@ -324,13 +329,7 @@ def _unloadable(blob: bytes, exc: BaseException, at: int) -> list[tuple[Any, ...
         raise exc
     entries = []
     for tid in tids:
-        err = WorkerError(
-            f"task {tid} could not be unpickled in the worker: {type(exc).__name__}: {exc} "
-            "(the function, its arguments and what they refer to must be importable in the "
-            "worker)"
-        )
-        err.__cause__ = exc
-        entries.append((_UNLOADABLE, tid, err))
+        entries.append((_UNLOADABLE, tid, unloadable_error(tid, exc)))
     return entries
 
 
@@ -811,6 +810,7 @@ class Core:
         max_rss: int | None = None,
         loop: Callable[[ChildContext], None] = task_loop,
     ) -> None:
+        refuse_during_main_import(f"{'a Pool' if policy == 'pool' else 'a Worker'} {name!r}")
         self.name = name
         self.policy = policy
         self._n = max_workers
@@ -870,6 +870,7 @@ class Core:
         os.set_blocking(self._wake_w, False)
         _process.register_parent_side(self)
         self.stopped = concurrent.futures.Future()  # type: ignore[var-annotated]
+        self.launched = threading.Event()  # the first max_workers processes were started
         self._thread = threading.Thread(target=self._run, name=f"framepipe-{name}", daemon=True)
         _live_cores.add(self)
         self._thread.start()
@@ -907,9 +908,8 @@ class Core:
         )
         try:
             payload = pickle.dumps(msg, protocol=5)
-        except Exception as exc:  # noqa: BLE001 - goes to the future, as in concurrent.futures
-            future.set_exception(_unpicklable(fn, exc))
-            return Task(tid, future, _task_name(fn), b"", timeout, stream)
+        except Exception as exc:  # noqa: BLE001 - raised here, naming what could not be sent
+            raise _unpicklable(fn, exc, args, kwargs) from exc
         task = Task(tid, future, _task_name(fn), payload, timeout, stream)
         with self._submit_lock:  # never held by the manager: submitting never waits for it
             self._check_open()  # again: it may have been shut down meanwhile
@@ -1016,7 +1016,7 @@ class Core:
                 try:
                     payload = dumps((tid, items[i]), protocol=5)
                 except Exception as exc:  # noqa: BLE001 - this item fails, the others run
-                    results.store(i, _Failure(_unpicklable(fn, exc)))
+                    results.store(i, _Failure(_unpicklable(fn, exc, tuple(items[i]))))
                     continue
                 tasks.append(MapTask(tid, results, i, name, payload, timeout, fn))
             with self._submit_lock:
@@ -1383,6 +1383,8 @@ class Core:
                     self._spawn()
             except BaseException as exc:  # noqa: BLE001 - every caller hears of it
                 self._break(WorkerStartError(f"cannot start the workers of {self.name}: {exc}"))
+            finally:
+                self.launched.set()
             while True:
                 self._step()
                 if self._finished():
@@ -1737,12 +1739,7 @@ class Core:
             slot.proc.sample_rss()  # its initializer may have moved it to another cgroup
             slot.last_rss_sample = time.monotonic()
         elif kind == "init-failed":
-            exc = revive(msg[2])
-            err = WorkerStartError(
-                f"the initializer of worker {slot.proc.name!r} (pid {msg[1]}) raised "
-                f"{type(exc).__name__}: {exc}"
-            )
-            err.__cause__ = exc
+            err = init_error(slot.proc, msg[1], msg[2])
             slot.stopping = "initializer failed"
             self._break(err)
         else:
@@ -1770,6 +1767,7 @@ class Core:
             head.name if head else None,
             head.tid if head else None,
             reason or slot.crash_reason,
+            starting=not slot.ready,
         )
         for fut in waiters:
             if not fut.done():
@@ -1809,9 +1807,7 @@ class Core:
         if not slot.ready and not expected and not self.closing:
             # It died before it could take a task (its bootstrap or imports failed): another
             # process would die the same way, so the workers are not restarted.
-            start_err = WorkerStartError(f"a worker of {self.name} died while starting: {err}")
-            start_err.__cause__ = err
-            self._break(start_err)
+            self._break(start_error(self.name, err))
         elif not expected and not self.closing:
             self._count_crash(err)
         if self._pending:
@@ -2064,7 +2060,8 @@ class Core:
         if self.policy == "pool" and not isinstance(exc, PoolBroken):
             # An Executor that cannot go on raises BrokenExecutor (as ProcessPoolExecutor's
             # BrokenProcessPool), the reason as its cause.
-            broken = PoolBroken(f"{self.name} is broken: {exc}")
+            # (the reason's first line: the rest of it is shown once, as the cause)
+            broken = PoolBroken(f"{self.name} is broken: {str(exc).partition(chr(10))[0]}")
             broken.__cause__ = exc
             exc = broken
         with self._submit_lock, self._lock:
@@ -2210,11 +2207,10 @@ class Core:
             time.sleep(0.001)
 
 
-def _unpicklable(fn: Any, exc: BaseException) -> TypeError:
-    err = TypeError(
-        f"cannot send {_task_name(fn)} and its arguments to a worker process: "
-        f"{type(exc).__name__}: {exc}; functions must be defined at module level and "
-        "arguments picklable"
-    )
-    err.__cause__ = exc
-    return err
+def _unpicklable(
+    fn: Any,
+    exc: BaseException,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+) -> TypeError:
+    return unpicklable_error(_task_name(fn), fn, exc, args, kwargs)

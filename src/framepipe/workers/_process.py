@@ -451,6 +451,7 @@ class _Stderr:
         self.console_stream = console_stream  # the parent's "stderr" or "stdout"
         self.tail = bytearray()
         self._partial = b""
+        self._dumping = False  # a fatal error's dump is being written: not copied
         # the manager and a caller that saw the death may both pump: one at a time, so what
         # one of them read is in the tail before the other reports it
         self._lock = threading.Lock()
@@ -488,21 +489,33 @@ class _Stderr:
         if self._log is not None:
             with contextlib.suppress(OSError):
                 self._log.write(data)
-        if self.console == "raw":
-            _write_console(data, self.console_stream)
-        elif self.console == "prefix":
-            text = self._partial + data
-            lines = text.split(b"\n")
-            self._partial = lines.pop()
-            if lines:
-                prefix = f"[{self.name}] ".encode()
-                _write_console(
-                    b"".join(prefix + line + b"\n" for line in lines), self.console_stream
-                )
+        if self.console is None:
+            return
+        # Copied line by line (never a worker's half line in the middle of another's), and
+        # without the native dump of a crash, which its WorkerCrashed report shows.
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        if len(self._partial) > TAIL_BYTES:  # a very long line: copied in pieces
+            lines.append(self._partial)
+            self._partial = b""
+        self._copy(lines)
+
+    def _copy(self, lines: list[bytes]) -> None:
+        prefix = f"[{self.name}] ".encode() if self.console == "prefix" else b""
+        out = []
+        for line in lines:
+            if self._dumping:
+                continue
+            if line.startswith(b"Fatal Python error"):
+                self._dumping = True
+                line += b" (its native traceback is in the crash report)"
+            out.append(prefix + line + b"\n")
+        if out:
+            _write_console(b"".join(out), self.console_stream)
 
     def _flush_partial(self) -> None:
-        if self.console == "prefix" and self._partial:
-            _write_console(f"[{self.name}] ".encode() + self._partial + b"\n", self.console_stream)
+        if self.console is not None and self._partial:
+            self._copy([self._partial])
         self._partial = b""
 
     def tail_text(self, lines: int = TAIL_LINES) -> str:
@@ -529,6 +542,8 @@ class _Stderr:
 def _write_console(data: bytes, stream: str = "stderr") -> None:
     console = getattr(sys, stream)
     with contextlib.suppress(OSError):
+        # what the parent wrote to that stream first (its stdout is left alone: flushed from
+        # here, between the pieces of a print(), it would show a half line)
         try:
             console.flush()
         except (AttributeError, ValueError):
@@ -551,6 +566,36 @@ def stack_text(data: bytes, quiet: float | None, expired: bool) -> str | None:
     if expired or (quiet is not None and quiet > _QUIET):
         return data.decode("utf-8", "replace").rstrip()
     return None
+
+
+_main_file_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _main_without_pseudo_file() -> Any:
+    """While a worker starts, hide a main module ``__file__`` that names no file (``<stdin>``
+    in a program piped to ``python -``): spawn would re-run it by that path in the worker and
+    fail; without it the worker does not re-import the main module, as under ``python -c``."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if (
+        main is None
+        or not isinstance(path, str)
+        or getattr(main, "__spec__", None) is not None
+        or not (path.startswith("<") and path.endswith(">"))
+    ):
+        yield
+        return
+    with _main_file_lock:
+        try:
+            del main.__file__
+        except AttributeError:
+            yield
+            return
+        try:
+            yield
+        finally:
+            main.__file__ = path
 
 
 class WorkerProcess:
@@ -646,7 +691,8 @@ class WorkerProcess:
             self.process = self._ctx.Process(
                 target=child_main, args=(boot,), name=self.name, daemon=False
             )
-            self.process.start()
+            with _main_without_pseudo_file():
+                self.process.start()
         finally:
             child_conn.close()
             child_health.close()
@@ -817,6 +863,8 @@ class WorkerProcess:
         task_name: str | None = None,
         task_id: int | None = None,
         reason: str | None = None,
+        *,
+        starting: bool = False,
     ) -> WorkerCrashed:
         """The report of this worker's death, with what it held."""
         if self.stderr is not None:
@@ -845,6 +893,7 @@ class WorkerProcess:
             stderr_tail=tail,
             log_path=self.stderr.log_path if self.stderr is not None else None,
             reason=reason,
+            starting=starting,
         )
 
     # -- end --

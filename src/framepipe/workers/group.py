@@ -46,6 +46,7 @@ from ..guard import ERROR_FILE_ENV, ProcessFailure, write_error_file
 from ..remote import dumps_exception, format_exception_text, loads_exception
 from ..watch import Liveness
 from . import _launch
+from ._mainguard import refuse_during_main_import
 from ._process import (
     TAIL_BYTES,
     TAIL_LINES,
@@ -55,7 +56,7 @@ from ._process import (
     _Stderr,
     register_parent_side,
 )
-from .errors import WorkerError, WorkerStartError
+from .errors import MAIN_GUARD_EXIT, WorkerError, WorkerStartError
 from .worker import get_context
 
 __all__ = ["WorkerGroup", "GroupFailed", "GroupResult", "RankOutcome", "Std"]
@@ -578,6 +579,8 @@ class WorkerGroup:
         await asyncio.wrap_future(self._launched)
 
     def _begin(self) -> None:
+        if not self.is_command:
+            refuse_during_main_import(f"a WorkerGroup {self.name!r}")
         with self._lock:
             if self._closed:
                 raise RuntimeError("this WorkerGroup is closed")
@@ -995,6 +998,7 @@ class WorkerGroup:
         if r.process is None:
             o.state = "not started"
             return o
+
         if r.result is not None and r.result[0] == "ok":
             o.return_value = r.result[1]
         elif r.result is not None:
@@ -1016,6 +1020,11 @@ class WorkerGroup:
         o.failed_at = failed_ns / 1e9 if failed_ns else None
         if stop_ns is not None and (failed_ns is None or failed_ns >= stop_ns):
             o.state = "stopped"
+        elif not r.ready and not self.is_command and r.exitcode == MAIN_GUARD_EXIT:
+            o.note = (  # see _mainguard
+                "while starting: the main module starts workers when it is imported; put that "
+                'code under `if __name__ == "__main__":` or use start_method="fork"'
+            )
         elif not r.ready:
             o.note = "before it started"
         elif r.exitcode == 0 and not self.is_command:

@@ -61,17 +61,35 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic
 
 from .. import connection as _connection
 from .._stream_errors import workers_may_spin
 from ..errors import ReadTimeout, WriterDied
 from ..remote import add_note, dumps_exception, loads_exception
 from . import _shm
+from ._mainguard import refuse_during_main_import
 from ._process import ChildContext, WorkerProcess, _FdHandle, register_parent_side
-from .errors import TaskTimeout, WorkerError, WorkerStartError, revive
+from .errors import (
+    MAIN_GUARD_EXIT,
+    TaskTimeout,
+    WorkerError,
+    WorkerStartError,
+    revive,
+    start_error,
+)
 
 __all__ = ["DataLoader", "WorkerInfo", "get_worker_info", "default_collate"]
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeVar
+
+    #: what iterating a DataLoader gives: what its collate_fn returns (Any by default)
+    BatchT = TypeVar("BatchT", default=Any)
+else:
+    from typing import TypeVar
+
+    BatchT = TypeVar("BatchT")
 
 # Requests, parent to worker, on its channel: (FETCH, [batch ids], [indices, ...]) gives
 # batches to load later (read when the worker runs out); (RETURN, [memfds]) hands back memfds
@@ -1011,6 +1029,8 @@ class _Workers:
             why += f"; {reason}"
         task = self._batch_text(*loading[0]) if loading else None
         err = slot.proc.crash_error(died, task, None, why)
+        if err.exitcode == MAIN_GUARD_EXIT:  # it never started: see _mainguard
+            return self._fail(start_error("a DataLoader", err))
         err.worker_id = slot.id  # type: ignore[attr-defined]
         err.batches = dict(loading)  # type: ignore[attr-defined]
         err.queued = dict(held[len(loading) :])  # type: ignore[attr-defined]
@@ -1112,7 +1132,7 @@ class _RandomSampler:
         return self.n
 
 
-class DataLoader:
+class DataLoader(Generic[BatchT]):
     """Batches of a dataset, loaded by worker processes over framepipe channels.
 
     The arguments are torch's (``torch.utils.data.DataLoader``):
@@ -1143,7 +1163,7 @@ class DataLoader:
         sampler: Iterable[Any] | None = None,
         batch_sampler: Iterable[Any] | None = None,
         num_workers: int = 2,
-        collate_fn: Callable[[Any], Any] | None = None,
+        collate_fn: Callable[[Any], BatchT] | None = None,
         prefetch_factor: int = 2,
         in_order: bool = True,
         timeout: float = 0,
@@ -1250,7 +1270,7 @@ class DataLoader:
             return iter(self.sampler)
         return _batches(self.sampler, self.batch_size, self.drop_last)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[BatchT]:
         current = self._current_ref()
         if current is not None and self.persistent_workers:
             # One set of workers serves one epoch at a time: the new one takes them over.
@@ -1261,6 +1281,8 @@ class DataLoader:
                 "iterator has workers of its own"
             )
         self._epoch += 1
+        if self.num_workers:
+            refuse_during_main_import("a DataLoader's workers")
         if self.num_workers == 0:
             fetcher = _Fetcher(
                 self.dataset,

@@ -9,7 +9,7 @@ import os
 import queue
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar, overload
 
 from .._lazy import asyncio  # imported on first use (see _lazy)
 from . import _dispatch as D
@@ -18,6 +18,10 @@ from .worker import _check_timeout, get_context
 __all__ = ["Pool"]
 
 T = TypeVar("T")
+A = TypeVar("A")
+B = TypeVar("B")
+P = ParamSpec("P")
+_LAUNCH_WAIT = 30.0  # seconds pids waits for the first workers to be launched
 
 
 class Pool(concurrent.futures.Executor):
@@ -41,8 +45,12 @@ class Pool(concurrent.futures.Executor):
       ``kill_grace`` seconds later (its whole process group), and is replaced.
     - Workers are replaced after ``max_tasks_per_worker`` tasks, or when their resident size
       passes ``max_rss`` bytes after a task.
-    - ``initializer(*initargs)`` runs in each worker before its first task; if it raises, the
-      pool is broken (:class:`PoolBroken` from :class:`WorkerStartError`).
+    - ``initializer(*initargs)`` runs in each worker before its first task; if it raises (or
+      exits), the pool is broken (:class:`PoolBroken` from :class:`WorkerStartError`, with the
+      worker's last stderr lines).
+    - The workers start when the pool is made, not at the first task: their start-up is paid
+      before work arrives, ``pids`` lists them at once, and a worker that cannot start (a
+      missing ``if __name__ == "__main__":`` guard: :class:`MainGuardError`) is known early.
 
     ``start_method`` is ``"spawn"`` (default), ``"fork"`` or ``"forkserver"``; ``log_dir`` and
     ``tee`` are as for :class:`Worker`. Code written against ``Executor`` runs unchanged on
@@ -72,7 +80,12 @@ class Pool(concurrent.futures.Executor):
     ) -> None:
         if max_workers is None:
             max_workers = os.cpu_count() or 1
-        if not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1:
+        if not isinstance(max_workers, int) or isinstance(max_workers, bool):
+            raise TypeError(
+                f"max_workers must be an int, not {type(max_workers).__name__} "
+                f"({max_workers!r}); pass a number such as Pool(4), or None for one per CPU"
+            )
+        if max_workers < 1:
             raise ValueError(f"max_workers must be a positive int, not {max_workers!r}")
         if initializer is not None and not callable(initializer):
             raise TypeError(f"initializer must be callable, not {type(initializer).__name__}")
@@ -126,12 +139,14 @@ class Pool(concurrent.futures.Executor):
     # -- Executor --
 
     def submit(
-        self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+        self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
     ) -> concurrent.futures.Future[T]:
-        """Schedule ``fn(*args, **kwargs)``; returns a :class:`concurrent.futures.Future`."""
+        """Schedule ``fn(*args, **kwargs)``; returns a :class:`concurrent.futures.Future`.
+        A call that cannot be pickled (the function, or an argument) raises TypeError here,
+        naming what could not be sent."""
         return self._core.submit(D.CALL, fn, args, kwargs, timeout=self._core.task_timeout).future
 
-    async def acall(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    async def acall(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Run ``fn(*args, **kwargs)`` in a worker and await its result (asyncio; no thread
         per call)."""
         return await asyncio.wrap_future(self.submit(fn, *args, **kwargs))
@@ -146,6 +161,48 @@ class Pool(concurrent.futures.Executor):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+    # Type checkers see the items' types checked against the function's parameters for one
+    # and two iterables (Executor.map takes any callable: hence the ignore); more iterables
+    # check the results' type only.
+    @overload  # type: ignore[override]
+    def map(
+        self,
+        fn: Callable[[A], T],
+        it1: Iterable[A],
+        /,
+        *,
+        timeout: float | None = None,
+        chunksize: int = 1,
+        buffersize: int | None = None,
+    ) -> Iterator[T]: ...
+
+    @overload
+    def map(
+        self,
+        fn: Callable[[A, B], T],
+        it1: Iterable[A],
+        it2: Iterable[B],
+        /,
+        *,
+        timeout: float | None = None,
+        chunksize: int = 1,
+        buffersize: int | None = None,
+    ) -> Iterator[T]: ...
+
+    @overload
+    def map(
+        self,
+        fn: Callable[..., T],
+        it1: Iterable[Any],
+        it2: Iterable[Any],
+        it3: Iterable[Any],
+        /,
+        *iterables: Iterable[Any],
+        timeout: float | None = None,
+        chunksize: int = 1,
+        buffersize: int | None = None,
+    ) -> Iterator[T]: ...
 
     def map(
         self,
@@ -181,8 +238,8 @@ class Pool(concurrent.futures.Executor):
 
     def imap(
         self,
-        fn: Callable[..., T],
-        iterable: Iterable[Any],
+        fn: Callable[[A], T],
+        iterable: Iterable[A],
         chunksize: int = 1,
         buffersize: int | None = None,
     ) -> Iterator[T]:
@@ -194,7 +251,7 @@ class Pool(concurrent.futures.Executor):
         return self.map(fn, iterable, chunksize=chunksize, buffersize=buffersize)
 
     def imap_unordered(
-        self, fn: Callable[..., T], iterable: Iterable[Any], buffersize: int | None = None
+        self, fn: Callable[[A], T], iterable: Iterable[A], buffersize: int | None = None
     ) -> Iterator[T]:
         """Results of ``fn(x)`` for each x of ``iterable`` as they complete, in any order,
         taking items only as results are consumed (at most ``buffersize``, default 256 a
@@ -238,6 +295,11 @@ class Pool(concurrent.futures.Executor):
 
     @property
     def pids(self) -> list[int]:
+        """The pids of the live workers. The workers start when the pool is made (not at the
+        first task, so that their start-up cost is paid before the work comes and a worker
+        that cannot start is known early): right after ``Pool(n)``, ``pids`` waits until the
+        ``n`` processes are launched (not until they are ready), so it lists them all."""
+        self._core.launched.wait(_LAUNCH_WAIT)
         return [s.proc.pid for s in self._core.slots() if s.proc.pid is not None and not s.dead]
 
     @property

@@ -7,7 +7,7 @@ import contextlib
 import multiprocessing
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar, overload
 
 from .._lazy import asyncio  # imported on first use (see _lazy)
 from . import _dispatch as D
@@ -17,6 +17,7 @@ from .errors import TaskTimeout
 __all__ = ["Worker", "Stream", "get_context"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 def get_context(start_method: str | None) -> Any:
@@ -221,12 +222,24 @@ class Worker:
     # -- calls --
 
     def submit(
-        self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+        self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
     ) -> concurrent.futures.Future[T]:
-        """Queue ``fn(*args, **kwargs)``; the future holds its result or exception."""
+        """Queue ``fn(*args, **kwargs)``; the future holds its result or exception. A call
+        that cannot be pickled raises TypeError here, naming what could not be sent."""
         return self._core.submit(D.CALL, fn, args, kwargs).future
 
+    # Type checkers check a call's arguments against ``fn``'s parameters when no ``timeout``
+    # is given (a ParamSpec cannot take a keyword of its own besides); with ``timeout``, the
+    # result's type only.
+    @overload
     def call(
+        self, fn: Callable[..., T], /, *args: Any, timeout: float | None, **kwargs: Any
+    ) -> T: ...
+
+    @overload
+    def call(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T: ...
+
+    def call(  # type: ignore[misc]  # (a ParamSpec's kwargs could hold a timeout)
         self, fn: Callable[..., T], /, *args: Any, timeout: float | None = None, **kwargs: Any
     ) -> T:
         """Run ``fn(*args, **kwargs)`` in the worker and return its result.
@@ -238,7 +251,15 @@ class Worker:
         task = self._core.submit(D.CALL, fn, args, kwargs, timeout=timeout)
         return task.future.result()  # type: ignore[no-any-return]
 
+    @overload
     async def acall(
+        self, fn: Callable[..., T], /, *args: Any, timeout: float | None, **kwargs: Any
+    ) -> T: ...
+
+    @overload
+    async def acall(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T: ...
+
+    async def acall(  # type: ignore[misc]  # (a ParamSpec's kwargs could hold a timeout)
         self, fn: Callable[..., T], /, *args: Any, timeout: float | None = None, **kwargs: Any
     ) -> T:
         """``call`` for asyncio: awaits the result without blocking the loop."""

@@ -1,0 +1,3 @@
+from framepipe.workers import Pool
+
+Pool("4")  # E: arg-type
