@@ -202,7 +202,7 @@ def test_each_engine_hears_allow_spin_at_once(impl):
 
     from framepipe._stream_errors import allow_spin, several_cpus
 
-    engine = importlib.import_module(impl.__name__)
+    engine = importlib.import_module(impl.Engine.__module__)
     try:
         allow_spin(False)
         assert engine._may_spin() is False

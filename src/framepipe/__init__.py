@@ -12,6 +12,7 @@ from . import connection
 from ._impl import core as _core
 from ._impl import implementation
 from ._version import __version__
+from .connection import Connection
 from .errors import (
     BufferTooShort,
     FrameError,
@@ -36,8 +37,11 @@ from .remote import (
     loads_exception,
 )
 
-Connection = _core.Connection
-Pipe = _core.Pipe
+if TYPE_CHECKING:
+    # The reference-style Pipe every engine's Pipe derives from; at run time, the engine's.
+    from ._pipes import Pipe as Pipe
+else:
+    Pipe = _core.Pipe
 
 __all__ = [
     "__version__",

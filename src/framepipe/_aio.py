@@ -203,7 +203,7 @@ class _Message:
     def fd(self, conn: Any) -> int:
         """The fd the next bytes go to."""
         _, wfd, _, bwfd = conn._handles()
-        fd = bwfd if self.steps and self.steps[0][0] else wfd
+        fd: int = bwfd if self.steps and self.steps[0][0] else wfd
         if fd < 0:
             raise closed()
         return fd

@@ -186,7 +186,7 @@ def read_fault(pid: int) -> Fault | None:
 
 def read_all(fd: int) -> bytes:
     """Every byte from ``fd`` to its end of file."""
-    chunks = []
+    chunks: list[bytes] = []
     while True:
         chunk = os.read(fd, 65536)
         if not chunk:

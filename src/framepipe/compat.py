@@ -87,7 +87,7 @@ def create_error_pipe() -> tuple[Any, Any]:
     first, the child gets the second."""
     from .connection import Pipe
 
-    return Pipe(duplex=False)  # type: ignore[no-any-return]
+    return Pipe(duplex=False)
 
 
 class _CollectorGuard(Guard):

@@ -36,5 +36,5 @@ def machine_info() -> dict[str, Any]:
         "cpu_model": model,
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "framepipe": __version__,
-        "core": str(getattr(_impl, "implementation", None) or _impl.core.__name__),
+        "core": _impl.implementation,
     }

@@ -164,7 +164,8 @@ class StdlibPool(Adapter):
             raise TimeoutError from None
 
     def map_all(self, fn: Callable[..., Any], items: list[Any]) -> list[Any]:
-        return self.pool.map(fn, items, chunksize=1)
+        results: list[Any] = self.pool.map(fn, items, chunksize=1)
+        return results
 
     def close(self) -> None:
         self.pool.terminate()
@@ -211,7 +212,7 @@ class MpirePool(Adapter):
     timeout_kw = "task_timeout"
 
     def __init__(self) -> None:
-        from mpire import WorkerPool
+        from mpire import WorkerPool  # type: ignore[attr-defined, unused-ignore]
 
         self.pool = WorkerPool(n_jobs=WORKERS, keep_alive=True)
         self.pool.__enter__()
@@ -227,7 +228,8 @@ class MpirePool(Adapter):
         return handle.get(timeout)
 
     def map_all(self, fn: Callable[..., Any], items: list[Any]) -> list[Any]:
-        return self.mapper.map(fn, items, chunk_size=1, progress_bar=False)
+        results: list[Any] = self.mapper.map(fn, items, chunk_size=1, progress_bar=False)
+        return results
 
     def submit_with_timeout(self, fn: Callable[..., Any], timeout: float) -> Any:
         return self.pool.apply_async(fn, (), task_timeout=timeout)

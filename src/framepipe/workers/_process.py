@@ -267,7 +267,7 @@ def _serve_health(ctx: ChildContext, parent_pid: int) -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, {STACK_SIGNAL})
     pidfd = None
     with contextlib.suppress(OSError, AttributeError):
-        pidfd = os.pidfd_open(parent_pid)  # type: ignore[attr-defined]
+        pidfd = os.pidfd_open(parent_pid)
     if pidfd is None and not _alive(parent_pid):
         _die_with_group()
     watched: list[Any] = [ctx.health] + ([pidfd] if pidfd is not None else [])
@@ -683,7 +683,7 @@ class WorkerProcess:
     def exitcode(self) -> int | None:
         if self._closed or self.process is None:
             return self._exitcode
-        return self.process.exitcode
+        return self.process.exitcode  # type: ignore[no-any-return]
 
     def sample_rss(self) -> None:
         """Note the worker's peak resident size so far, and the memory cgroup it is in."""
