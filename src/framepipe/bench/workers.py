@@ -212,7 +212,7 @@ class MpirePool(Adapter):
     timeout_kw = "task_timeout"
 
     def __init__(self) -> None:
-        from mpire import WorkerPool  # type: ignore[attr-defined, unused-ignore]
+        from mpire import WorkerPool  # type: ignore[attr-defined, unused-ignore]  # mpire absent: Any
 
         self.pool = WorkerPool(n_jobs=WORKERS, keep_alive=True)
         self.pool.__enter__()
