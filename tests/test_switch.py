@@ -516,70 +516,7 @@ def test_instance_attributes_match(ccore, pycore):
             p.close()
 
 
-# --- the layers: imports only point down ------------------------------------------------------
-
-# Bottom up. A module may import framepipe modules of lower layers only. remote and watch
-# (exceptions across processes, writer liveness) import nothing of the core; the engines
-# import nothing above the error and wire layers.
-LAYERS = [
-    {"errors", "_lazy"},
-    {"_wire"},
-    {"_stream_errors", "_args", "_objects"},
-    {"_pycore", "_core"},
-    {"remote", "watch"},
-    {"_control", "_pipes", "_aio"},
-    {"_connection"},
-    {"_impl"},
-    {"connection"},
-]
-LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
-# Imports made inside a function, each for a stated reason (none hides a cycle: the imported
-# module is below the importer).
-DEFERRED = {
-    ("_connection", "_aio"): "asyncio loads on a connection's first async call, not at import",
-    ("_connection", "_core"): "the TYPE_CHECKING import of the stub",
-    ("connection", "_connection"): "the TYPE_CHECKING import of the type Connection is",
-}
-
-
-def _framepipe_imports(name: str) -> list[tuple[str, bool]]:
-    """``(imported module, at module level)`` for each framepipe import in ``name``."""
-    path = os.path.join(PACKAGE, name + (".pyx" if name == "_core" else ".py"))
-    if name == "_core" and not os.path.exists(path):
-        # A wheel carries no Cython source: read the checkout's, beside these tests.
-        path = os.path.join(os.path.dirname(__file__), "..", "src", "framepipe", "_core.pyx")
-        if not os.path.exists(path):
-            pytest.skip("no _core.pyx here: neither installed nor in a checkout")
-    source = open(path).read()
-    found: list[tuple[str, bool]] = []
-    if name == "_core":  # Cython: its Python imports are plain lines
-        for m in re.finditer(r"^([ \t]*)from \.(\w*) import ([\w, ()\n]+)", source, re.M):
-            mods = [m.group(2)] if m.group(2) else re.findall(r"\w+", m.group(3))
-            found += [(mod, not m.group(1)) for mod in mods]
-        return found
-    tree = ast.parse(source)
-    top = set(map(id, tree.body))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            mods = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
-            found += [(mod, id(node) in top) for mod in mods]
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            module = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
-            assert not (module or "").startswith("framepipe"), f"{name}: absolute import"
-    return found
-
-
-@pytest.mark.parametrize("name", sorted(LAYER.keys() - {"remote", "watch"}))
-def test_imports_point_down(name):
-    for mod, at_top in _framepipe_imports(name):
-        assert mod in LAYER, f"{name} imports {mod}, which has no place in the layers"
-        assert LAYER[mod] < LAYER[name], (
-            f"{name} (layer {LAYER[name]}) imports {mod} "
-            f"(layer {LAYER[mod]}): imports point down only"
-        )
-        if not at_top:
-            assert (name, mod) in DEFERRED, f"{name} imports {mod} inside a function"
-
+# --- one switch: no module but the switch picks an engine ----------------------------------
 
 # Each engine's Connection module, and the one engine it may import.
 ENGINE_CONNECTION = {"_connection_c.py": "_core", "_connection_py.py": "_pycore"}

@@ -7,8 +7,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import _demo
 from .bench import cli
+from .workers import _demo
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,7 +7,8 @@ import os
 import platform
 from typing import Any
 
-from .. import __version__, _impl
+from .. import _impl
+from .._version import __version__
 
 __all__ = ["machine_info"]
 

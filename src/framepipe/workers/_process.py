@@ -40,6 +40,7 @@ from .._proc import cgroup_oom_file as _cgroup_oom_file
 from .._proc import read_oom_kills as _read_oom_kills
 from .._stream_errors import allow_spin
 from ..errors import WriterDied
+from ..remote import dumps_exception
 from ._launch import die_with_group as _die_with_group
 from ._launch import parent_gone
 from ._launch import set_pdeathsig as _set_pdeathsig
@@ -390,8 +391,6 @@ def child_main(boot: _Boot) -> None:
     threading.Thread(
         target=_serve_health, args=(ctx, boot.parent_pid), name="framepipe-health", daemon=True
     ).start()
-    from ..remote import dumps_exception
-
     if boot.initializer is not None:
         try:
             boot.initializer(*boot.initargs)

@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 
-from .workers import Pool, TaskTimeout, WorkerCrashed
+from . import Pool, TaskTimeout, WorkerCrashed
 
 
 class QuotaExceeded(Exception):
