@@ -6,11 +6,9 @@ import ast
 import importlib.metadata
 import importlib.util
 import inspect
-import os
 import re
 import subprocess
 import sys
-import textwrap
 import types
 from pathlib import Path
 
@@ -443,118 +441,6 @@ def test_framepipe_guard_is_the_module_and_calls_the_function() -> None:
     assert inspect.signature(guard) == inspect.signature(module.guard)
     with pytest.raises(TypeError):
         guard(None, "positional label")
-
-
-# --- types: a user program checked by mypy --strict -----------------------------------------
-
-USER_PROGRAM = '''
-"""Uses the public API of watch, remote and guard as the README does."""
-from __future__ import annotations
-
-import multiprocessing
-import multiprocessing.connection
-import queue
-import threading
-
-import framepipe
-import framepipe.guard as guard_module
-from framepipe import guard
-from framepipe.guard import ProcessFailure, fault_path, read_native_traceback, record
-from framepipe.remote import (
-    RefusedPayload,
-    RemoteError,
-    RemoteTraceback,
-    dumps_exception,
-    loads_exception,
-    sender_label,
-)
-from framepipe.watch import Liveness, Watcher, dead_status_word, resolve_target, watcher
-
-
-def worker(conn: multiprocessing.connection.Connection) -> None:
-    metrics: queue.Queue[dict[str, str]] = queue.Queue()
-    with guard(conn, label="loader", queue=metrics, stop_event=threading.Event()):
-        raise KeyError("missing")
-
-
-@guard
-def bare() -> int:
-    return 1
-
-
-@record
-def main() -> int:
-    return bare()
-
-
-def watch(process: multiprocessing.Process) -> str:
-    with Liveness(process) as liveness:
-        alive: bool = not liveness.poll_dead()
-        code: int | None = liveness.status()[0]
-        oom: bool | None = liveness.oom_killed()
-        native: str | None = liveness.native_traceback()
-        label: str | None = liveness.guard_label()
-        err: framepipe.WriterDied = liveness.error(label="loader")
-        handle: int = watcher().register(liveness, lambda dead: print(dead.pid))
-        watcher().unregister(handle)
-    pid, owner = resolve_target(process)
-    word: int = dead_status_word(code)
-    print(alive, oom, native, label, pid, owner, word, Watcher)
-    return str(err)
-
-
-def revive(data: bytes) -> BaseException:
-    with sender_label("collector"):
-        again = dumps_exception(ValueError("x"), label="loader")
-    try:
-        exc = loads_exception(again, allow=["builtins", KeyError])
-    except RefusedPayload:
-        raise
-    if isinstance(exc, RemoteError):
-        print(exc.remote_type)
-    end = exc.__cause__
-    if isinstance(end, RemoteTraceback):
-        print(end.label, end.pid, end.text)
-    failure = ProcessFailure(0, 1, 1, fault_path(1))
-    tb: str | None = read_native_traceback(1)
-    print(failure.host, failure.timestamp_ns, tb, guard_module.ERROR_FILE_ENV)
-    return exc
-
-
-version: str = framepipe.__version__
-'''
-
-
-def test_a_user_program_passes_mypy_strict(tmp_path: Path) -> None:
-    # mypy as a module of the interpreter under test, so that it checks the program against
-    # that interpreter's standard library and site-packages (a mypy found on PATH may belong to
-    # another Python).
-    if importlib.util.find_spec("mypy") is None:
-        pytest.skip(f"mypy is not importable by {sys.executable}: pip install mypy to run this")
-    program = tmp_path / "user_program.py"
-    program.write_text(textwrap.dedent(USER_PROGRAM), encoding="utf-8")
-    # framepipe as its users get it: its types used, its own modules' findings not reported
-    env = dict(os.environ, MYPYPATH=str(PACKAGE.parent))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mypy",
-            "--strict",
-            "--follow-imports=silent",
-            "--no-incremental",
-            "--cache-dir",
-            os.devnull,
-            str(program),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.startswith("Success"), result.stdout
 
 
 # --- what a worker carries ------------------------------------------------------------------

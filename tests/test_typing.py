@@ -1,10 +1,10 @@
 """The types of the public API, checked by ``mypy --strict`` as its users run it.
 
-``tests/typing/usage.py`` is a program that must pass; each file in ``tests/typing/misuse/``
-is a sample of misuses that must fail, every line that must be reported marked with
-``# E: <error code>``. The samples and the program are checked in one mypy run, against the
-framepipe these tests import; a mark that mypy does not report, or an error on a line without
-a mark, fails the sample.
+Each file in ``tests/typing/`` is a program that must pass (``usage.py`` also runs in CI); each
+file in ``tests/typing/misuse/`` is a sample of misuses that must fail, every line that must be
+reported marked with ``# E: <error code>``. The samples and the programs are checked in one mypy
+run, against the framepipe these tests import; a mark that mypy does not report, or an error on
+a line without a mark, fails the sample.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import framepipe
 
 PACKAGE = Path(framepipe.__file__).parent
 TYPING = Path(__file__).parent / "typing"
-USAGE = TYPING / "usage.py"
+PROGRAMS = sorted(TYPING.glob("*.py"))
 MISUSES = sorted((TYPING / "misuse").glob("*.py"))
 MARK = re.compile(r"#\s*E:\s*([\w-]+)\s*$")
 ERROR = re.compile(
@@ -42,7 +42,7 @@ def _marks(path: Path) -> set[tuple[int, str]]:
 
 @pytest.fixture(scope="module")
 def mypy_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[tuple[int, str]]]:
-    """One ``mypy --strict`` run over the program and every sample: ``{file name: {(line,
+    """One ``mypy --strict`` run over the programs and every sample: ``{file name: {(line,
     code)}}`` of the errors it reported."""
     # mypy as a module of the interpreter under test, so that it checks the samples against
     # that interpreter's standard library (a mypy found on PATH may belong to another Python)
@@ -63,7 +63,7 @@ def mypy_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[tuple
             "--hide-error-context",
             "--no-pretty",
             "--show-error-codes",
-            str(USAGE),
+            *map(str, PROGRAMS),
             *map(str, MISUSES),
         ],
         capture_output=True,
@@ -73,7 +73,7 @@ def mypy_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[tuple
         timeout=600,
     )
     assert result.returncode in (0, 1), result.stdout + result.stderr  # 2: mypy itself failed
-    report: dict[str, set[tuple[int, str]]] = {p.name: set() for p in (USAGE, *MISUSES)}
+    report: dict[str, set[tuple[int, str]]] = {p.name: set() for p in (*PROGRAMS, *MISUSES)}
     for line in result.stdout.splitlines():
         match = ERROR.match(line)
         if match:
@@ -90,8 +90,10 @@ def test_there_are_samples_of_misuse() -> None:
         assert _marks(path), f"{path.name} marks no line that must fail"
 
 
-def test_the_usage_program_passes(mypy_report: dict[str, set[tuple[int, str]]]) -> None:
-    assert mypy_report[USAGE.name] == set()
+@pytest.mark.parametrize("program", PROGRAMS, ids=[p.stem for p in PROGRAMS])
+def test_each_program_passes(mypy_report: dict[str, set[tuple[int, str]]], program: Path) -> None:
+    assert {p.name for p in PROGRAMS} >= {"usage.py", "watch_remote_guard.py"}
+    assert mypy_report[program.name] == set(), f"{program.name}: mypy --strict reported errors"
 
 
 @pytest.mark.parametrize("sample", MISUSES, ids=[p.stem for p in MISUSES])
