@@ -41,17 +41,18 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
         },
     ),
     (
-        "what the engines read and write: spin policy and stream errors, pickled objects",
+        "what the engines read and write: spin policy, stream errors, pickled objects",
         {
+            "_spin": set(),
             "_stream_errors": {"_wire", "errors"},
-            "_objects": {"_wire", "errors"},
+            "_pickling": {"_wire", "errors"},
         },
     ),
     (
         "the engines: the compiled core (its Cython source) and the pure-Python twin",
         {
-            "_core": {"_args", "_stream_errors", "_wire", "errors"},
-            "_pycore": {"_args", "_stream_errors", "_wire", "errors"},
+            "_core": {"_args", "_spin", "_stream_errors", "_wire", "errors"},
+            "_pycore": {"_args", "_spin", "_stream_errors", "_wire", "errors"},
         },
     ),
     (
@@ -59,8 +60,8 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
         {
             "_fault_echo": set(),  # C (csrc/fault_echo/), a leaf
             "_faults": {"_fault_echo"},
-            "_proc": {"_faults", "errors"},
-            "watch": {"_proc"},
+            "_liveness": {"_faults", "errors"},
+            "watch": {"_liveness"},
         },
     ),
     (
@@ -74,14 +75,14 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
         "the connection over either engine, and the switch",
         {
             "_pipes": set(),
-            "_aio": {"_args", "_lazy", "_objects", "_stream_errors", "_wire", "errors"},
+            "_aio": {"_args", "_lazy", "_pickling", "_stream_errors", "_wire", "errors"},
             "_control": {"_wire", "errors", "remote", "watch"},
             "_connection": {
                 "_aio",  # deferred, see DEFERRED
                 "_args",
                 "_control",
                 "_core",  # the stub, under TYPE_CHECKING
-                "_objects",
+                "_pickling",
                 "_pipes",
                 "_stream_errors",
                 "_wire",
@@ -95,7 +96,7 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
     ),
     (
         "the guard",
-        {"guard": {"_faults", "_proc", "errors", "remote"}},
+        {"guard": {"_faults", "_liveness", "errors", "remote"}},
     ),
     (
         "the package: the public names of the layers below",
@@ -108,8 +109,8 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
             "workers._launch": set(),
             "workers._shm": {"workers.errors"},
             "workers._process": {
-                "_proc",
-                "_stream_errors",
+                "_liveness",
+                "_spin",
                 "connection",
                 "errors",
                 "remote",
@@ -118,7 +119,7 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
             },
             "workers._dispatch": {
                 "_lazy",
-                "_stream_errors",
+                "_spin",
                 "errors",
                 "remote",
                 "workers._process",
@@ -128,7 +129,7 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
             "workers.worker": {"_lazy", "workers._dispatch", "workers._process", "workers.errors"},
             "workers.pool": {"_lazy", "workers._dispatch", "workers.worker"},
             "workers.loader": {
-                "_stream_errors",
+                "_spin",
                 "connection",
                 "errors",
                 "remote",
@@ -367,16 +368,16 @@ def test_the_import_reader_sees_every_kind_of_import() -> None:
     assert {n for n, _, _ in _framepipe_imports("workers._demo")} == {"workers"}
     assert {n for n, _, _ in _framepipe_imports("bench.machine")} == {"_impl", "_version"}
     assert {n for n, _, _ in _framepipe_imports("_faults")} == {"_fault_echo"}
-    assert "_stream_errors" in {n for n, _, _ in _framepipe_imports("_core")}
+    assert {"_spin", "_stream_errors"} <= {n for n, _, _ in _framepipe_imports("_core")}
 
 
 def test_the_public_names_stay_where_they_were() -> None:
-    from framepipe import _proc, _unpickle
+    from framepipe import _liveness, _unpickle
 
     for name in framepipe.watch.__all__:
         assert hasattr(framepipe.watch, name), name
-    assert framepipe.watch.Liveness is _proc.Liveness
-    assert framepipe.watch.resolve_target is _proc.resolve_target
+    assert framepipe.watch.Liveness is _liveness.Liveness
+    assert framepipe.watch.resolve_target is _liveness.resolve_target
     assert framepipe.remote.RefusedPayload is _unpickle.RefusedPayload
     assert framepipe.remote.RefusedPayload.__module__ == "framepipe.remote"
     for name in framepipe.remote.__all__:

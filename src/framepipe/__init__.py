@@ -8,8 +8,7 @@ processes intact and :func:`guard` makes sure the parent hears about every failu
 
 from typing import TYPE_CHECKING
 
-from . import connection
-from ._impl import core as _core
+from . import _impl, connection
 from ._impl import implementation
 from ._version import __version__
 from .connection import Connection
@@ -41,7 +40,7 @@ if TYPE_CHECKING:
     # The reference-style Pipe every engine's Pipe derives from; at run time, the engine's.
     from ._pipes import Pipe as Pipe
 else:
-    Pipe = _core.Pipe
+    Pipe = _impl.core.Pipe
 
 __all__ = [
     "__version__",

@@ -33,7 +33,7 @@ from typing import Any
 
 from ._args import check_send_args
 from ._lazy import asyncio  # imported on first use (see _lazy)
-from ._objects import dumps, dumps_bulk
+from ._pickling import dumps, dumps_bulk
 from ._stream_errors import closed, timeout_error
 from ._wire import BULK_MIN, KIND_BULK, KIND_DATA, header, padded
 from .errors import ReadTimeout

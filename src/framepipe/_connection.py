@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 from . import _pipes
 from ._args import check_bulk_handles, check_exception, check_handles, check_max_size
 from ._control import check_watch, dead_error, error_frame, remote_error, start_watch, stop_watch
-from ._objects import FLAG_BYTES, dumps, dumps_bulk, dumps_inband, loads, parse_object
+from ._pickling import FLAG_BYTES, dumps, dumps_bulk, dumps_inband, loads, parse_object
 from ._stream_errors import closed, missing_buffer
 from ._wire import BULK_MIN, KIND_BUFFER, KIND_DATA, KIND_ERROR, KIND_OBJECT, header
 from .errors import MessageTooLong

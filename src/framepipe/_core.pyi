@@ -18,7 +18,7 @@ ENGINE: str
 """``"c"`` here, ``"python"`` in the twin."""
 
 def _may_spin() -> bool:
-    """Whether a read may spin now (see _stream_errors.may_spin)."""
+    """Whether a read may spin now (see _spin.may_spin)."""
 
 class ConnectionHooks(Protocol):
     """What the Connection above the engine provides; the engine calls these."""

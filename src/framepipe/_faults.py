@@ -71,7 +71,7 @@ class Fault(NamedTuple):
     label: str | None
     """The label of the outermost guard that was open (None when the file has no header)."""
     start: float | None
-    """The process's start time as :func:`framepipe._proc.start_time` read it, or None."""
+    """The process's start time as :func:`framepipe._liveness.start_time` read it, or None."""
     traceback: str | None
     """faulthandler's dump, or None when the process did not crash in native code."""
 

@@ -25,7 +25,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ._args import check_send_args, check_timeout, poll_ms
-from ._stream_errors import (
+from ._spin import (
     DEATH_GRACE,
     DEATH_SPIN,
     SPIN,
@@ -33,12 +33,14 @@ from ._stream_errors import (
     SPIN_FLOOR,
     SPIN_LONGEST_SAMPLE,
     SPIN_WEIGHT,
+    may_spin,
+)
+from ._stream_errors import (
     bad_header,
     blocking_send_under_async_send,
     broken,
     closed,
     closed_while_waiting,
-    may_spin,
     no_bulk_channel,
     record_too_long,
     sentinel_timeout,
@@ -608,7 +610,7 @@ class Engine:
             self._leave()
 
     def _write_segments(self, segments: list[Any]) -> None:
-        """Write ``[pipe_parts, bulk_payload, pipe_parts, ...]`` (see ``_objects.dumps_bulk``)
+        """Write ``[pipe_parts, bulk_payload, pipe_parts, ...]`` (see ``_pickling.dumps_bulk``)
         under one hold of the write lock: each BULK header reaches the pipe before its payload
         reaches the bulk fd."""
         self._enter()

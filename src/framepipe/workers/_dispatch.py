@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .._lazy import asyncio  # imported on first use (see _lazy)
-from .._stream_errors import workers_may_spin
+from .._spin import workers_may_spin
 from ..errors import ReadTimeout, WriterDied
 from ..remote import dumps_exception
 from . import _process, _shm

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import connection as _connection
-from .._proc import cgroup_oom_file as _cgroup_oom_file
-from .._proc import read_oom_kills as _read_oom_kills
-from .._stream_errors import allow_spin
+from .._liveness import cgroup_oom_file as _cgroup_oom_file
+from .._liveness import read_oom_kills as _read_oom_kills
+from .._spin import allow_spin
 from ..errors import WriterDied
 from ..remote import dumps_exception
 from ._launch import die_with_group as _die_with_group

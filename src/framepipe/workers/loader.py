@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import connection as _connection
-from .._stream_errors import workers_may_spin
+from .._spin import workers_may_spin
 from ..errors import ReadTimeout, WriterDied
 from ..remote import add_note, dumps_exception, loads_exception
 from . import _shm
