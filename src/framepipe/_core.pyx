@@ -2,7 +2,7 @@
 """The compiled engine: the hot loops of a connection over csrc/fp.c.
 
 Same interface, errors and bytes on the wire as framepipe._pycore (the spec); the interface is
-written down in _core.pyi. Connection (framepipe._connection) subclasses Engine.
+written down in _core.pyi. Connection (framepipe._connection_c) subclasses Engine.
 """
 
 cimport cython

@@ -5,8 +5,10 @@ An engine holds the hot loops of a connection and nothing else: framed reads aga
 deadline, gather writes, ``poll``, the bulk channel, the read buffer, and closing the fds. The
 interface both engines implement is written down in ``_core.pyi`` and checked by the parity
 test. Everything else a Connection does (pickling objects, error frames, ``watch``, asyncio, the
-context manager, ``repr``, the docstrings) is written once, in ``framepipe._connection``, as a
-subclass of the engine, which calls back into two hooks (``_message``, ``_dead_sentinel``).
+context manager, ``repr``, the docstrings) is written once, in ``framepipe._connection``'s
+``ConnectionBase``, which provides the two hooks the engine calls back (``_message``,
+``_dead_sentinel``); ``framepipe._connection_py`` writes this engine's ``Connection``, a
+subclass of both.
 
 Deadlines are absolute ``time.monotonic()`` seconds; a negative deadline means "none".
 """

@@ -23,7 +23,7 @@ import socket
 import time
 from collections.abc import Iterable
 from multiprocessing import AuthenticationError
-from multiprocessing import connection as _mpc_typed
+from multiprocessing import connection as _stdlib_connection
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from . import _impl
@@ -51,8 +51,8 @@ if TYPE_CHECKING:
 else:
     Connection = _impl.core.Connection
 
-# The stdlib's socket helpers used below, which its type stubs do not declare.
-_mpc: Any = _mpc_typed
+# The stdlib's module, for its socket helpers used below, which its type stubs leave out.
+_mpc: Any = _stdlib_connection
 
 
 class _HasFileno(Protocol):
