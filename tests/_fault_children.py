@@ -33,7 +33,7 @@ def payload(n: int, seed: int = 0) -> bytes:
 
 def impl_name(core) -> str:
     """The name ``framepipe._impl.load`` takes for a core module."""
-    return "c" if core.__name__.endswith("._core") else "python"
+    return core.ENGINE
 
 
 def subprocess_env() -> dict[str, str]:

@@ -255,7 +255,7 @@ def items_with_an_unreadable_one(n, bad_at):
 
 def may_spin(_=None):
     """Whether this worker's reads may spin before they sleep."""
-    from framepipe._stream_errors import may_spin as spin_allowed
+    from framepipe._spin import may_spin as spin_allowed
 
     return spin_allowed()
 

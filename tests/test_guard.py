@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from framepipe._proc import start_time
+from framepipe._liveness import start_time
 from framepipe.errors import WriterDied
 from framepipe.guard import (
     ERROR_FILE_ENV,

@@ -6,10 +6,9 @@ import ast
 import importlib.metadata
 import importlib.util
 import inspect
-import os
+import re
 import subprocess
 import sys
-import textwrap
 import types
 from pathlib import Path
 
@@ -23,53 +22,326 @@ import framepipe.watch
 
 PACKAGE = Path(framepipe.__file__).parent
 
-# Each module and the framepipe modules it may import (directly below it). A module imports
-# nothing from framepipe unless listed; a new import must find its place here.
-LAYERS: dict[str, set[str]] = {
-    "_version": set(),
-    "errors": set(),
-    "_faults": {"_fault_echo"},  # framepipe._fault_echo is C (csrc/fault_echo/), a leaf
-    "_proc": {"_faults", "errors"},
-    "watch": {"_proc"},
-    "_unpickle": {"errors"},
-    "remote": {"_unpickle"},
-    "guard": {"_faults", "_proc", "errors", "remote"},
+# --- the layers: every module, and which way it may import ------------------------------------
+
+# Bottom up: each layer, and each module in it with the framepipe modules it imports (at its top
+# level, under TYPE_CHECKING included). A module imports nothing of framepipe that is not listed,
+# and only modules of its own layer or below; the table has no cycle. Package __init__ modules
+# are named by their package ("__init__" for framepipe itself); a new module must find its place
+# here. framepipe.bench is on top: no library module imports it, only the command line.
+LAYERS: list[tuple[str, dict[str, set[str]]]] = [
+    (
+        "leaves: the version, errors, the wire format, argument checks, lazy imports",
+        {
+            "_version": set(),
+            "errors": set(),
+            "_lazy": set(),
+            "_wire": set(),
+            "_args": set(),
+            "_width": set(),
+        },
+    ),
+    (
+        "what the engines read and write: spin policy, stream errors, pickled objects",
+        {
+            "_spin": set(),
+            "_stream_errors": {"_wire", "errors"},
+            "_pickling": {"_wire", "errors"},
+        },
+    ),
+    (
+        "the engines: the compiled core (its Cython source) and the pure-Python twin",
+        {
+            "_core": {"_args", "_spin", "_stream_errors", "_wire", "errors"},
+            "_pycore": {"_args", "_spin", "_stream_errors", "_wire", "errors"},
+        },
+    ),
+    (
+        "liveness: native faults, process death, the watcher",
+        {
+            "_fault_echo": set(),  # C (csrc/fault_echo/), a leaf
+            "_faults": {"_fault_echo"},
+            "_liveness": {"_faults", "errors"},
+            "watch": {"_liveness"},
+        },
+    ),
+    (
+        "exceptions across processes",
+        {
+            "_unpickle": {"errors"},
+            "remote": {"_unpickle"},
+        },
+    ),
+    (
+        "the connection over either engine, and the switch",
+        {
+            "_pipes": set(),
+            "_aio": {"_args", "_lazy", "_pickling", "_stream_errors", "_wire", "errors"},
+            "_control": {"_wire", "errors", "remote", "watch"},
+            "_connection": {
+                "_aio",  # deferred, see DEFERRED
+                "_args",
+                "_control",
+                "_core",  # the stub, under TYPE_CHECKING
+                "_pickling",
+                "_pipes",
+                "_stream_errors",
+                "_wire",
+                "errors",
+            },
+            "_connection_c": {"_connection", "_core", "_pipes"},
+            "_connection_py": {"_connection", "_pipes", "_pycore"},
+            "_impl": {"_connection"},  # and the two above, by name (see _connection.load_engine)
+            "connection": {"_args", "_connection", "_impl", "_lazy", "errors"},
+        },
+    ),
+    (
+        "the guard",
+        {"guard": {"_faults", "_liveness", "errors", "remote"}},
+    ),
+    (
+        "the package: the public names of the layers below",
+        {"__init__": {"_impl", "_pipes", "_version", "connection", "errors", "guard", "remote"}},
+    ),
+    (
+        "workers",
+        {
+            "workers.errors": {"errors", "remote"},
+            "workers._launch": set(),
+            "workers._mainguard": {"workers.errors"},
+            "workers._shm": {"workers.errors"},
+            "workers._process": {
+                "_liveness",
+                "_spin",
+                "connection",
+                "errors",
+                "remote",
+                "workers._launch",
+                "workers.errors",
+            },
+            "workers._dispatch": {
+                "_lazy",
+                "_spin",
+                "errors",
+                "remote",
+                "workers._mainguard",
+                "workers._process",
+                "workers._shm",
+                "workers.errors",
+            },
+            "workers.worker": {"_lazy", "workers._dispatch", "workers._process", "workers.errors"},
+            "workers.pool": {"_lazy", "workers._dispatch", "workers.worker"},
+            "workers.loader": {
+                "_spin",
+                "connection",
+                "errors",
+                "remote",
+                "workers._mainguard",
+                "workers._process",
+                "workers._shm",
+                "workers.errors",
+            },
+            "workers.group": {
+                "_lazy",
+                "connection",
+                "errors",
+                "guard",
+                "remote",
+                "watch",
+                "workers._launch",
+                "workers._mainguard",
+                "workers._process",
+                "workers.errors",
+                "workers.worker",
+            },
+            "workers": {
+                "workers._dispatch",
+                "workers.errors",
+                "workers.group",
+                "workers.loader",
+                "workers.pool",
+                "workers.worker",
+            },
+            "workers._demo": {"_width", "workers"},
+            "workers.elastic": {"guard", "workers._process", "workers.group"},
+        },
+    ),
+    (
+        "drop-ins for the reference subprocess_rpc",
+        {
+            "subprocess_rpc": {"_impl", "_pipes", "errors", "remote"},
+            "compat": {"connection", "guard", "remote", "subprocess_rpc"},
+        },
+    ),
+    (
+        "tools: the benchmark and the command line",
+        {
+            "bench.rows": set(),
+            "bench.load": set(),
+            "bench.table": {"_width", "bench.load", "bench.rows"},
+            "bench.peers": {"_impl", "bench.rows"},
+            "bench.runner": {"bench.peers", "bench.rows"},
+            "bench.plot": {"bench.peers", "bench.rows"},
+            "bench.output": {"bench.peers", "bench.plot"},
+            "bench.machine": {"_impl", "_version"},
+            "bench.remote": {"bench.rows", "bench.runner", "remote"},
+            "bench.detection": {"bench.peers", "bench.rows", "bench.runner", "errors", "watch"},
+            "bench.core": {
+                "bench.detection",
+                "bench.peers",
+                "bench.remote",
+                "bench.rows",
+                "bench.runner",
+            },
+            "bench.workers": {
+                "bench.load",
+                "connection",
+                "bench.machine",
+                "bench.output",
+                "bench.peers",
+                "bench.plot",
+                "bench.table",
+                "workers",
+            },
+            "bench.loader": {
+                "bench.machine",
+                "bench.output",
+                "bench.peers",
+                "bench.plot",
+                "bench.table",
+                "connection",
+                "workers",
+            },
+            "bench.cli": {
+                "bench.core",
+                "bench.load",
+                "bench.loader",
+                "bench.machine",
+                "bench.output",
+                "bench.peers",
+                "bench.plot",
+                "bench.rows",
+                "bench.runner",
+                "bench.table",
+                "bench.workers",
+            },
+            "bench": set(),
+            "bench.__main__": {"bench.cli"},
+            "__main__": {"_impl", "_version", "bench.cli", "workers._demo"},
+            "run": {"workers.elastic"},  # deferred, see DEFERRED
+        },
+    ),
+]
+LAYER = {module: i for i, (_, modules) in enumerate(LAYERS) for module in modules}
+IMPORTS = {module: names for _, modules in LAYERS for module, names in modules.items()}
+# Compiled modules: no Python source to read (_core's imports are read from _core.pyx).
+COMPILED = {"_core", "_fault_echo"}
+# Imports made inside a function, each for a stated reason; the imported module is still below.
+DEFERRED = {
+    ("_connection", "_aio"): "asyncio loads on a connection's first async call, not at import",
+    ("run", "workers.elastic"): "torch loads when the command runs; without it, a message",
 }
 
 
-def _framepipe_imports(tree: ast.Module) -> list[tuple[str, ast.stmt, bool]]:
-    """(module imported, node, at module level) for every import of a framepipe module."""
-    found: list[tuple[str, ast.stmt, bool]] = []
-    top = set(map(id, tree.body))
-    for node in tree.body:
-        if isinstance(node, ast.Try):  # an optional module, tried when the module is imported
-            top.update(map(id, node.body))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            names = [node.module] if node.module else [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("framepipe"):
-            names = [(node.module or "").removeprefix("framepipe").lstrip(".")]
-        elif isinstance(node, ast.Import):
-            names = [
-                a.name.removeprefix("framepipe.")
-                for a in node.names
-                if a.name.startswith("framepipe.")
-            ]
-        else:
-            continue
-        found.extend((name.split(".")[0], node, id(node) in top) for name in names)
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts.pop()
+    return ".".join(parts)
+
+
+def _source_modules() -> dict[str, Path]:
+    """Every Python module of the package, by its name in the table."""
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_module(name: str) -> bool:
+    return name in IMPORTS or name in _source_modules()
+
+
+def _resolve(importer: str, node: ast.ImportFrom | ast.Import) -> list[str]:
+    """The framepipe modules an import statement of ``importer`` names (a name imported from
+    a package that is not a submodule is the package itself)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names if a.name.split(".")[0] == "framepipe"]
+        return [n.removeprefix("framepipe").lstrip(".") or "__init__" for n in names]
+    if node.level == 0:
+        if not (node.module or "").startswith("framepipe"):
+            return []
+        base = (node.module or "").removeprefix("framepipe").lstrip(".").split(".")
+        base = [b for b in base if b]
+    else:
+        is_package = _source_modules().get(importer, Path()).name == "__init__.py"
+        package = [] if importer == "__init__" else importer.split(".")
+        if not is_package:
+            package = package[:-1]
+        base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+        base = base + (node.module.split(".") if node.module else [])
+    found = []
+    for alias in node.names:
+        sub = ".".join([*base, alias.name])
+        found.append(sub if _is_module(sub) else ".".join(base) or "__init__")
     return found
 
 
-@pytest.mark.parametrize("module", sorted(LAYERS))
+def _framepipe_imports(module: str) -> list[tuple[str, int, bool]]:
+    """``(module imported, line, at module level)`` for every framepipe import of ``module``
+    (an import under ``if TYPE_CHECKING:`` or in a ``try:`` at module level is at module level;
+    one in a function is not)."""
+    if module == "_core":
+        pyx = PACKAGE / "_core.pyx"
+        if not pyx.exists():  # a wheel carries no Cython source: read the checkout's
+            pyx = Path(__file__).parent.parent / "src" / "framepipe" / "_core.pyx"
+        if not pyx.exists():
+            pytest.skip("no _core.pyx here: neither installed nor in a checkout")
+        found = []
+        source = pyx.read_text(encoding="utf-8")
+        for m in re.finditer(r"^([ \t]*)from \.(\w*) import ([^\n]+)", source, re.M):
+            line = source.count("\n", 0, m.start()) + 1
+            mods = [m.group(2)] if m.group(2) else re.findall(r"\w+", m.group(3))
+            found += [(mod, line, not m.group(1)) for mod in mods]
+        return found
+    tree = ast.parse(_source_modules()[module].read_text(encoding="utf-8"))
+    found: list[tuple[str, int, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.extend(
+                    (name, child.lineno, not in_function) for name in _resolve(module, child)
+                )
+            nested = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            visit(child, in_function or nested)
+
+    visit(tree, False)
+    return found
+
+
+def test_every_module_has_its_place_in_the_layers() -> None:
+    modules = set(_source_modules())
+    assert not modules - IMPORTS.keys(), (
+        f"modules with no place in LAYERS: {modules - IMPORTS.keys()}"
+    )
+    gone = IMPORTS.keys() - modules - COMPILED
+    assert not gone, f"LAYERS lists modules that do not exist: {gone}"
+    assert len(LAYER) == sum(len(m) for _, m in LAYERS), "a module is listed twice"
+
+
+@pytest.mark.parametrize("module", sorted(IMPORTS.keys() - {"_fault_echo"}))
 def test_imports_only_point_down(module: str) -> None:
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text(encoding="utf-8"))
-    for name, node, at_top in _framepipe_imports(tree):
-        where = f"framepipe/{module}.py line {node.lineno}"
-        assert at_top, f"{where}: a deferred import of framepipe.{name} (hides a cycle)"
-        assert name in LAYERS[module], f"{where}: imports framepipe.{name}, not below it"
-    for name in LAYERS[module]:  # the table stays honest: every import listed is one made
-        assert name in {n for n, _, _ in _framepipe_imports(tree)}, f"{module} -> {name} unused"
+    made = set()
+    for name, line, at_top in _framepipe_imports(module):
+        where = f"framepipe {module} line {line}"
+        assert name in IMPORTS, f"{where}: imports {name}, which has no place in LAYERS"
+        assert name in IMPORTS[module], f"{where}: imports {name}, not listed in LAYERS"
+        assert LAYER[name] <= LAYER[module], (
+            f"{where}: imports {name} of the layer above ({LAYERS[LAYER[name]][0]})"
+        )
+        if not at_top:
+            assert (module, name) in DEFERRED, f"{where}: a deferred import of {name}"
+        made.add(name)
+    # the table stays honest: every import listed is one made
+    assert IMPORTS[module] == made, f"{module}: listed but not imported: {IMPORTS[module] - made}"
 
 
 def test_the_layer_table_has_no_cycle() -> None:
@@ -78,21 +350,52 @@ def test_the_layer_table_has_no_cycle() -> None:
     def visit(module: str, path: tuple[str, ...]) -> None:
         assert module not in path, " -> ".join((*path, module))
         if module not in done:
-            for below in LAYERS.get(module, ()):
+            for below in IMPORTS.get(module, ()):
                 visit(below, (*path, module))
             done.add(module)
 
-    for module in LAYERS:
+    for module in IMPORTS:
         visit(module, ())
+    for module, names in IMPORTS.items():
+        for name in names:
+            assert LAYER[name] <= LAYER[module], f"{module} -> {name} points up"
+
+
+def test_no_library_module_imports_the_benchmark() -> None:
+    # The benchmark is a tool on top: it imports the library, never the other way.
+    tools = {m for m in IMPORTS if m == "bench" or m.startswith("bench.")} | {"__main__"}
+    for module, names in IMPORTS.items():
+        if module not in tools:
+            assert not {n for n in names if n == "bench" or n.startswith("bench.")}, module
+    assert LAYER["bench.cli"] == len(LAYERS) - 1
+
+
+def test_the_import_reader_sees_every_kind_of_import() -> None:
+    # The checks above are only as good as what _framepipe_imports finds.
+    assert ("workers", 1, True) not in _framepipe_imports("__main__")
+    main = {(n, top) for n, _, top in _framepipe_imports("__main__")}
+    assert main == {
+        ("_impl", True),
+        ("_version", True),
+        ("bench.cli", True),
+        ("workers._demo", True),
+    }
+    assert ("_aio", False) in {(n, top) for n, _, top in _framepipe_imports("_connection")}
+    assert ("_core", True) in {(n, top) for n, _, top in _framepipe_imports("_connection")}
+    assert {n for n, _, _ in _framepipe_imports("workers._demo")} == {"_width", "workers"}
+    assert ("workers.elastic", False) in {(n, top) for n, _, top in _framepipe_imports("run")}
+    assert {n for n, _, _ in _framepipe_imports("bench.machine")} == {"_impl", "_version"}
+    assert {n for n, _, _ in _framepipe_imports("_faults")} == {"_fault_echo"}
+    assert {"_spin", "_stream_errors"} <= {n for n, _, _ in _framepipe_imports("_core")}
 
 
 def test_the_public_names_stay_where_they_were() -> None:
-    from framepipe import _proc, _unpickle
+    from framepipe import _liveness, _unpickle
 
     for name in framepipe.watch.__all__:
         assert hasattr(framepipe.watch, name), name
-    assert framepipe.watch.Liveness is _proc.Liveness
-    assert framepipe.watch.resolve_target is _proc.resolve_target
+    assert framepipe.watch.Liveness is _liveness.Liveness
+    assert framepipe.watch.resolve_target is _liveness.resolve_target
     assert framepipe.remote.RefusedPayload is _unpickle.RefusedPayload
     assert framepipe.remote.RefusedPayload.__module__ == "framepipe.remote"
     for name in framepipe.remote.__all__:
@@ -157,118 +460,6 @@ def test_framepipe_guard_is_the_module_and_calls_the_function() -> None:
     assert inspect.signature(guard) == inspect.signature(module.guard)
     with pytest.raises(TypeError):
         guard(None, "positional label")
-
-
-# --- types: a user program checked by mypy --strict -----------------------------------------
-
-USER_PROGRAM = '''
-"""Uses the public API of watch, remote and guard as the docs do."""
-from __future__ import annotations
-
-import multiprocessing
-import multiprocessing.connection
-import queue
-import threading
-
-import framepipe
-import framepipe.guard as guard_module
-from framepipe import guard
-from framepipe.guard import ProcessFailure, fault_path, read_native_traceback, record
-from framepipe.remote import (
-    RefusedPayload,
-    RemoteError,
-    RemoteTraceback,
-    dumps_exception,
-    loads_exception,
-    sender_label,
-)
-from framepipe.watch import Liveness, Watcher, dead_status_word, resolve_target, watcher
-
-
-def worker(conn: multiprocessing.connection.Connection) -> None:
-    metrics: queue.Queue[dict[str, str]] = queue.Queue()
-    with guard(conn, label="loader", queue=metrics, stop_event=threading.Event()):
-        raise KeyError("missing")
-
-
-@guard
-def bare() -> int:
-    return 1
-
-
-@record
-def main() -> int:
-    return bare()
-
-
-def watch(process: multiprocessing.Process) -> str:
-    with Liveness(process) as liveness:
-        alive: bool = not liveness.poll_dead()
-        code: int | None = liveness.status()[0]
-        oom: bool | None = liveness.oom_killed()
-        native: str | None = liveness.native_traceback()
-        label: str | None = liveness.guard_label()
-        err: framepipe.WriterDied = liveness.error(label="loader")
-        handle: int = watcher().register(liveness, lambda dead: print(dead.pid))
-        watcher().unregister(handle)
-    pid, owner = resolve_target(process)
-    word: int = dead_status_word(code)
-    print(alive, oom, native, label, pid, owner, word, Watcher)
-    return str(err)
-
-
-def revive(data: bytes) -> BaseException:
-    with sender_label("collector"):
-        again = dumps_exception(ValueError("x"), label="loader")
-    try:
-        exc = loads_exception(again, allow=["builtins", KeyError])
-    except RefusedPayload:
-        raise
-    if isinstance(exc, RemoteError):
-        print(exc.remote_type)
-    end = exc.__cause__
-    if isinstance(end, RemoteTraceback):
-        print(end.label, end.pid, end.text)
-    failure = ProcessFailure(0, 1, 1, fault_path(1))
-    tb: str | None = read_native_traceback(1)
-    print(failure.host, failure.timestamp_ns, tb, guard_module.ERROR_FILE_ENV)
-    return exc
-
-
-version: str = framepipe.__version__
-'''
-
-
-def test_a_user_program_passes_mypy_strict(tmp_path: Path) -> None:
-    # mypy as a module of the interpreter under test, so that it checks the program against
-    # that interpreter's standard library and site-packages (a mypy found on PATH may belong to
-    # another Python).
-    if importlib.util.find_spec("mypy") is None:
-        pytest.skip(f"mypy is not importable by {sys.executable}: pip install mypy to run this")
-    program = tmp_path / "user_program.py"
-    program.write_text(textwrap.dedent(USER_PROGRAM), encoding="utf-8")
-    # framepipe as its users get it: its types used, its own modules' findings not reported
-    env = dict(os.environ, MYPYPATH=str(PACKAGE.parent))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mypy",
-            "--strict",
-            "--follow-imports=silent",
-            "--no-incremental",
-            "--cache-dir",
-            os.devnull,
-            str(program),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.startswith("Success"), result.stdout
 
 
 # --- what a worker carries ------------------------------------------------------------------

@@ -218,7 +218,7 @@ def test_writer_death_ends_a_read_that_would_hang(impl):
         "pipe.write(b'one frame'); sys.exit(3)"
     )
     src = os.path.dirname(os.path.dirname(os.path.abspath(framepipe.__file__)))
-    name = "c" if impl.__name__.endswith("._core") else "python"
+    name = impl.ENGINE
     proc = subprocess.Popen(
         [sys.executable, "-c", code, src, name, str(p.write_fd)], pass_fds=[p.write_fd]
     )

@@ -1,4 +1,4 @@
-"""Reads that spin before they sleep (framepipe._stream_errors.SPIN): with a writer that answers
+"""Reads that spin before they sleep (framepipe._spin.SPIN): with a writer that answers
 within microseconds they take every message in order on every path (blocking, timed, watched,
 poll() first, bulk), and a reader whose writer is slow burns almost no CPU while it waits."""
 
@@ -13,7 +13,7 @@ import time
 import pytest
 
 import framepipe
-from framepipe import _stream_errors
+from framepipe import _spin
 
 TIMEOUT = 60.0  # a hang guard only
 SRC = os.path.dirname(os.path.dirname(os.path.abspath(framepipe.__file__)))
@@ -133,7 +133,7 @@ def _spin_setting(value: str | None) -> float:
         env["FRAMEPIPE_SPIN_US"] = value
     env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
     out = subprocess.run(
-        [sys.executable, "-c", "from framepipe._stream_errors import SPIN; print(repr(SPIN))"],
+        [sys.executable, "-c", "from framepipe._spin import SPIN; print(repr(SPIN))"],
         env=env,
         capture_output=True,
         text=True,
@@ -162,7 +162,7 @@ def test_spin_is_set_by_the_environment(value, seconds):
 def _report_cpus(conn, cpu: int | None) -> None:
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
-    conn.send(_stream_errors.several_cpus())
+    conn.send(_spin.several_cpus())
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
@@ -185,13 +185,13 @@ def test_a_process_pinned_to_one_cpu_never_spins(no_leftover_processes):
 
 
 def test_a_process_can_turn_the_spin_off():
-    from framepipe._stream_errors import allow_spin, may_spin, several_cpus
+    from framepipe._spin import allow_spin, may_spin, several_cpus
 
     try:
         allow_spin(False)
         assert may_spin() is False
         allow_spin(True)
-        assert may_spin() is (several_cpus() and _stream_errors.SPIN > 0)
+        assert may_spin() is (several_cpus() and _spin.SPIN > 0)
     finally:
         allow_spin(True)
 
@@ -200,14 +200,14 @@ def test_each_engine_hears_allow_spin_at_once(impl):
     # The compiled engine keeps the decision's state in C: allow_spin() must reach it at once.
     import importlib
 
-    from framepipe._stream_errors import allow_spin, several_cpus
+    from framepipe._spin import allow_spin, several_cpus
 
-    engine = importlib.import_module(impl.__name__)
+    engine = importlib.import_module(impl.Engine.__module__)
     try:
         allow_spin(False)
         assert engine._may_spin() is False
         allow_spin(True)
-        assert engine._may_spin() is (several_cpus() and _stream_errors.SPIN > 0)
+        assert engine._may_spin() is (several_cpus() and _spin.SPIN > 0)
     finally:
         allow_spin(True)
 
@@ -237,10 +237,10 @@ def test_pool_workers_spin_only_when_they_leave_no_cpu_short(engine, no_leftover
 
     from framepipe.workers import Pool
 
-    cpus = _stream_errors.usable_cpus()
+    cpus = _spin.usable_cpus()
     with Pool(max_workers=cpus) as pool:
         assert pool.submit(may_spin).result(TIMEOUT) is False
-    if cpus >= 2 and _stream_errors.SPIN > 0:
+    if cpus >= 2 and _spin.SPIN > 0:
         with Pool(max_workers=cpus - 1) as pool:
             assert pool.submit(may_spin).result(TIMEOUT) is True
 
@@ -250,9 +250,9 @@ def test_loader_workers_spin_only_when_they_leave_no_cpu_short(engine, no_leftov
 
     from framepipe.workers import DataLoader
 
-    cpus = _stream_errors.usable_cpus()
+    cpus = _spin.usable_cpus()
     loader = DataLoader(SpinDataset(), batch_size=None, num_workers=cpus)
     assert list(loader) == [False, False]
-    if cpus >= 2 and _stream_errors.SPIN > 0:
+    if cpus >= 2 and _spin.SPIN > 0:
         loader = DataLoader(SpinDataset(), batch_size=None, num_workers=cpus - 1)
         assert list(loader) == [True, True]

@@ -481,7 +481,7 @@ def test_shutdown_with_open_connections_prints_nothing(impl, tmp_path):
     script = tmp_path / "shutdown.py"
     script.write_text(SHUTDOWN)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    name = "c" if impl.__name__ == "framepipe._core" else "python"
+    name = impl.ENGINE
     out = subprocess.run(
         [sys.executable, str(script), name], capture_output=True, env=env, timeout=120
     )

@@ -37,7 +37,7 @@ def _engine_env(impl):
     CI for this process only)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     env.pop("FRAMEPIPE_NO_EXTENSIONS", None)
-    if impl.__name__ == "framepipe._pycore":
+    if impl.ENGINE == "python":
         env.pop("FRAMEPIPE_REQUIRE_EXTENSIONS", None)
         env["FRAMEPIPE_NO_EXTENSIONS"] = "1"
     return env

@@ -22,7 +22,8 @@ TIMEOUT = 60.0
 
 REPORT = (
     "import framepipe; "
-    "print(framepipe.implementation, framepipe.Connection.ENGINE, framepipe._impl.core.__name__)"
+    "print(framepipe.implementation, framepipe.Connection.ENGINE, "
+    "framepipe._impl.core.Engine.__module__)"
 )
 
 
@@ -196,7 +197,7 @@ def test_load_and_available():
     core = _impl.load("python")
     assert core is _impl.load("python")  # built once
     assert core.ENGINE == _pycore.ENGINE == "python" and core.Engine is _pycore.Engine
-    assert core.__name__ == "framepipe._pycore"
+    assert core.__name__ == "framepipe._connection_py"
     assert issubclass(core.Connection, _pycore.Engine)
     assert "python" in _impl.available()
     assert ("c" in _impl.available()) == extension_present()
@@ -289,7 +290,7 @@ def test_the_stub_declares_the_interface():
 
 
 def test_engine_names_itself(engine_core):
-    module = sys.modules[engine_core.__name__]
+    module = sys.modules[engine_core.Engine.__module__]
     assert module.ENGINE == engine_core.Engine.ENGINE == engine_core.ENGINE
     assert engine_core.ENGINE in ("c", "python")
     assert module.__all__ == ["ENGINE", "Engine"]
@@ -350,6 +351,43 @@ def test_the_compiled_engine_has_no_name_outside_the_stub():
         raise
     shown = {n for n in dir(engine) if not (n.startswith("__") and n.endswith("__"))}
     assert shown == set(ENGINE_MEMBERS) | {"ENGINE"}
+
+
+ENGINE_CALLS = sorted(
+    n for n, (what, _) in ENGINE_MEMBERS.items() if what == "method" and not n.startswith("_")
+)
+
+
+@pytest.mark.parametrize("name", ENGINE_CALLS)
+def test_the_connection_holds_the_engines_calls_with_their_docs(engine_core, name):
+    # Each engine's Connection (a class written in the source) holds the engine's own method,
+    # no wrapper, documented by the declaration on ConnectionBase, whose body never runs.
+    from framepipe._connection import ConnectionBase
+
+    conn_cls = engine_core.Connection
+    assert conn_cls.__name__ == "Connection" and conn_cls.__module__ == "framepipe.connection"
+    assert conn_cls.__bases__ == (ConnectionBase, engine_core.Engine)
+    assert conn_cls.__dict__[name] is getattr(engine_core.Engine, name)
+    declared = ConnectionBase.__dict__[name]
+    assert declared.__doc__ and len(declared.__doc__) > 40
+    assert getattr(conn_cls, name).__doc__ == declared.__doc__
+    declared_sig = inspect.signature(declared)
+    _same_signature(
+        declared_sig.replace(parameters=list(declared_sig.parameters.values())[1:]),
+        _stub_signature_without_self(name),
+        f"ConnectionBase.{name}",
+    )
+    r, w = engine_core.pipe()
+    try:
+        assert type(r) is conn_cls and getattr(r, name).__doc__ == declared.__doc__
+    finally:
+        r.close()
+        w.close()
+
+
+def test_every_public_call_of_the_engine_is_declared_on_the_connection(engine_core):
+    shown = {n for n in dir(engine_core.Engine) if not n.startswith("_") and n != "ENGINE"}
+    assert shown == set(ENGINE_CALLS)
 
 
 @pytest.mark.parametrize("hook", sorted(HOOKS))
@@ -478,74 +516,16 @@ def test_instance_attributes_match(ccore, pycore):
             p.close()
 
 
-# --- the layers: imports only point down ------------------------------------------------------
+# --- one switch: no module but the switch picks an engine ----------------------------------
 
-# Bottom up. A module may import framepipe modules of lower layers only. remote and watch
-# (exceptions across processes, writer liveness) import nothing of the core; the engines
-# import nothing above the error and wire layers.
-LAYERS = [
-    {"errors", "_lazy"},
-    {"_wire"},
-    {"_stream_errors", "_args", "_objects"},
-    {"_pycore", "_core"},
-    {"remote", "watch"},
-    {"_control", "_pipes", "_aio"},
-    {"_connection"},
-    {"_impl"},
-    {"connection"},
-]
-LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
-# Imports made inside a function, each for a stated reason (none hides a cycle: the imported
-# module is below the importer).
-DEFERRED = {
-    ("_connection", "_aio"): "asyncio loads on a connection's first async call, not at import",
-    ("_connection", "_core"): "the TYPE_CHECKING import of the stub",
-    ("connection", "_connection"): "the TYPE_CHECKING import of the type Connection is",
-}
-
-
-def _framepipe_imports(name: str) -> list[tuple[str, bool]]:
-    """``(imported module, at module level)`` for each framepipe import in ``name``."""
-    path = os.path.join(PACKAGE, name + (".pyx" if name == "_core" else ".py"))
-    if name == "_core" and not os.path.exists(path):
-        # A wheel carries no Cython source: read the checkout's, beside these tests.
-        path = os.path.join(os.path.dirname(__file__), "..", "src", "framepipe", "_core.pyx")
-        if not os.path.exists(path):
-            pytest.skip("no _core.pyx here: neither installed nor in a checkout")
-    source = open(path).read()
-    found: list[tuple[str, bool]] = []
-    if name == "_core":  # Cython: its Python imports are plain lines
-        for m in re.finditer(r"^([ \t]*)from \.(\w*) import ([\w, ()\n]+)", source, re.M):
-            mods = [m.group(2)] if m.group(2) else re.findall(r"\w+", m.group(3))
-            found += [(mod, not m.group(1)) for mod in mods]
-        return found
-    tree = ast.parse(source)
-    top = set(map(id, tree.body))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            mods = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
-            found += [(mod, id(node) in top) for mod in mods]
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            module = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
-            assert not (module or "").startswith("framepipe"), f"{name}: absolute import"
-    return found
-
-
-@pytest.mark.parametrize("name", sorted(LAYER.keys() - {"remote", "watch"}))
-def test_imports_point_down(name):
-    for mod, at_top in _framepipe_imports(name):
-        assert mod in LAYER, f"{name} imports {mod}, which has no place in the layers"
-        assert LAYER[mod] < LAYER[name], (
-            f"{name} (layer {LAYER[name]}) imports {mod} "
-            f"(layer {LAYER[mod]}): imports point down only"
-        )
-        if not at_top:
-            assert (name, mod) in DEFERRED, f"{name} imports {mod} inside a function"
+# Each engine's Connection module, and the one engine it may import.
+ENGINE_CONNECTION = {"_connection_c.py": "_core", "_connection_py.py": "_pycore"}
 
 
 def test_the_engines_are_chosen_in_one_place():
-    # Only the switch's helper names the engines' modules and imports them; everything else
-    # asks framepipe._impl, and a connection says which engine it runs on (conn.ENGINE).
+    # Only the switch's helper names the engines' Connection modules (and loads them by name);
+    # each of those imports its own engine; everything else asks framepipe._impl, and a
+    # connection says which engine it runs on (conn.ENGINE).
     for root, _, files in os.walk(PACKAGE):
         for f in files:
             if not f.endswith(".py"):
@@ -558,6 +538,15 @@ def test_the_engines_are_chosen_in_one_place():
             assert not re.search(r"['\"]framepipe\._(py)?core['\"]", source), (
                 f"{rel} names an engine's module"
             )
-            assert not re.search(r"import _(py)?core\b|from \._(py)?core import", source), (
-                f"{rel} imports an engine directly; use framepipe._impl"
+            assert not re.search(r"['\"]framepipe\._connection_(c|py)['\"]", source), (
+                f"{rel} names an engine's Connection module"
             )
+            imported = set(
+                re.findall(r"import (_(?:py)?core)\b|from \.(_(?:py)?core) import", source)
+            )
+            engines = {name for pair in imported for name in pair if name}
+            allowed = {ENGINE_CONNECTION[rel]} if rel in ENGINE_CONNECTION else set()
+            assert engines <= allowed, f"{rel} imports an engine directly; use framepipe._impl"
+    for rel, engine in ENGINE_CONNECTION.items():
+        source = open(os.path.join(PACKAGE, rel)).read()
+        assert f"from .{engine} import ENGINE, Engine" in source, rel

@@ -8,10 +8,10 @@ processes intact and :func:`guard` makes sure the parent hears about every failu
 
 from typing import TYPE_CHECKING
 
-from . import connection
-from ._impl import core as _core
+from . import _impl, connection
 from ._impl import implementation
 from ._version import __version__
+from .connection import Connection
 from .errors import (
     BufferTooShort,
     FrameError,
@@ -36,8 +36,11 @@ from .remote import (
     loads_exception,
 )
 
-Connection = _core.Connection
-Pipe = _core.Pipe
+if TYPE_CHECKING:
+    # The reference-style Pipe every engine's Pipe derives from; at run time, the engine's.
+    from ._pipes import Pipe as Pipe
+else:
+    Pipe = _impl.core.Pipe
 
 __all__ = [
     "__version__",

@@ -33,7 +33,7 @@ from typing import Any
 
 from ._args import check_send_args
 from ._lazy import asyncio  # imported on first use (see _lazy)
-from ._objects import dumps, dumps_bulk
+from ._pickling import dumps, dumps_bulk
 from ._stream_errors import closed, timeout_error
 from ._wire import BULK_MIN, KIND_BULK, KIND_DATA, header, padded
 from .errors import ReadTimeout
@@ -203,7 +203,7 @@ class _Message:
     def fd(self, conn: Any) -> int:
         """The fd the next bytes go to."""
         _, wfd, _, bwfd = conn._handles()
-        fd = bwfd if self.steps and self.steps[0][0] else wfd
+        fd: int = bwfd if self.steps and self.steps[0][0] else wfd
         if fd < 0:
             raise closed()
         return fd

@@ -1,13 +1,14 @@
-"""``Connection``, written once, over either engine.
+"""``ConnectionBase``: a Connection written once, over either engine.
 
 An engine (``framepipe._core``, compiled, or its twin ``framepipe._pycore``) holds the hot
 loops: framed reads against a deadline, gather writes, ``poll``, the bulk channel. Its interface
 is written down in ``_core.pyi``. Everything else is here, once: the constructor's checks,
 pickling objects, error frames, ``watch``, asyncio, the context manager, ``repr``, passing a
-connection to another process, and the docstrings. Each engine gets its own ``Connection``
-class, ``class Connection(ConnectionBase, engine.Engine)``, built once by :func:`engine_core`:
-the hot calls (``recv_bytes``, ``recv``, ``send_bytes``, ``poll``...) are the engine's own
-methods, inherited, so the compiled ones cost no Python frame.
+connection to another process, and the documentation of every public call. Each engine has its
+own ``class Connection(ConnectionBase, Engine)``, written in ``framepipe._connection_c`` and
+``framepipe._connection_py``: its hot calls (``recv_bytes``, ``recv``, ``send_bytes``,
+``poll``...) are the engine's own methods, bound by :func:`engine_call`, so the compiled ones
+cost no Python frame; :func:`load_engine` imports one of the two by the engine's name.
 
 The engine calls back into two hooks defined here: :meth:`ConnectionBase._message` for a
 message that is not one data frame (an object with out-of-band buffers, an error frame) and
@@ -19,25 +20,29 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
+from collections.abc import Callable
 from multiprocessing import reduction
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from . import _pipes
 from ._args import check_bulk_handles, check_exception, check_handles, check_max_size
 from ._control import check_watch, dead_error, error_frame, remote_error, start_watch, stop_watch
-from ._objects import FLAG_BYTES, dumps, dumps_bulk, dumps_inband, loads, parse_object
+from ._pickling import FLAG_BYTES, dumps, dumps_bulk, dumps_inband, loads, parse_object
 from ._stream_errors import closed, missing_buffer
 from ._wire import BULK_MIN, KIND_BUFFER, KIND_DATA, KIND_ERROR, KIND_OBJECT, header
 from .errors import MessageTooLong
 
 if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer, WriteableBuffer
+
     from ._core import Engine as _EngineBase
 else:
     _EngineBase = object
 
-ENGINE_MODULES = {"c": "framepipe._core", "python": "framepipe._pycore"}
-"""The module of each engine, by the name :func:`framepipe._impl.load` takes."""
+ENGINE_MODULES = {"c": "framepipe._connection_c", "python": "framepipe._connection_py"}
+"""The module of each engine's Connection, by the name :func:`framepipe._impl.load` takes."""
+
+_Call = TypeVar("_Call", bound=Callable[..., Any])
 
 
 class ConnectionBase(_EngineBase):
@@ -157,6 +162,46 @@ class ConnectionBase(_EngineBase):
         state = "closed" if self._fd < 0 else f"fd={self._fd}"
         mode = ("r" if self._readable else "") + ("w" if self._writable else "")
         return f"<framepipe.Connection {state} {mode} {self.ENGINE}>"
+
+    # -- the engine's calls ------------------------------------------------------------------
+    # Declared and documented here; each engine's Connection puts the engine's own method in
+    # their place (see engine_call), so these bodies never run.
+
+    def recv_bytes(self, maxlength: int | None = None, *, timeout: float | None = None) -> bytes:
+        """Receive one message as bytes.
+
+        Raises EOFError at end of file (:class:`WriterDied` if the watched writer died),
+        :class:`ReadTimeout` when ``timeout`` seconds pass (nothing is lost), and
+        :class:`MessageTooLong` (an OSError) when the message exceeds ``maxlength``; unlike
+        the stdlib the message is then discarded and the connection stays usable. An error
+        frame raises the exception it carries.
+        """
+        raise NotImplementedError
+
+    def recv_bytes_into(
+        self, buf: WriteableBuffer, offset: int = 0, *, timeout: float | None = None
+    ) -> int:
+        """Receive one message into ``buf`` at byte ``offset``; returns its size in bytes.
+
+        Raises ``BufferTooShort`` (carrying the whole message as ``args[0]``) if it does not
+        fit; the connection stays usable.
+        """
+        raise NotImplementedError
+
+    def recv(self, *, timeout: float | None = None) -> Any:
+        """Receive an object sent by :meth:`send` (or an in-band pickle from a reference
+        writer). An error frame raises the exception it carries."""
+        raise NotImplementedError
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        """Whether there is data to read (or end of file), waiting up to ``timeout`` seconds
+        (None: forever)."""
+        raise NotImplementedError
+
+    def send_bytes(self, buf: ReadableBuffer, offset: int = 0, size: int | None = None) -> None:
+        """Send the bytes of ``buf[offset:offset+size]`` (a bytes-like object) as one
+        frame."""
+        raise NotImplementedError
 
     # -- liveness ----------------------------------------------------------------------------
 
@@ -324,7 +369,7 @@ def _rebuild_connection(
     wfd = None if dup_w is None else dup_w.detach()
     bfd = None if dup_b is None else dup_b.detach()
     bwfd = None if dup_bw is None else dup_bw.detach()
-    return engine_core(engine).Connection(
+    return load_engine(engine).Connection(
         rfd,
         readable,
         writable,
@@ -335,79 +380,39 @@ def _rebuild_connection(
     )
 
 
+def engine_call(declared: _Call, engine: type) -> _Call:
+    """For the body of an engine's Connection class: the engine's own method named as
+    ``declared`` (a call declared on :class:`ConnectionBase`), given ``declared``'s docstring.
+    The class then holds the engine's method itself: a call costs no Python frame above the
+    compiled engine, and reads the documentation written once here."""
+    method = getattr(engine, declared.__name__)
+    method.__doc__ = declared.__doc__
+    return cast(_Call, method)
+
+
 # -- one engine with everything above it -----------------------------------------------------
 
-# The engine's own public methods carry no docstrings: the Connection gives them theirs.
-_DOCS = {
-    "recv_bytes": """Receive one message as bytes.
 
-        Raises EOFError at end of file (:class:`WriterDied` if the watched writer died),
-        :class:`ReadTimeout` when ``timeout`` seconds pass (nothing is lost), and
-        :class:`MessageTooLong` (an OSError) when the message exceeds ``maxlength``; unlike
-        the stdlib the message is then discarded and the connection stays usable. An error
-        frame raises the exception it carries.
-        """,
-    "recv_bytes_into": """Receive one message into ``buf`` at byte ``offset``; returns its size in
-        bytes.
+class EngineConnections(Protocol):
+    """What :func:`load_engine` returns: the module of one engine's Connection
+    (``framepipe._connection_c`` or ``framepipe._connection_py``)."""
 
-        Raises ``BufferTooShort`` (carrying the whole message as ``args[0]``) if it does not
-        fit; the connection stays usable.
-        """,
-    "recv": """Receive an object sent by :meth:`send` (or an in-band pickle from a reference
-        writer). An error frame raises the exception it carries.""",
-    "poll": """Whether there is data to read (or end of file), waiting up to ``timeout`` seconds
-        (None: forever).""",
-    "send_bytes": """Send the bytes of ``buf[offset:offset+size]`` (a bytes-like object) as one
-        frame.""",
-}
+    ENGINE: str
+    Engine: type[_EngineBase]
+    Connection: type[ConnectionBase]
+    Pipe: type[_pipes.Pipe]
 
-
-class Core(ModuleType):
-    """One engine and what is written once over it: its ``Connection`` class, ``pipe()`` and
-    the reference-style ``Pipe``. What :func:`framepipe._impl.load` returns, a namespace named
-    like the engine's module (as load() returned the module itself before Connection was
-    written once); ``ENGINE`` names the engine (``"c"`` or ``"python"``)."""
-
-    def __init__(self, module: ModuleType) -> None:
-        super().__init__(module.__name__, self.__doc__)
-        engine = module.Engine
-        for name, doc in _DOCS.items():
-            getattr(engine, name).__doc__ = doc
-        self.ENGINE: str = module.ENGINE
-        self.Engine: type = engine
-        self.Connection: type[ConnectionBase] = type(
-            "Connection",
-            (ConnectionBase, engine),
-            {
-                "__module__": "framepipe.connection",
-                "__doc__": ConnectionBase.__doc__,
-                # a __dict__ where the engine has none (the compiled one), as the stdlib's
-                # connections have: callers hang their own attributes on connections
-                "__slots__": ("_watch_handle",)
-                + (("__dict__",) if not engine.__dictoffset__ else ()),
-            },
-        )
-        self.pipe = _pipes.make_pipe(self.Connection)
-        self.Pipe: type[_pipes.Pipe] = type(
-            "Pipe",
-            (_pipes.Pipe,),
-            {
-                "_Connection": self.Connection,
-                "__module__": "framepipe",
-                "__doc__": _pipes.Pipe.__doc__,
-            },
-        )
-
-    def __repr__(self) -> str:
-        return f"<framepipe core {self.ENGINE!r} ({self.__name__})>"
+    def pipe(
+        self, duplex: bool = True, *, read_ahead: bool = False, pipes: bool = False
+    ) -> tuple[ConnectionBase, ConnectionBase]: ...
 
 
 @functools.cache
-def engine_core(name: str) -> Core:
-    """The :class:`Core` of the engine ``name`` (``"c"`` or ``"python"``), built once; raises
-    ImportError when that engine does not import here."""
+def load_engine(name: str) -> EngineConnections:
+    """The Connection module of the engine ``name`` (``"c"`` or ``"python"``); raises
+    ImportError when that engine does not import here, ValueError for another name."""
     try:
         module = ENGINE_MODULES[name]
     except KeyError:
         raise ValueError(f"unknown implementation {name!r}; expected 'c' or 'python'") from None
-    return Core(importlib.import_module(module))
+    return cast(EngineConnections, importlib.import_module(module))

@@ -72,7 +72,7 @@ def start_watch(target: Any, peer: Callable[[], Any] | None) -> tuple[Liveness, 
     held = peer() if peer is not None else None
     # A write end already closed here can carry no sentinel: no registration, so the watcher
     # thread does not wake (and take the GIL) at the death the reader is about to report.
-    if held is not None and not held.closed:
+    if peer is not None and held is not None and not held.closed:
 
         def on_death(liv: Liveness) -> None:
             conn = peer()

@@ -1,7 +1,8 @@
 # The engine interface, written down once: framepipe._core (compiled) and framepipe._pycore
 # (its twin) both implement Engine exactly so, private names included; tests/test_switch.py
 # checks every name and signature below against both. framepipe._connection.ConnectionBase
-# subclasses the engine and provides the ConnectionHooks the engine calls back.
+# provides the ConnectionHooks the engine calls back, and each engine's Connection
+# (framepipe._connection_c, framepipe._connection_py) derives from it and the engine.
 #
 # Deadlines are absolute monotonic seconds (time.monotonic(), CLOCK_MONOTONIC); negative: none.
 from __future__ import annotations
@@ -9,13 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
+from _typeshed import ReadableBuffer, WriteableBuffer
+
 from .watch import Liveness
 
 ENGINE: str
 """``"c"`` here, ``"python"`` in the twin."""
 
 def _may_spin() -> bool:
-    """Whether a read may spin now (see _stream_errors.may_spin)."""
+    """Whether a read may spin now (see _spin.may_spin)."""
 
 class ConnectionHooks(Protocol):
     """What the Connection above the engine provides; the engine calls these."""
@@ -77,14 +80,14 @@ class Engine(ConnectionHooks):
         self, maxlength: int | None = None, *, timeout: float | None = None
     ) -> bytes: ...
     def recv_bytes_into(
-        self, buf: Any, offset: int = 0, *, timeout: float | None = None
+        self, buf: WriteableBuffer, offset: int = 0, *, timeout: float | None = None
     ) -> int: ...
     def recv(self, *, timeout: float | None = None) -> Any: ...
     def poll(self, timeout: float | None = 0.0) -> bool: ...
     def _read_frame(self, deadline: float, mutable: bool) -> tuple[int, Any]: ...
 
     # -- writing -----------------------------------------------------------------------------
-    def send_bytes(self, buf: Any, offset: int = 0, size: int | None = None) -> None: ...
+    def send_bytes(self, buf: ReadableBuffer, offset: int = 0, size: int | None = None) -> None: ...
     def _send_segments(self, segments: list[Any]) -> None: ...
     def _write_sentinel(self, data: bytes) -> None: ...
     def _lock_write_nowait(self) -> bool: ...

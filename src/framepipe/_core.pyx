@@ -2,7 +2,7 @@
 """The compiled engine: the hot loops of a connection over csrc/fp.c.
 
 Same interface, errors and bytes on the wire as framepipe._pycore (the spec); the interface is
-written down in _core.pyi. Connection (framepipe._connection) subclasses Engine.
+written down in _core.pyi. Connection (framepipe._connection_c) subclasses Engine.
 """
 
 cimport cython
@@ -25,11 +25,11 @@ import time
 from pickle import loads as _loads
 
 from ._args import check_send_args, check_timeout
-from ._stream_errors import DEATH_GRACE as _DEATH_GRACE, DEATH_SPIN as _DEATH_SPIN
-from ._stream_errors import SPIN as _SPIN, SPIN_FLOOR as _SPIN_FLOOR
-from ._stream_errors import SPIN_LONGEST_SAMPLE as _SPIN_LONGEST, SPIN_WEIGHT as _SPIN_WEIGHT
-from ._stream_errors import SPIN_AVERAGE_ZERO as _SPIN_AVERAGE_ZERO
-from ._stream_errors import SPIN_CPU_CHECKS as _SPIN_CPU_CHECKS, on_allow_spin, several_cpus
+from ._spin import DEATH_GRACE as _DEATH_GRACE, DEATH_SPIN as _DEATH_SPIN
+from ._spin import SPIN as _SPIN, SPIN_FLOOR as _SPIN_FLOOR
+from ._spin import SPIN_LONGEST_SAMPLE as _SPIN_LONGEST, SPIN_WEIGHT as _SPIN_WEIGHT
+from ._spin import SPIN_AVERAGE_ZERO as _SPIN_AVERAGE_ZERO
+from ._spin import SPIN_CPU_CHECKS as _SPIN_CPU_CHECKS, on_allow_spin, several_cpus
 from ._stream_errors import (
     bad_header, blocking_send_under_async_send, broken, closed, closed_while_waiting,
     no_bulk_channel, record_too_long, sentinel_timeout, timeout_error, truncated, unallocatable,
@@ -112,11 +112,11 @@ cdef char PAD_ZEROS[FP_PAD_MIN]  # a PAD frame's payload (static: zeros)
 
 cdef enum:  # what _wait_readable saw
     W_READY, W_TIMEOUT, W_DEAD
-cdef double DEATH_GRACE = _DEATH_GRACE  # see _stream_errors
+cdef double DEATH_GRACE = _DEATH_GRACE  # see _spin
 cdef double DEATH_SPIN = _DEATH_SPIN
 cdef double LIVENESS_SLICE = 0.01
 cdef double POLL_WAITED = 20e-6  # a poll() that took longer had to wait for data
-cdef double SPIN = _SPIN  # see _stream_errors
+cdef double SPIN = _SPIN  # see _spin
 cdef double SPIN_FLOOR = _SPIN_FLOOR
 cdef double SPIN_LONGEST_SAMPLE = _SPIN_LONGEST
 cdef double SPIN_WEIGHT = _SPIN_WEIGHT
@@ -227,7 +227,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-# _stream_errors.may_spin, with its state in C: a read that may spin asks at every wait.
+# _spin.may_spin, with its state in C: a read that may spin asks at every wait.
 cdef bint _spin_allowed = True  # what allow_spin() last said
 cdef bint _spin_cpus = False  # several CPUs, when last looked up
 cdef int _spin_checks = 0  # decisions left before the next look-up
@@ -255,7 +255,7 @@ cdef bint may_spin() except -1:
 
 def _may_spin():
     """Whether a read may spin now (for tests: the pure-Python engine's is
-    _stream_errors.may_spin)."""
+    _spin.may_spin)."""
     return may_spin()
 
 
@@ -794,7 +794,7 @@ cdef class Engine:
         return 0
 
     cdef int _write_segments(self, list segments) except -1:
-        """Write ``[pipe_parts, bulk_payload, pipe_parts, ...]`` (see ``_objects.dumps_bulk``) under
+        """Write ``[pipe_parts, bulk_payload, pipe_parts, ...]`` (see ``_pickling.dumps_bulk``) under
         one hold of the write lock: each BULK header reaches the pipe before its payload
         reaches the bulk fd."""
         cdef Py_ssize_t i

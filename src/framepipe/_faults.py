@@ -71,7 +71,7 @@ class Fault(NamedTuple):
     label: str | None
     """The label of the outermost guard that was open (None when the file has no header)."""
     start: float | None
-    """The process's start time as :func:`framepipe._proc.start_time` read it, or None."""
+    """The process's start time as :func:`framepipe._liveness.start_time` read it, or None."""
     traceback: str | None
     """faulthandler's dump, or None when the process did not crash in native code."""
 
@@ -186,7 +186,7 @@ def read_fault(pid: int) -> Fault | None:
 
 def read_all(fd: int) -> bytes:
     """Every byte from ``fd`` to its end of file."""
-    chunks = []
+    chunks: list[bytes] = []
     while True:
         chunk = os.read(fd, 65536)
         if not chunk:

@@ -3,9 +3,10 @@
 ``FRAMEPIPE_NO_EXTENSIONS=1`` forces the twin; a missing or broken extension falls back to it
 with one RuntimeWarning (an install without a C compiler); ``FRAMEPIPE_REQUIRE_EXTENSIONS=1``
 turns a missing extension into an ImportError (CI and wheels).
-:data:`core` is the selected engine with the API written once over it (its ``Connection``,
-``pipe`` and ``Pipe``); ``core.ENGINE`` (also :data:`implementation`) says which one runs. No
-other module picks an engine: they use :data:`core`, or :func:`load` to compare the two.
+:data:`core` is the selected engine's Connection module (``framepipe._connection_c`` or
+``framepipe._connection_py``: its ``Connection``, ``pipe`` and ``Pipe``); ``core.ENGINE`` (also
+:data:`implementation`) says which one runs. No other module picks an engine: they use
+:data:`core`, or :func:`load` to compare the two.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import sys
 import warnings
 
-from ._connection import ENGINE_MODULES, Core, engine_core
+from ._connection import ENGINE_MODULES, EngineConnections, load_engine
 
 NO_EXTENSIONS = bool(os.environ.get("FRAMEPIPE_NO_EXTENSIONS"))
 REQUIRE_EXTENSIONS = bool(os.environ.get("FRAMEPIPE_REQUIRE_EXTENSIONS"))
@@ -26,11 +27,11 @@ FALLBACK_WARNED = "FRAMEPIPE_FALLBACK_WARNED"
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-def load(name: str) -> Core:
-    """One engine, ``"c"`` or ``"python"``, with its Connection, ``pipe`` and ``Pipe`` (for
-    tests and benchmarks that compare the two in one process). Raises ImportError when it is
-    not available, ValueError for another name."""
-    return engine_core(name)
+def load(name: str) -> EngineConnections:
+    """One engine, ``"c"`` or ``"python"``: the module of its Connection, ``pipe`` and ``Pipe``
+    (for tests and benchmarks that compare the two in one process). Raises ImportError when it
+    is not available, ValueError for another name."""
+    return load_engine(name)
 
 
 def available() -> list[str]:
@@ -45,7 +46,7 @@ def available() -> list[str]:
     return names
 
 
-def _select() -> Core:
+def _select() -> EngineConnections:
     if NO_EXTENSIONS:
         if REQUIRE_EXTENSIONS:
             raise ImportError(

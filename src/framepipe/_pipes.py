@@ -1,5 +1,6 @@
 """``pipe()`` and the reference-style ``Pipe``, written once over a Connection class: each
-engine's ``Core`` (see ``framepipe._connection``) binds them to its own Connection."""
+engine's Connection module (``framepipe._connection_c``, ``framepipe._connection_py``) binds
+them to its own Connection."""
 
 from __future__ import annotations
 
@@ -163,7 +164,7 @@ class Pipe:
     :class:`WriterDied` instead of hanging.
     """
 
-    _Connection: ClassVar[type[Any]]  # the engine's Connection: each Core sets its own
+    _Connection: ClassVar[type[Any]]  # the engine's Connection: each engine's subclass sets it
 
     def __init__(
         self,
@@ -209,10 +210,11 @@ class Pipe:
         if timeout is USE_DEFAULT:
             timeout = self.timeout
         try:
-            return self._reader.recv_bytes(timeout=timeout)
+            data: bytes = self._reader.recv_bytes(timeout=timeout)
         except TimeoutError:
             self.timeout_callback()
             raise
+        return data
 
     def write(self, msg: bytes) -> None:
         """Send ``msg`` (bytes-like) as one frame."""

@@ -5,8 +5,10 @@ An engine holds the hot loops of a connection and nothing else: framed reads aga
 deadline, gather writes, ``poll``, the bulk channel, the read buffer, and closing the fds. The
 interface both engines implement is written down in ``_core.pyi`` and checked by the parity
 test. Everything else a Connection does (pickling objects, error frames, ``watch``, asyncio, the
-context manager, ``repr``, the docstrings) is written once, in ``framepipe._connection``, as a
-subclass of the engine, which calls back into two hooks (``_message``, ``_dead_sentinel``).
+context manager, ``repr``, the docstrings) is written once, in ``framepipe._connection``'s
+``ConnectionBase``, which provides the two hooks the engine calls back (``_message``,
+``_dead_sentinel``); ``framepipe._connection_py`` writes this engine's ``Connection``, a
+subclass of both.
 
 Deadlines are absolute ``time.monotonic()`` seconds; a negative deadline means "none".
 """
@@ -25,7 +27,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ._args import check_send_args, check_timeout, poll_ms
-from ._stream_errors import (
+from ._spin import (
     DEATH_GRACE,
     DEATH_SPIN,
     SPIN,
@@ -33,12 +35,14 @@ from ._stream_errors import (
     SPIN_FLOOR,
     SPIN_LONGEST_SAMPLE,
     SPIN_WEIGHT,
+    may_spin,
+)
+from ._stream_errors import (
     bad_header,
     blocking_send_under_async_send,
     broken,
     closed,
     closed_while_waiting,
-    may_spin,
     no_bulk_channel,
     record_too_long,
     sentinel_timeout,
@@ -609,7 +613,7 @@ class Engine:
             self._leave()
 
     def _write_segments(self, segments: list[Any]) -> None:
-        """Write ``[pipe_parts, bulk_payload, pipe_parts, ...]`` (see ``_objects.dumps_bulk``)
+        """Write ``[pipe_parts, bulk_payload, pipe_parts, ...]`` (see ``_pickling.dumps_bulk``)
         under one hold of the write lock: each BULK header reaches the pipe before its payload
         reaches the bulk fd."""
         self._enter()

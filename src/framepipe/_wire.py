@@ -15,7 +15,7 @@ import os
 import socket
 import stat
 import struct
-from typing import TypeVar
+from typing import Any, TypeVar
 
 CHECK = b"\x00\x00"  # a data frame
 TIMEOUT = b"\x01\x01"  # reference writers' timeout sentinel, alone at a frame boundary
@@ -87,12 +87,12 @@ def pads(fd: int, wfd: int, bfd: int, bwfd: int) -> tuple[bool, bool]:
     return bfd >= 0 and pipe(fd), bwfd >= 0 and pipe(wfd)
 
 
-def padded(segments: list[list[object] | object]) -> list[list[object] | object]:
+def padded(segments: list[Any]) -> list[Any]:
     """A message given as ``[pipe_parts, bulk_payload, pipe_parts, ...]`` with its first
     write, ``pipe_parts`` of the first segment, padded to PAD_MIN (see PAD_MIN)."""
     first = segments[0]
     assert isinstance(first, list)
-    size = sum(memoryview(p).nbytes for p in first)  # type: ignore[arg-type]
+    size = sum(memoryview(p).nbytes for p in first)
     if size >= PAD_MIN:
         return segments
     return [[*first, pad_frame(size)], *segments[1:]]

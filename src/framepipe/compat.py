@@ -25,6 +25,7 @@ import sys
 from contextlib import AbstractContextManager
 from typing import Any, NoReturn
 
+from . import connection as _connection
 from . import subprocess_rpc
 from .guard import Guard
 from .remote import add_note, dumps_exception, format_exception_text, qualified_name
@@ -82,12 +83,10 @@ class ExceptionWrapper:
         raise self._revived()
 
 
-def create_error_pipe() -> tuple[Any, Any]:
+def create_error_pipe() -> tuple[_connection.Connection, _connection.Connection]:
     """A one-way framepipe pipe for errors: ``(recv_conn, send_conn)``. The parent keeps the
     first, the child gets the second."""
-    from .connection import Pipe
-
-    return Pipe(duplex=False)  # type: ignore[no-any-return]
+    return _connection.Pipe(duplex=False)
 
 
 class _CollectorGuard(Guard):

@@ -23,8 +23,8 @@ import socket
 import time
 from collections.abc import Iterable
 from multiprocessing import AuthenticationError
-from multiprocessing import connection as _mpc
-from typing import TYPE_CHECKING, Any
+from multiprocessing import connection as _stdlib_connection
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from . import _impl
 from ._args import poll_ms
@@ -44,14 +44,27 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    # For type checkers, the class every engine's Connection derives from (with the engine's
-    # methods, from _core.pyi); at run time, the Connection of the engine the switch chose.
+    # For type checkers, the class every engine's Connection derives from, which declares
+    # every public call; at run time, the Connection of the engine the switch chose (both
+    # written in the source: framepipe._connection_c and framepipe._connection_py).
     from ._connection import ConnectionBase as Connection
 else:
     Connection = _impl.core.Connection
 
+# The stdlib's module, for its socket helpers used below, which its type stubs leave out.
+_mpc: Any = _stdlib_connection
 
-def Pipe(duplex: bool = True, *, read_ahead: bool = False, pipes: bool = False) -> tuple[Any, Any]:
+
+class _HasFileno(Protocol):
+    def fileno(self) -> int: ...
+
+
+_Waitable = TypeVar("_Waitable", bound="_HasFileno | int")
+
+
+def Pipe(
+    duplex: bool = True, *, read_ahead: bool = False, pipes: bool = False
+) -> tuple[Connection, Connection]:
     """Return a pair of connected :class:`Connection` objects, like ``multiprocessing.Pipe``.
 
     With ``duplex=False`` the first can only read and the second can only write.
@@ -78,7 +91,7 @@ def _fileno(obj: Any) -> int:
     return fd
 
 
-def wait(object_list: Iterable[Any], timeout: float | None = None) -> list[Any]:
+def wait(object_list: Iterable[_Waitable], timeout: float | None = None) -> list[_Waitable]:
     """Wait until an object in ``object_list`` is ready; return the ready ones.
 
     Like ``multiprocessing.connection.wait``: the objects are Connections, sockets, fds or
@@ -94,7 +107,7 @@ def wait(object_list: Iterable[Any], timeout: float | None = None) -> list[Any]:
         if ready:
             return ready
         poller = select.poll()
-        owners: dict[int, list[Any]] = {}
+        owners: dict[int, list[_Waitable]] = {}
         soonest = None  # the first end of a grace after end of file
         for obj in objects:
             eof_wait = getattr(obj, "_eof_wait", None)
@@ -117,7 +130,7 @@ def wait(object_list: Iterable[Any], timeout: float | None = None) -> list[Any]:
             wait_s = soonest if wait_s is None else min(wait_s, soonest)
         events = poller.poll(poll_ms(wait_s))
         if events:
-            found: list[Any] = []
+            found: list[_Waitable] = []
             for fd, _ in events:
                 for obj in owners[fd]:
                     if not any(obj is f for f in found):
@@ -158,7 +171,7 @@ def _check_authkey(authkey: Any) -> None:
         raise ValueError(f"Authkey must be bytes, not {type(authkey)!s}")
 
 
-def _handshake_conn(connection: Any) -> Any:
+def _handshake_conn(connection: Connection) -> Connection:
     """A view of ``connection``'s fds for the handshake: frames over ``HANDSHAKE_MAX`` bytes
     are refused before anything is allocated or read, so a peer that has not authenticated
     cannot make this process read or allocate more than that."""
@@ -170,16 +183,16 @@ def _handshake_conn(connection: Any) -> Any:
     )
 
 
-def _handshake_recv(conn: Any) -> bytes:
+def _handshake_recv(conn: Connection) -> bytes:
     try:
-        return conn.recv_bytes()  # type: ignore[no-any-return]
+        return conn.recv_bytes()
     except FrameError as exc:
         raise AuthenticationError(
             f"the peer did not follow the handshake (nothing else was read): {exc}"
         ) from exc
 
 
-def deliver_challenge(connection: Any, authkey: bytes) -> None:
+def deliver_challenge(connection: Connection, authkey: bytes) -> None:
     """Challenge the peer to prove it knows ``authkey`` (an HMAC of a random message);
     raises ``multiprocessing.AuthenticationError`` when it does not."""
     _check_authkey(authkey)
@@ -195,7 +208,7 @@ def deliver_challenge(connection: Any, authkey: bytes) -> None:
             raise AuthenticationError("digest received was wrong")
 
 
-def answer_challenge(connection: Any, authkey: bytes) -> None:
+def answer_challenge(connection: Connection, authkey: bytes) -> None:
     """Answer the peer's :func:`deliver_challenge` with ``authkey``; raises
     ``multiprocessing.AuthenticationError`` when the peer rejects the answer."""
     _check_authkey(authkey)
@@ -239,7 +252,7 @@ class Listener:
         self._listener: Any = _mpc.SocketListener(address, family, backlog)
         self._authkey = authkey
 
-    def accept(self) -> Any:
+    def accept(self) -> Connection:
         """Wait for a client; return a framepipe Connection to it."""
         if self._listener is None:
             raise OSError("listener is closed")
@@ -276,7 +289,7 @@ class Listener:
         self.close()
 
 
-def Client(address: Any, family: str | None = None, authkey: bytes | None = None) -> Any:
+def Client(address: Any, family: str | None = None, authkey: bytes | None = None) -> Connection:
     """A framepipe Connection to the :class:`Listener` at ``address``, like
     ``multiprocessing.connection.Client``; with ``authkey``, authenticated both ways."""
     family = _family(address, family)

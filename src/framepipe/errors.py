@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal as _signal
 from collections.abc import Callable
 from multiprocessing import BufferTooShort
+from typing import Any
 
 __all__ = [
     "FramepipeError",
@@ -48,7 +49,7 @@ class MessageTooLong(FrameError):
             "(pass a larger maxlength to receive such frames)"
         )
 
-    def __reduce__(self):  # type: ignore[override]
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.length, self.maxlength))
 
 
@@ -196,7 +197,7 @@ class WriterDied(FramepipeError, EOFError, OSError):
             msg += "\n\nNative traceback of the worker:\n" + native_traceback.rstrip()
         return msg
 
-    def __reduce__(self):  # type: ignore[override]
+    def __reduce__(self) -> tuple[Any, ...]:
         label, oom_killed, native_traceback = self._resolve()
         kwargs = dict(
             core_dumped=self.core_dumped,

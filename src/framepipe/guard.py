@@ -45,7 +45,7 @@ from types import TracebackType
 from typing import Any, Literal, Protocol, TypeVar, overload
 
 from ._faults import FaultHandler, fault_path, read_native_traceback, warn
-from ._proc import start_time
+from ._liveness import start_time
 from .errors import signal_name as _signal_name
 from .remote import (
     dumps_exception,

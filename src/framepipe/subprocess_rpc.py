@@ -114,7 +114,7 @@ def _reference_error(exc: BaseException, message: str) -> BaseException:
 def _pipe_class(base: type) -> type:
     """The reference Pipe over one core's :class:`framepipe.Pipe` (``base``)."""
 
-    class Pipe(base):  # type: ignore[valid-type, misc]
+    class Pipe(base):  # type: ignore[misc]
         """A one-way framed pipe with the reference ``subprocess_rpc.Pipe``'s interface.
 
         ``Pipe()`` owns a new ``os.pipe()`` (closed once, by :meth:`_close_fds`, which callers

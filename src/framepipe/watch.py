@@ -6,7 +6,7 @@ milliseconds. It is created lazily by :func:`watcher`, stopped at interpreter ex
 child gets a fresh one of its own.
 
 What a writer is and how its death is read (pidfd, ``waitid`` without reaping, ``/proc``,
-cgroup OOM counters, exit-status words) are the process facts of :mod:`framepipe._proc`, whose
+cgroup OOM counters, exit-status words) are the process facts of :mod:`framepipe._liveness`, whose
 public names this module re-exports: :class:`Liveness`, :func:`resolve_target`,
 :func:`dead_status_word`, :func:`exitcode_from_status_word`, :data:`HAVE_PIDFD`,
 :data:`DEAD_STATUS_UNKNOWN` and :data:`Target`.
@@ -23,7 +23,7 @@ import threading
 import traceback
 from collections.abc import Callable
 
-from ._proc import (
+from ._liveness import (
     DEAD_STATUS_UNKNOWN,
     HAVE_PIDFD,
     WATCHER_THREAD_NAME,

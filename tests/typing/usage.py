@@ -2,9 +2,8 @@
 
 It is also a program: ``python tests/typing/usage.py`` runs every part for real and prints
 ``usage: ok``. ``assert_type`` pins the types the API promises: a public name whose type
-becomes ``Any`` or changes fails CI. Connections are annotated where they are used
-(``data: bytes = conn.recv_bytes()``) rather than pinned: ``Pipe()`` still returns
-``tuple[Any, Any]`` until the engine has its stub (issue 12), and then they get pinned too.
+becomes ``Any`` or changes fails CI, connections included. What must not pass is in
+``misuse/`` (tests/test_typing.py checks both).
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
@@ -71,22 +71,24 @@ class Squares:
 
 
 def pipe_round_trip() -> bytes:
-    a, b = connection.Pipe()
+    a, b = assert_type(connection.Pipe(), tuple[connection.Connection, connection.Connection])
     with a, b:
         a.send_bytes(b"hello")
-        data: bytes = b.recv_bytes(timeout=5.0)
+        data = assert_type(b.recv_bytes(timeout=5.0), bytes)
         a.send({"n": 1})
         obj: object = b.recv(timeout=5.0)
         assert obj == {"n": 1}
-        ready: bool = b.poll(0.0)
+        ready = assert_type(b.poll(0.0), bool)
         assert not ready
+        a.send_bytes(memoryview(b"--view--"), 2, 4)
+        assert b.recv_bytes(timeout=5.0) == b"view"
         try:
             b.recv_bytes(timeout=0.01)
         except framepipe.ReadTimeout as exc:
             assert isinstance(exc, TimeoutError)
         buf = bytearray(16)
         a.send_bytes(b"into")
-        size: int = b.recv_bytes_into(buf, timeout=5.0)
+        size = assert_type(b.recv_bytes_into(buf, timeout=5.0), int)
         assert bytes(buf[:size]) == b"into"
         return data
 
@@ -102,8 +104,22 @@ def pipe_one_way(maxlength: int) -> bytes:
         w.close()
 
 
-def ready_connections(conns: list[connection.Connection]) -> list[object]:
-    return connection.wait(conns, timeout=0.0)
+def ready_connections(conns: list[connection.Connection]) -> list[connection.Connection]:
+    return assert_type(connection.wait(conns, timeout=0.0), list[connection.Connection])
+
+
+def listener_and_client() -> bytes:
+    with connection.Listener(authkey=b"usage") as listener:
+        server_side: list[connection.Connection] = []
+        accepting = threading.Thread(target=lambda: server_side.append(listener.accept()))
+        accepting.start()
+        client = assert_type(
+            connection.Client(listener.address, authkey=b"usage"), connection.Connection
+        )
+        accepting.join(30)
+        with client, server_side[0] as server:
+            client.send_bytes(b"over a socket")
+            return server.recv_bytes(timeout=5.0)
 
 
 def watch_a_worker() -> str:
@@ -217,6 +233,7 @@ def main() -> int:
     a, b = connection.Pipe()
     with a, b:
         assert ready_connections([a, b]) == []
+    assert listener_and_client() == b"over a socket"
     print("usage: ok")
     return 0
 

@@ -206,7 +206,7 @@ def torch_items(size: int, batch: int | None, seconds: float) -> Iterator[Iterat
     from torch.utils.data import DataLoader
 
     loader: Any = DataLoader(
-        ArrayDataset(size),  # type: ignore[arg-type]
+        ArrayDataset(size),  # type: ignore[arg-type, unused-ignore]  # torch absent: Any
         batch_size=batch,
         num_workers=WORKERS,
     )

@@ -7,7 +7,8 @@ import os
 import platform
 from typing import Any
 
-from .. import __version__, _impl
+from .. import _impl
+from .._version import __version__
 
 __all__ = ["machine_info"]
 
@@ -36,5 +37,5 @@ def machine_info() -> dict[str, Any]:
         "cpu_model": model,
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "framepipe": __version__,
-        "core": str(getattr(_impl, "implementation", None) or _impl.core.__name__),
+        "core": _impl.implementation,
     }

@@ -19,7 +19,6 @@ import stat
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 from .. import _impl
@@ -161,7 +160,7 @@ class Impl:
     family: str
     oneway: Callable[[], tuple[Any, Any]]
     duplex: Callable[[], tuple[Any, Any]]
-    module: ModuleType | None = None
+    module: Any = None
     description: str = ""
     timed_read: bool = False
     """Whether ``recv_bytes(timeout=...)`` exists (otherwise ``poll(t)`` + ``recv_bytes()``)."""
@@ -198,7 +197,7 @@ def stdlib_impls() -> list[Impl]:
     ]
 
 
-def _pipe_function(module: ModuleType) -> Callable[..., tuple[Any, Any]]:
+def _pipe_function(module: Any) -> Callable[..., tuple[Any, Any]]:
     """How a core module makes a connected pair (the one place that knows)."""
     pipe = getattr(module, "pipe", None)
     if pipe is None:

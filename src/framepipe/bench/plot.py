@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .peers import EXTRA_HINT
 from .rows import Row, Target, ok
@@ -71,7 +72,7 @@ def core_groups(rows: Sequence[Row]) -> list[Group]:
     return [g for g in groups.values() if len(g.bars) > 1]
 
 
-def _pyplot():  # type: ignore[no-untyped-def]
+def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError:

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..connection import Pipe
 from ..workers import Pool
 from . import peers
 from .load import LoadProbe, busy_lines
@@ -187,7 +188,8 @@ class StdlibPool(Adapter):
             raise TimeoutError from None
 
     def map_all(self, fn: Callable[..., Any], items: list[Any]) -> list[Any]:
-        return self.pool.map(fn, items, chunksize=1)
+        results: list[Any] = self.pool.map(fn, items, chunksize=1)
+        return results
 
     def close(self) -> None:
         self.pool.terminate()
@@ -234,7 +236,7 @@ class MpirePool(Adapter):
     timeout_kw = "task_timeout"
 
     def __init__(self) -> None:
-        from mpire import WorkerPool
+        from mpire import WorkerPool  # type: ignore[attr-defined, unused-ignore]  # mpire absent: Any
 
         self.pool = WorkerPool(n_jobs=WORKERS, keep_alive=True)
         self.pool.__enter__()
@@ -250,7 +252,8 @@ class MpirePool(Adapter):
         return handle.get(timeout)
 
     def map_all(self, fn: Callable[..., Any], items: list[Any]) -> list[Any]:
-        return self.mapper.map(fn, items, chunk_size=1, progress_bar=False)
+        results: list[Any] = self.mapper.map(fn, items, chunk_size=1, progress_bar=False)
+        return results
 
     def submit_with_timeout(self, fn: Callable[..., Any], timeout: float) -> Any:
         return self.pool.apply_async(fn, (), task_timeout=timeout)
@@ -320,8 +323,6 @@ def mixed(a: Adapter, runs: int) -> float:
 def bare_round_trip(n: int) -> float:
     """The median round trip of a small object on a framepipe ``Pipe`` between this process
     and a spawned one (send, receive): what a pool's round trip is measured against."""
-    from ..connection import Pipe
-
     here, there = Pipe()
     child = multiprocessing.get_context("spawn").Process(target=echo, args=(there,))
     child.start()

@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .._lazy import asyncio  # imported on first use (see _lazy)
-from .._stream_errors import workers_may_spin
+from .._spin import workers_may_spin
 from ..errors import ReadTimeout, WriterDied
 from ..remote import dumps_exception
 from . import _process, _shm
@@ -299,7 +299,7 @@ def _leading_ints(blob: bytes, n: int) -> list[int]:
     try:
         for op, arg, _ in pickletools.genops(blob):
             if op.name in _INT_OPS:
-                ints.append(arg)
+                ints.append(arg)  # type: ignore[arg-type]
                 if len(ints) == n:
                     break
             elif op.name not in ("PROTO", "FRAME", "MARK"):
@@ -411,7 +411,7 @@ class _Poller:
     def poll(self, timeout: float | None) -> list[tuple[int, int]]:
         """Ready (fd, events), waiting up to ``timeout`` seconds (None: no limit)."""
         if self._ep is not None:
-            return self._ep.poll(-1 if timeout is None else timeout)
+            return self._ep.poll(-1 if timeout is None else timeout)  # type: ignore[no-any-return]
         return self._poll.poll(None if timeout is None else timeout * 1000.0)  # type: ignore[union-attr]
 
     def close(self) -> None:
@@ -433,10 +433,10 @@ class _Future(concurrent.futures.Future):  # type: ignore[type-arg]
         # waits for another result (which a slow callback would hold up) or that holds a
         # channel the manager needs (a callback that shuts the pool down would wait forever).
         core = self._core
-        if _reading.slot is not None and core is not None and self._done_callbacks:
+        if _reading.slot is not None and core is not None and self._done_callbacks:  # type: ignore[attr-defined]
             core.call_soon(self)
         else:
-            super()._invoke_callbacks()
+            super()._invoke_callbacks()  # type: ignore[misc]
 
     def _back_to_pending(self) -> None:
         """Taken back from a worker before it started (see Core._steal): pending again."""

@@ -91,7 +91,7 @@ def parent_gone(pid: int) -> bool:
 
 def _open_pidfd(pid: int) -> int | None:
     try:
-        return os.pidfd_open(pid)  # type: ignore[attr-defined,no-any-return]
+        return os.pidfd_open(pid)
     except (OSError, AttributeError):
         return None
 

@@ -36,10 +36,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import connection as _connection
-from .._proc import cgroup_oom_file as _cgroup_oom_file
-from .._proc import read_oom_kills as _read_oom_kills
-from .._stream_errors import allow_spin
+from .._liveness import cgroup_oom_file as _cgroup_oom_file
+from .._liveness import read_oom_kills as _read_oom_kills
+from .._spin import allow_spin
 from ..errors import WriterDied
+from ..remote import dumps_exception
 from ._launch import die_with_group as _die_with_group
 from ._launch import parent_gone
 from ._launch import set_pdeathsig as _set_pdeathsig
@@ -267,7 +268,7 @@ def _serve_health(ctx: ChildContext, parent_pid: int) -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, {STACK_SIGNAL})
     pidfd = None
     with contextlib.suppress(OSError, AttributeError):
-        pidfd = os.pidfd_open(parent_pid)  # type: ignore[attr-defined]
+        pidfd = os.pidfd_open(parent_pid)
     if pidfd is None and not _alive(parent_pid):
         _die_with_group()
     watched: list[Any] = [ctx.health] + ([pidfd] if pidfd is not None else [])
@@ -390,8 +391,6 @@ def child_main(boot: _Boot) -> None:
     threading.Thread(
         target=_serve_health, args=(ctx, boot.parent_pid), name="framepipe-health", daemon=True
     ).start()
-    from ..remote import dumps_exception
-
     if boot.initializer is not None:
         try:
             boot.initializer(*boot.initargs)
@@ -729,7 +728,7 @@ class WorkerProcess:
     def exitcode(self) -> int | None:
         if self._closed or self.process is None:
             return self._exitcode
-        return self.process.exitcode
+        return self.process.exitcode  # type: ignore[no-any-return]
 
     def sample_rss(self) -> None:
         """Note the worker's peak resident size so far, and the memory cgroup it is in."""

@@ -194,10 +194,10 @@ class Wire:
             sid = len(self.memfds)
             self.memfds.append(
                 os.memfd_create(
-                    "framepipe-batch",  # type: ignore[attr-defined]
+                    "framepipe-batch",
                     os.MFD_CLOEXEC,
                 )
-            )  # type: ignore[attr-defined]
+            )
             self.new.append(sid)
         else:
             return array

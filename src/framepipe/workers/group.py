@@ -345,7 +345,7 @@ def _rank_failed(boot: _Boot, exc: BaseException, code: int) -> None:
 def _flush_std() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
-            stream.flush()  # type: ignore[union-attr]
+            stream.flush()
 
 
 # --------------------------------------------------------------------------------------------

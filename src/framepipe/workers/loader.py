@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic
 
 from .. import connection as _connection
-from .._stream_errors import workers_may_spin
+from .._spin import workers_may_spin
 from ..errors import ReadTimeout, WriterDied
 from ..remote import add_note, dumps_exception, loads_exception
 from . import _shm
@@ -697,7 +697,7 @@ ATTENTION = 1 << 32
 def _credit_fds() -> tuple[int, int]:
     """``(worker's end, parent's end)`` of a new credit counter."""
     if HAVE_EVENTFD:
-        fd = os.eventfd(0, os.EFD_CLOEXEC)  # type: ignore[attr-defined]
+        fd = os.eventfd(0, os.EFD_CLOEXEC)
         return fd, fd
     r, w = os.pipe()
     return r, w
@@ -706,7 +706,7 @@ def _credit_fds() -> tuple[int, int]:
 def _add_credits(fd: int, n: int) -> None:
     try:
         if HAVE_EVENTFD:
-            os.eventfd_write(fd, n)  # type: ignore[attr-defined]
+            os.eventfd_write(fd, n)
         else:
             os.write(fd, b"+" * (n % ATTENTION) + (b"!" if n >= ATTENTION else b""))
     except OSError:
@@ -721,7 +721,7 @@ def _take_credits(fd: int, block: bool = True) -> tuple[int, bool]:
         if not poller.poll(0):
             return 0, False
     if HAVE_EVENTFD:
-        value = os.eventfd_read(fd)  # type: ignore[attr-defined]
+        value = os.eventfd_read(fd)
         return value % ATTENTION, value >= ATTENTION
     data = os.read(fd, 65536)
     if not data:

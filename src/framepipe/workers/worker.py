@@ -265,7 +265,7 @@ class Worker:
         """``call`` for asyncio: awaits the result without blocking the loop."""
         timeout = _check_timeout("timeout", timeout)
         task = self._core.submit(D.CALL, fn, args, kwargs, timeout=timeout)
-        return await asyncio.wrap_future(task.future)  # type: ignore[no-any-return]
+        return await asyncio.wrap_future(task.future)
 
     def stream(
         self,

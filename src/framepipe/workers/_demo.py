@@ -14,8 +14,8 @@ import sys
 import time
 from typing import TextIO
 
-from ._width import DEFAULT_WIDTH, output_width, wrap_line
-from .workers import Pool, TaskTimeout, WorkerCrashed
+from .._width import DEFAULT_WIDTH, output_width, wrap_line
+from . import Pool, TaskTimeout, WorkerCrashed
 
 
 class QuotaExceeded(Exception):
