@@ -1159,7 +1159,7 @@ def test_torchs_other_arguments_and_batched_fetch(engine, workers):
     )
     with loader:
         assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
-    with pytest.warns(UserWarning, match="pin_memory=True is ignored"):
+    with pytest.warns(UserWarning, match="no accelerator is found"):
         loader = DataLoader(
             list(range(4)),
             batch_size=2,

@@ -134,6 +134,20 @@ def _rebuild_shared(sid: int, shape: tuple[int, ...], dtype: str, nbytes: int) -
     slot = getattr(_local, "receiver", None)
     if slot is None:
         raise RuntimeError("a shared-memory array arrived outside a worker's channel")
+    pinner = getattr(slot, "pinner", None)
+    if pinner is not None:
+        # read straight into a pinned buffer; the memfd goes back to the worker at once
+        buf, fd, done = pinner.buffer(nbytes), slot.memfd(sid), 0
+        view = memoryview(buf).cast("B")
+        while done < nbytes:
+            n = os.preadv(fd, [view[done:]], done)
+            if n <= 0:
+                raise WorkerError(
+                    f"a worker's shared-memory array ended at {done} of {nbytes} bytes"
+                )
+            done += n
+        slot.returned.append(sid)
+        return buf.view(np.dtype(dtype)).reshape(shape)
     mm = mmap.mmap(slot.memfd(sid), nbytes)
     # the memfd goes back to the worker when the last view of the array is gone
     weakref.finalize(mm, slot.returned.append, sid)
@@ -153,6 +167,7 @@ class Wire:
         self.free: list[int] = []  # sids the parent handed back
         self.new: list[int] = []  # sids created for this batch: their fds go with it
         self.used: list[int] = []  # sids holding this batch's arrays
+        self.shm_min = SHM_MIN  # arrays from this size go through shared memory
 
     def convert(self, obj: Any) -> Any:
         """``obj`` ready to send: large arrays replaced by their memfd, CPU torch tensors by
@@ -183,7 +198,7 @@ class Wire:
     def _array(self, array: Any) -> Any:
         if (
             self.fdsock is None
-            or array.nbytes < SHM_MIN
+            or array.nbytes < self.shm_min
             or array.dtype.hasobject
             or not array.flags.c_contiguous
         ):
