@@ -104,9 +104,19 @@ def check(state: Any, kind: str, num_workers: int) -> dict[str, Any]:
             f"reads version {VERSION}: take the state with the same framepipe version"
         )
     if state.get("kind") != kind:
+        words = {"map": "a map-style dataset", "iterable": "an iterable dataset"}
         raise ValueError(
-            f"this state was taken from a loader of a {state.get('kind')} dataset, and this "
-            f"loader's dataset is {kind}: load it into a loader over the same dataset"
+            f"this state was taken from a loader of {words.get(state.get('kind'), 'nothing')}, "
+            f"and this loader's dataset is {words[kind]}: load it into a loader over the same "
+            f"dataset"
+        )
+    missing = sorted(
+        {"epochs", "seed_counter", "generator", "persistent_base_seed", "epoch"} - set(state)
+    )
+    if missing:
+        raise ValueError(
+            f"this DataLoader state lacks {', '.join(missing)}: give load_state_dict() the "
+            f"whole dict state_dict() returned"
         )
     epoch = state.get("epoch")
     if kind == "iterable" and epoch is not None:

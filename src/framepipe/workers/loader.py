@@ -1041,6 +1041,7 @@ class _Workers:
                     if not self.retries:
                         raise self._crashed(slot, died) from None
                     self.retry(slot, died)
+                    conn = slot.conn
                     if resetting:
                         return (RESET_DONE,)  # the new worker holds nothing: it is reset
                     continue
