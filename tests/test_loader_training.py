@@ -374,6 +374,26 @@ def test_a_retried_crash_warns_without_a_callback(engine, tmp_path):
     assert got == list(range(12))
 
 
+def test_retries_out_of_order_on_persistent_workers(engine, tmp_path):
+    """in_order=False and persistent workers: the crash costs nothing, the replacement
+    serves the next epoch."""
+    loader = _loader(
+        CrashAt(30, 17, "exit", str(tmp_path)),
+        num_workers=3,
+        in_order=False,
+        persistent_workers=True,
+        worker_crash_retries=1,
+        on_worker_crash=lambda err: None,
+    )
+    with loader:
+        first = list(loader)
+        pids = loader.worker_pids()
+        second = list(loader)
+        assert loader.worker_pids() == pids
+    assert sorted(first) == sorted(second) == list(range(30))
+    assert len(loader.crash_reports) == 1
+
+
 def test_a_batch_that_crashes_retries_plus_one_workers_fails_naming_it(engine, tmp_path):
     retries = 2
     loader = _loader(
@@ -511,11 +531,10 @@ def test_the_walk_pins_nested_batches_as_torch_does():
     assert type(out["pair"]) is Pair and type(out["pair"].y) is list and out["pair"].y[1] == "text"
     assert type(out["tup"]) is tuple and out["tup"][1:] == (b"raw", 5)
     assert type(out["sample"]) is Sample and out["sample"].name == "n"
-    # NumPy arrays stay NumPy arrays, over a pinned buffer
+    # NumPy arrays become pinned tensors (what torch's loader gives for them)
     for got, want in ((out["array"], batch["array"]), (out["sample"].label, batch["sample"].label)):
-        assert type(got) is np.ndarray and got.dtype == want.dtype
-        assert (got == want).all() and got is not want
-        assert rec.is_pinned(torch.from_numpy(got))
+        assert isinstance(got, torch.Tensor) and rec.is_pinned(got)
+        assert got.numpy().dtype == want.dtype and (got.numpy() == want).all()
     assert out["custom"].pinned and not batch["custom"].pinned
     assert out["already"] is already  # pinned already: no copy
     assert out["objects"] is batch["objects"]
@@ -555,11 +574,11 @@ def test_pinned_loader_receives_large_payloads_into_pinned_buffers(engine, recor
     for i, item in enumerate(got):
         assert float(item["big"][0]) == i and int(item["mid"][-1]) == i
         assert item["small"].tolist() == [i, i]
-        assert isinstance(item["big"], torch.Tensor) and type(item["mid"]) is np.ndarray
-        for value in (item["big"], torch.from_numpy(item["mid"]), item["small"]):
-            assert recorder.is_pinned(value)
+        for value in (item["big"], item["mid"], item["small"]):
+            assert isinstance(value, torch.Tensor) and recorder.is_pinned(value)
+        assert item["mid"].dtype == torch.int32
     # the 1 MiB tensor and the 256 KiB array came through shared memory, read straight into
-    # buffers from the pool (no pinned copy made afterwards); the small tensor was copied
+    # pinned buffers (no copy made afterwards); the small tensor was pinned once it arrived
     assert recorder.allocs.count(1024 * 1024) == 6
     assert recorder.allocs.count(256 * 1024) == 6
     assert recorder.pinned_tensors == 6
@@ -569,8 +588,7 @@ def test_pinned_loader_in_process_and_with_batches(engine, recorder):
     with _loader(list(range(10)), batch_size=4, num_workers=0, pin_memory=True) as loader:
         got = list(loader)
     assert [b.tolist() for b in got] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
-    torch = recorder.torch
-    assert all(recorder.is_pinned(torch.from_numpy(b)) for b in got)
+    assert all(isinstance(b, recorder.torch.Tensor) and recorder.is_pinned(b) for b in got)
 
 
 def test_pin_memory_without_an_accelerator_warns_once_and_runs_unpinned(engine):

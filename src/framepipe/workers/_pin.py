@@ -3,8 +3,11 @@
 A batch is pinned in the parent, as torch pins it: the walk of :meth:`Pinner.pin` is the one
 of ``torch.utils.data._utils.pin_memory.pin_memory`` (tensors, then anything with a
 ``pin_memory()`` method, mappings, named tuples, tuples, sequences), and it also walks
-dataclass instances and pins NumPy arrays (into a NumPy array over pinned memory, so that
-``torch.from_numpy(batch).cuda(non_blocking=True)`` copies from page-locked memory).
+dataclass instances. A NumPy array in a pinned batch becomes a pinned torch tensor (what
+torch's loader gives for it, its ``default_collate`` having made it a tensor): a copy to the
+GPU with ``non_blocking=True`` is only safe from a tensor that owns its pinned memory, since
+that is how torch's allocator learns not to hand the memory out again before the copy ran
+(an array over pinned memory, wrapped by ``torch.from_numpy``, would not tell it).
 
 Where the transport allows, payloads are received straight into pinned buffers instead of
 being pinned after they arrive: an array a worker put in shared memory (see :mod:`._shm`) is
@@ -26,6 +29,7 @@ from __future__ import annotations
 import collections.abc
 import copy
 import dataclasses
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -58,9 +62,21 @@ class Pinner:
 
     # -- receiving into pinned memory --
 
-    def buffer(self, nbytes: int) -> Any:
-        """A writable NumPy uint8 array of ``nbytes`` bytes over a new pinned buffer."""
-        return self.alloc(nbytes).numpy()
+    def receive(self, fd: int, nbytes: int, dtype: Any, shape: tuple[int, ...]) -> Any:
+        """The array of ``dtype`` and ``shape`` in the first ``nbytes`` bytes of file
+        ``fd``, read into a new pinned buffer, as a torch tensor; None when torch has no
+        such dtype (the caller maps it as usual)."""
+        torch_dtype = _torch_dtype(dtype)
+        if torch_dtype is None:
+            return None
+        buf = self.alloc(nbytes)
+        view, done = memoryview(buf.numpy()).cast("B"), 0
+        while done < nbytes:
+            n = os.preadv(fd, [view[done:]], done)
+            if n <= 0:
+                raise EOFError(f"a shared-memory array ended at {done} of {nbytes} bytes")
+            done += n
+        return buf.view(torch_dtype).view(shape)
 
     # -- the walk --
 
@@ -104,15 +120,11 @@ class Pinner:
         return data
 
     def _pin_array(self, array: Any) -> Any:
-        if array.dtype.hasobject or not array.nbytes:
-            return array
-        root = array
-        while getattr(root, "base", None) is not None and not _is_tensor(root):
-            root = root.base
-        if _is_tensor(root) and self.is_pinned(root):
-            return array  # received into a pinned buffer
-        out = self.buffer(array.nbytes).view(array.dtype).reshape(array.shape)
-        out[...] = array
+        torch_dtype = _torch_dtype(array.dtype)
+        if torch_dtype is None:
+            return array  # no tensor can hold it: left as it is
+        out = self.alloc(array.nbytes).view(torch_dtype).view(array.shape)
+        out.numpy()[...] = array
         return out
 
     def _pin_dataclass(self, data: Any) -> Any:
@@ -123,9 +135,19 @@ class Pinner:
         return clone
 
 
-def _is_tensor(obj: Any) -> bool:
+def _torch_dtype(dtype: Any) -> Any:
+    """The torch dtype of NumPy ``dtype`` (None: torch has none)."""
     torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
+    np = sys.modules.get("numpy")
+    if torch is None or np is None:
+        return None
+    dtype = np.dtype(dtype)
+    if dtype.hasobject or not dtype.isnative:
+        return None
+    try:
+        return torch.from_numpy(np.empty(0, dtype)).dtype
+    except TypeError:
+        return None
 
 
 def _torch_pinner() -> Pinner:

@@ -40,6 +40,8 @@ def _is_torch_tensor(obj: Any) -> bool:
 def _rebuild_tensor(array: Any) -> Any:
     import torch
 
+    if isinstance(array, torch.Tensor):  # received into pinned memory (see _pin)
+        return array
     return torch.from_numpy(array)
 
 
@@ -136,18 +138,11 @@ def _rebuild_shared(sid: int, shape: tuple[int, ...], dtype: str, nbytes: int) -
         raise RuntimeError("a shared-memory array arrived outside a worker's channel")
     pinner = getattr(slot, "pinner", None)
     if pinner is not None:
-        # read straight into a pinned buffer; the memfd goes back to the worker at once
-        buf, fd, done = pinner.buffer(nbytes), slot.memfd(sid), 0
-        view = memoryview(buf).cast("B")
-        while done < nbytes:
-            n = os.preadv(fd, [view[done:]], done)
-            if n <= 0:
-                raise WorkerError(
-                    f"a worker's shared-memory array ended at {done} of {nbytes} bytes"
-                )
-            done += n
-        slot.returned.append(sid)
-        return buf.view(np.dtype(dtype)).reshape(shape)
+        # read straight into a pinned buffer, and the memfd goes back to the worker at once
+        tensor = pinner.receive(slot.memfd(sid), nbytes, dtype, shape)
+        if tensor is not None:
+            slot.returned.append(sid)
+            return tensor
     mm = mmap.mmap(slot.memfd(sid), nbytes)
     # the memfd goes back to the worker when the last view of the array is gone
     weakref.finalize(mm, slot.returned.append, sid)
