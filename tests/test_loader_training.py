@@ -20,8 +20,13 @@ import warnings
 
 import pytest
 
-from framepipe.workers import DataLoader, WorkerCrashed, _pin, get_worker_info
-from framepipe.workers.loader import WorkerCrashWarning
+from framepipe.workers import (
+    DataLoader,
+    WorkerCrashed,
+    WorkerCrashWarning,
+    _pin,
+    get_worker_info,
+)
 
 np = pytest.importorskip("numpy")
 

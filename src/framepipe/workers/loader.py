@@ -632,6 +632,8 @@ def _resume_worker(fetcher: _Fetcher, resume: dict[str, Any] | None) -> None:
             fetcher.fetch(None)
         except StopIteration:
             return
+        except Exception:  # noqa: BLE001 - a batch that failed was delivered as its error
+            continue
 
 
 # --------------------------------------------------------------------------------------------
@@ -1040,10 +1042,13 @@ class _Workers:
                 except WriterDied as died:
                     if not self.retries:
                         raise self._crashed(slot, died) from None
+                    if resetting:  # between epochs: nothing is lost, a new worker is reset
+                        slot.held.clear()
+                        slot.credit = 0
+                        self._replace(slot, None)
+                        return (RESET_DONE,)
                     self.retry(slot, died)
                     conn = slot.conn
-                    if resetting:
-                        return (RESET_DONE,)  # the new worker holds nothing: it is reset
                     continue
                 except (EOFError, OSError) as exc:
                     raise self._crashed(slot, None, f"its channel failed: {exc}") from None
@@ -1171,7 +1176,7 @@ class _Workers:
         ``crash_reports``. An iterable dataset's part starts again where the dead worker's
         last delivered batch left it (see NOTE [ Resuming an epoch ])."""
         held = list(slot.held)
-        if not held:  # nothing lost (a persistent worker between epochs): replace it
+        if not held:  # nothing lost: a new worker takes its place
             self._replace(slot, None)
             return
         loading = slot.loading()
@@ -1196,11 +1201,6 @@ class _Workers:
         if count > self.retries:
             err.crashes = list(self.reports)  # type: ignore[attr-defined]
             raise self._fail(err)
-        self.reports.append(err)
-        if self.on_crash is not None:
-            self.on_crash(err)
-        else:
-            warnings.warn(str(err), WorkerCrashWarning, stacklevel=4)
         resume = None
         if self._common["iterable"]:
             if self._common["stateful"] and slot.wstate is not None:
@@ -1208,6 +1208,11 @@ class _Workers:
             elif slot.answered:
                 resume = {"skip": slot.answered}
         self._replace(slot, resume)
+        self.reports.append(err)
+        if self.on_crash is not None:
+            self.on_crash(err)
+        else:
+            warnings.warn(str(err), WorkerCrashWarning, stacklevel=4)
 
     def _replace(self, slot: _Slot, resume: dict[str, Any] | None) -> None:
         """A fresh worker in ``slot``'s place, given what the dead one held."""
