@@ -188,6 +188,35 @@ def test_resume_with_a_seed_a_sampler_and_persistent_workers(engine):
         assert _rows(other) == full[3:]
 
 
+def test_resume_with_torch_samplers_and_generators(engine):
+    """torch's RandomSampler with a generator, inside a BatchSampler, and a torch Generator
+    as the loader's own: the state restores them (the resumed loaders' start elsewhere)."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    def batched(seed: int) -> DataLoader:
+        g = torch.Generator().manual_seed(seed)
+        sampler = BatchSampler(RandomSampler(range(15), generator=g), 4, False)
+        return _loader(Tagged(15), batch_sampler=sampler, num_workers=2, seed=5)
+
+    def shuffled(seed: int) -> DataLoader:
+        g = torch.Generator().manual_seed(seed)
+        return _loader(Tagged(15), batch_size=4, shuffle=True, generator=g, num_workers=2)
+
+    for make in (batched, shuffled):
+        with make(3) as ref:
+            full, second = _rows(ref), _rows(ref)
+        assert full != second
+        with make(3) as loader:
+            it = iter(loader)
+            next(it), next(it)
+            state = pickle.loads(pickle.dumps(loader.state_dict()))
+        with make(77) as resumed:
+            resumed.load_state_dict(state)
+            assert _rows(resumed) == full[2:], make.__name__
+            assert _rows(resumed) == second, make.__name__
+
+
 class ShuffledSampler:
     """A sampler with its own generator and state_dict (as torchdata's stateful samplers)."""
 
@@ -377,6 +406,23 @@ def test_a_retried_crash_warns_without_a_callback(engine, tmp_path):
         with pytest.warns(WorkerCrashWarning, match="indices 5"):
             got = list(loader)
     assert got == list(range(12))
+
+
+def test_a_retried_crash_on_spawned_workers(tmp_path):
+    """The batch marker reaches a spawned worker too (its descriptor is passed, not
+    inherited), and the replacement is spawned the same way."""
+    reports = []
+    loader = _loader(
+        CrashAt(10, 6, "kill", str(tmp_path)),
+        batch_size=2,
+        num_workers=1,
+        start_method="spawn",
+        worker_crash_retries=1,
+        on_worker_crash=reports.append,
+    )
+    with loader:
+        assert _rows(loader) == [[i, i + 1] for i in range(0, 10, 2)]
+    assert [list(r.batches.values()) for r in reports] == [[[6, 7]]]
 
 
 def test_retries_out_of_order_on_persistent_workers(engine, tmp_path):

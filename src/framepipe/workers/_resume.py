@@ -67,8 +67,19 @@ def _tuples(value: Any) -> Any:
 
 def sampler_state(sampler: Any) -> dict[str, Any] | None:
     """What makes ``sampler`` iterate again as it is about to: its own ``state_dict()``, or
-    the state of its torch ``generator`` (torch's RandomSampler); None when it has neither
-    (it is then assumed to give the same order every time)."""
+    the state of its torch ``generator`` (torch's RandomSampler); for a batch sampler with
+    neither, the same of the sampler it batches (``.sampler``, as torch's BatchSampler has);
+    None when there is none of these (it is then assumed to give the same order every
+    time)."""
+    state = _own_state(sampler)
+    if state is None and sampler is not None and hasattr(sampler, "sampler"):
+        inner = _own_state(sampler.sampler)
+        if inner is not None:
+            return {"inner": inner}
+    return state
+
+
+def _own_state(sampler: Any) -> dict[str, Any] | None:
     if sampler is None:
         return None
     if callable(getattr(sampler, "state_dict", None)) and callable(
@@ -85,7 +96,9 @@ def sampler_state(sampler: Any) -> dict[str, Any] | None:
 def set_sampler_state(sampler: Any, state: dict[str, Any] | None) -> None:
     if state is None or sampler is None:
         return
-    if "state_dict" in state:
+    if "inner" in state:
+        set_sampler_state(sampler.sampler, state["inner"])
+    elif "state_dict" in state:
         sampler.load_state_dict(state["state_dict"])
     elif "generator" in state:
         set_generator_state(sampler.generator, state["generator"])

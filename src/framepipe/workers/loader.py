@@ -1468,10 +1468,9 @@ class DataLoader:
         self._auto_collation = batch_sampler is not None or batch_size is not None
         self._workers: _Workers | None = None
         self._epochs: weakref.WeakSet[_Epoch] = weakref.WeakSet()  # every epoch not collected
-        self._current_ref: Callable[[], _Epoch | _LocalEpoch | None] = lambda: (
-            None
-        )  # a weak reference:
-        # an epoch abandoned by the caller (a ``break``) is collected and stops its workers
+        # a weak reference: an epoch abandoned by the caller (a ``break``) is collected and
+        # stops its workers
+        self._current_ref: Callable[[], _Epoch | _LocalEpoch | None] = lambda: None
 
     # -- seeds --
 
