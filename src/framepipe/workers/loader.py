@@ -37,6 +37,10 @@ no torch. How it works:
   worker's traceback and a note naming the index. ``timeout`` raises :class:`TaskTimeout` with
   the stuck worker's stack. Workers stop when the epoch ends (unless persistent), when the
   iteration is abandoned, and when the loader is deleted or closed.
+- Training (docs/loader-training.md): ``worker_crash_retries`` gives the batches of a worker
+  that died to a fresh one (``_Workers.retry``); ``state_dict()`` / ``load_state_dict()``
+  resume an epoch (NOTE [ Resuming an epoch ], :mod:`._resume`); ``pin_memory`` pins batches
+  in the parent (:mod:`._pin`).
 """
 
 from __future__ import annotations
