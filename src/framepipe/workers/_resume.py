@@ -119,7 +119,7 @@ def check(state: Any, kind: str, num_workers: int) -> dict[str, Any]:
     if state.get("kind") != kind:
         words = {"map": "a map-style dataset", "iterable": "an iterable dataset"}
         raise ValueError(
-            f"this state was taken from a loader of {words.get(state.get('kind'), 'nothing')}, "
+            f"this state was taken from a loader of {words.get(str(state.get('kind')), 'nothing')}, "
             f"and this loader's dataset is {words[kind]}: load it into a loader over the same "
             f"dataset"
         )
