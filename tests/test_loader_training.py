@@ -253,6 +253,24 @@ def test_resume_out_of_order_delivers_the_rest_once(engine):
     assert items == list(range(40))
 
 
+def test_a_state_with_batches_taken_out_of_order_skips_exactly_those(engine):
+    """The state of an out-of-order epoch names the requests taken above ``done_below``:
+    resumed in order, exactly the others come, and the state then counts past the gap."""
+    with _loader(Tagged(10), batch_size=1, num_workers=2) as loader:
+        it = iter(loader)
+        next(it)
+        state = loader.state_dict()
+    state["epoch"].update(done_below=2, taken=[4, 5, 8])
+    with _loader(Tagged(10), batch_size=1, num_workers=2) as resumed:
+        resumed.load_state_dict(state)
+        it = iter(resumed)
+        assert [int(next(it)[0][0]) for _ in range(2)] == [2, 3]
+        after = resumed.state_dict()["epoch"]
+        assert (after["done_below"], after["taken"]) == (6, [8])
+        assert [int(b[0][0]) for b in it] == [6, 7, 9]
+        assert resumed.state_dict()["epoch"] is None  # the epoch ended
+
+
 def test_resume_in_process(engine):
     """num_workers=0 resumes too (map-style and iterable)."""
     with _loader(Tagged(9), batch_size=2, shuffle=True, seed=3, num_workers=0) as ref:

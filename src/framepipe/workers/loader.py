@@ -1727,19 +1727,25 @@ class _Taken:
         self.yielded = 0 if resume is None else int(resume["yielded"])
         self.done_below = 0
         self.taken: set[int] = set()
-        self.positions: list[int] | None = None  # request number of each batch given out
+        # the request number of the i-th batch given out: ``first + i``, or (a resumed epoch
+        # that had batches taken out of order) ``positions[i]``
+        self.first = 0
+        self.positions: list[int] | None = None
         requests = info["requests"]
         if resume is not None and "done_below" in resume:
-            self.done_below = int(resume["done_below"])
+            self.done_below = self.first = int(resume["done_below"])
             self.taken = {int(p) for p in resume["taken"]}
-            self.positions = []
-            requests = _untaken(requests, self.done_below, set(self.taken), self.positions)
+            if self.taken:
+                self.positions = []
+                requests = _untaken(requests, self.done_below, set(self.taken), self.positions)
+            else:
+                requests = itertools.islice(requests, self.first, None)
         self.requests = requests
 
     def took(self, i: int) -> None:
         """The caller took the ``i``-th batch given out this epoch."""
         self.yielded += 1
-        pos = i if self.positions is None else self.positions[i]
+        pos = self.first + i if self.positions is None else self.positions[i]
         if pos == self.done_below:
             self.done_below = pos = pos + 1
             taken = self.taken
