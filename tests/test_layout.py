@@ -109,6 +109,8 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
             "workers.errors": {"errors", "remote"},
             "workers._launch": set(),
             "workers._mainguard": {"workers.errors"},
+            "workers._pin": set(),
+            "workers._resume": set(),
             "workers._shm": {"workers.errors"},
             "workers._process": {
                 "_liveness",
@@ -133,6 +135,8 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
             "workers.pool": {"_lazy", "workers._dispatch", "workers.worker"},
             "workers.loader": {
                 "_spin",
+                "workers._pin",
+                "workers._resume",
                 "connection",
                 "errors",
                 "remote",

@@ -24,7 +24,7 @@ from .errors import (
     WorkerError,
     WorkerStartError,
 )
-from .loader import DataLoader, WorkerInfo, default_collate, get_worker_info
+from .loader import DataLoader, WorkerCrashWarning, WorkerInfo, default_collate, get_worker_info
 from .pool import Pool
 from .worker import Stream, Worker
 
@@ -37,6 +37,7 @@ __all__ = [
     "TaskTimeout",
     "Worker",
     "WorkerCancelled",
+    "WorkerCrashWarning",
     "WorkerCrashed",
     "WorkerError",
     "WorkerInfo",

@@ -40,6 +40,8 @@ def _is_torch_tensor(obj: Any) -> bool:
 def _rebuild_tensor(array: Any) -> Any:
     import torch
 
+    if isinstance(array, torch.Tensor):  # received into pinned memory (see _pin)
+        return array
     return torch.from_numpy(array)
 
 
@@ -134,6 +136,13 @@ def _rebuild_shared(sid: int, shape: tuple[int, ...], dtype: str, nbytes: int) -
     slot = getattr(_local, "receiver", None)
     if slot is None:
         raise RuntimeError("a shared-memory array arrived outside a worker's channel")
+    pinner = getattr(slot, "pinner", None)
+    if pinner is not None:
+        # read straight into a pinned buffer, and the memfd goes back to the worker at once
+        tensor = pinner.receive(slot.memfd(sid), nbytes, dtype, shape)
+        if tensor is not None:
+            slot.returned.append(sid)
+            return tensor
     mm = mmap.mmap(slot.memfd(sid), nbytes)
     # the memfd goes back to the worker when the last view of the array is gone
     weakref.finalize(mm, slot.returned.append, sid)
@@ -153,6 +162,7 @@ class Wire:
         self.free: list[int] = []  # sids the parent handed back
         self.new: list[int] = []  # sids created for this batch: their fds go with it
         self.used: list[int] = []  # sids holding this batch's arrays
+        self.shm_min = SHM_MIN  # arrays from this size go through shared memory
 
     def convert(self, obj: Any) -> Any:
         """``obj`` ready to send: large arrays replaced by their memfd, CPU torch tensors by
@@ -183,7 +193,7 @@ class Wire:
     def _array(self, array: Any) -> Any:
         if (
             self.fdsock is None
-            or array.nbytes < SHM_MIN
+            or array.nbytes < self.shm_min
             or array.dtype.hasobject
             or not array.flags.c_contiguous
         ):

@@ -37,6 +37,10 @@ no torch. How it works:
   worker's traceback and a note naming the index. ``timeout`` raises :class:`TaskTimeout` with
   the stuck worker's stack. Workers stop when the epoch ends (unless persistent), when the
   iteration is abandoned, and when the loader is deleted or closed.
+- Training (docs/loader-training.md): ``worker_crash_retries`` gives the batches of a worker
+  that died to a fresh one (``_Workers.retry``); ``state_dict()`` / ``load_state_dict()``
+  resume an epoch (NOTE [ Resuming an epoch ], :mod:`._resume`); ``pin_memory`` pins batches
+  in the parent (:mod:`._pin`).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import contextlib
 import functools
 import itertools
 import math
+import mmap
 import multiprocessing
 import os
 import pickle
@@ -67,7 +72,7 @@ from .. import connection as _connection
 from .._spin import workers_may_spin
 from ..errors import ReadTimeout, WriterDied
 from ..remote import add_note, dumps_exception, loads_exception
-from . import _shm
+from . import _pin, _resume, _shm
 from ._mainguard import refuse_during_main_import
 from ._process import ChildContext, WorkerProcess, _FdHandle, register_parent_side
 from .errors import (
@@ -79,7 +84,7 @@ from .errors import (
     start_error,
 )
 
-__all__ = ["DataLoader", "WorkerInfo", "get_worker_info", "default_collate"]
+__all__ = ["DataLoader", "WorkerCrashWarning", "WorkerInfo", "get_worker_info", "default_collate"]
 
 if TYPE_CHECKING:
     from typing_extensions import TypeVar
@@ -140,6 +145,11 @@ class WorkerInfo:
 
 
 _worker_info: WorkerInfo | None = None
+
+
+class WorkerCrashWarning(RuntimeWarning):
+    """A DataLoader worker died and its batches went to a fresh one
+    (``worker_crash_retries``); the warning's text is the crash report."""
 
 
 def get_worker_info() -> WorkerInfo | None:
@@ -460,13 +470,22 @@ def _send_failure(conn: Any, bid: int, exc: BaseException, where: str) -> None:
 
 
 def _answer(
-    conn: Any, fetcher: _Fetcher, wire: _shm.Wire, bid: int, indices: Any, pending: list[Any]
+    conn: Any,
+    fetcher: _Fetcher,
+    wire: _shm.Wire,
+    bid: int,
+    indices: Any,
+    pending: list[Any],
+    state_of: Callable[[], Any] | None = None,
 ) -> None:
     """Load batch ``bid`` and answer it. A small array's reply (see :data:`INLINE_MAX`) is
     added to ``pending``, to go out with the replies around it in one frame (:func:`_flush`);
-    any other reply is written at once, after what is pending."""
+    any other reply is written at once, after what is pending. With ``state_of`` (an
+    iterable dataset's ``state_dict``), the reply carries the dataset's state after the batch
+    (see NOTE [ Resuming an epoch ])."""
     try:
         data = fetcher.fetch(indices)
+        state = None if state_of is None else state_of()
     except StopIteration:
         _flush(conn, pending)
         conn.send((END, bid))
@@ -476,7 +495,7 @@ def _answer(
         _send_failure(conn, bid, exc, fetcher.where)
         return
     try:
-        inline = _inline_parts(bid, data)
+        inline = None if state_of is not None else _inline_parts(bid, data)
     except Exception:  # noqa: BLE001 - an array this path cannot read goes the usual way
         inline = None
     if inline is not None:
@@ -488,7 +507,7 @@ def _answer(
         data = wire.convert(data)
         if wire.new:
             wire.flush()
-        conn.send((OK, bid, data))
+        conn.send((OK, bid, data) if state_of is None else (OK, bid, data, state))
     except (BrokenPipeError, ConnectionError):
         raise
     except Exception as exc:  # noqa: BLE001 - an unpicklable batch
@@ -540,17 +559,24 @@ def loader_loop(ctx: ChildContext) -> None:
         torch.set_num_threads(1)
     dataset = opts["dataset"]
     _worker_info = WorkerInfo(wid, opts["num_workers"], seed, dataset)
-    if opts["worker_init_fn"] is not None:
-        try:
-            opts["worker_init_fn"](wid)
-        except BaseException as exc:  # noqa: BLE001 - the parent reports it
-            conn.send((INIT_FAILED, dumps_exception(exc)))
-            return
     fetcher = _Fetcher(
         dataset, opts["iterable"], opts["batch_size"], opts["collate_fn"], opts["drop_last"]
     )
+    try:
+        if opts["worker_init_fn"] is not None:
+            opts["worker_init_fn"](wid)
+        _resume_worker(fetcher, opts["resume"])
+    except BaseException as exc:  # noqa: BLE001 - the parent reports it
+        conn.send((INIT_FAILED, dumps_exception(exc)))
+        return
+    state_of = dataset.state_dict if opts["stateful"] else None
+    # where the parent reads which batch this worker was loading if it dies (a retry blames
+    # that batch and no other); None unless worker_crash_retries is set
+    beacon = None if opts["beacon"] is None else mmap.mmap(opts["beacon"].fd, _BEACON.size)
     fdsock = opts["fdsock"]
     wire = _shm.Wire(None if fdsock is None else socket.socket(fileno=fdsock.fd), opts["shm_slots"])
+    if opts["pin"]:
+        wire.shm_min = _pin.PIN_SHM_MIN  # the parent reads these straight into pinned memory
     recv_bytes, loads, clock = conn.recv_bytes, pickle.loads, time.perf_counter
     credits = opts["credits"].fd
     queue: collections.deque[tuple[int, Any]] = collections.deque()  # (batch id, indices)
@@ -588,7 +614,9 @@ def loader_loop(ctx: ChildContext) -> None:
                 start = clock()
                 for _ in range(count):
                     bid, indices = queue.popleft()
-                    _answer(conn, fetcher, wire, bid, indices, pending)
+                    if beacon is not None:
+                        _BEACON.pack_into(beacon, 0, bid)
+                    _answer(conn, fetcher, wire, bid, indices, pending, state_of)
                 # the loading only: the write below costs what the engine costs, whatever
                 # the batches are
                 recent.append((clock() - start) / count)
@@ -612,9 +640,42 @@ def loader_loop(ctx: ChildContext) -> None:
         return  # the parent closed the channel
 
 
+def _resume_worker(fetcher: _Fetcher, resume: dict[str, Any] | None) -> None:
+    """Put a worker's part of an iterable dataset where an earlier worker left it: its
+    ``load_state_dict`` with the state that worker last reported, or (a dataset without one)
+    the batches it had delivered loaded again and dropped."""
+    if not resume:
+        return
+    if resume.get("state") is not None:
+        fetcher.dataset.load_state_dict(resume["state"])
+        return
+    for _ in range(resume.get("skip", 0)):
+        try:
+            fetcher.fetch(None)
+        except StopIteration:
+            return
+        except Exception:  # noqa: BLE001 - a batch that failed was delivered as its error
+            continue
+
+
 # --------------------------------------------------------------------------------------------
 # Parent side
 # --------------------------------------------------------------------------------------------
+
+_BEACON = struct.Struct("q")
+
+
+def _beacon_fd() -> int:
+    """A file of 8 bytes a worker and the parent both map (see ``_Workers.retry``)."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("framepipe-beacon", os.MFD_CLOEXEC)
+    else:  # pragma: no cover - platforms without memfd
+        import tempfile
+
+        with tempfile.TemporaryFile() as f:
+            fd = os.dup(f.fileno())
+    os.ftruncate(fd, _BEACON.size)
+    return fd
 
 
 class _Slot(_shm.Receiver):
@@ -634,16 +695,32 @@ class _Slot(_shm.Receiver):
         "outbox",
         "lock",
         "sender",
+        "pinner",
+        "answered",
+        "wstate",
+        "beacon",
     )
 
     def __init__(
-        self, wid: int, proc: WorkerProcess, fdsock: socket.socket | None, credits: int
+        self,
+        wid: int,
+        proc: WorkerProcess,
+        fdsock: socket.socket | None,
+        credits: int,
+        beacon: mmap.mmap | None = None,
     ) -> None:
         super().__init__(fdsock)
         self.id = wid
         self.proc = proc
         self.conn = proc.conn
         self.credits = credits  # the parent's end of the worker's credit counter
+        self.beacon = beacon  # the batch id the worker is loading (worker_crash_retries)
+        self.pinner: _pin.Pinner | None = None  # arrays in shared memory are read into pinned
+        # memory (see _shm._rebuild_shared)
+        # an iterable dataset: batches this worker's part delivered this epoch, and the
+        # dataset's state after the last of them (see NOTE [ Resuming an epoch ])
+        self.answered = 0
+        self.wstate: Any = None
         # batches given to the worker and not answered yet, in order: (batch id, indices)
         self.held: collections.deque[tuple[int, Any]] = collections.deque()
         self.backlog: collections.deque[Any] = collections.deque()  # replies read, not taken
@@ -663,6 +740,40 @@ class _Slot(_shm.Receiver):
         if fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(fd)
+        beacon, self.beacon = self.beacon, None
+        if beacon is not None:
+            with contextlib.suppress(Exception):
+                beacon.close()
+
+    def loading(self) -> int | None:
+        """The batch id the worker last started loading (None: no beacon, or none yet)."""
+        if self.beacon is None:
+            return None
+        bid = int(_BEACON.unpack_from(self.beacon, 0)[0])
+        return None if bid < 0 else bid
+
+    def rebind(
+        self,
+        proc: WorkerProcess,
+        fdsock: socket.socket | None,
+        credits: int,
+        beacon: mmap.mmap | None,
+    ) -> None:
+        """This slot's worker is now ``proc`` (the one before it died): its channels, credit
+        counter and memfd pool replace the dead one's, which are closed. Arrays mapped from
+        the old memfds stay valid, and their finalizers hand their memfds back to the old
+        pool's list, which nobody reads any more."""
+        sender = self.sender
+        if sender is not None and sender.is_alive():
+            sender.join(STOP_GRACE)  # its writes to the dead worker fail at once
+        self.close_fds()
+        self.fdsock = fdsock
+        self.memfds = []
+        self.returned = collections.deque()
+        self.proc, self.conn, self.credits, self.beacon = proc, proc.conn, credits, beacon
+        self.backlog.clear()
+        self.outbox, self.sender = None, None
+        self.lock = threading.Lock()
 
     def attention(self, message: bytes | None = None) -> None:
         """Make the worker read its channel (after ``message``, posted there)."""
@@ -778,9 +889,16 @@ class _Workers:
     ``floor`` is the first of the current epoch.
     """
 
-    def __init__(self, loader: DataLoader, base_seed: int) -> None:
+    def __init__(
+        self, loader: DataLoader, base_seed: int, resume: list[dict[str, Any] | None] | None = None
+    ) -> None:
         self.base_seed = base_seed
         self.slots: list[_Slot] = []
+        self.retries = loader.worker_crash_retries
+        self.on_crash = loader.on_worker_crash
+        self.reports = loader.crash_reports
+        self.crashes: dict[int, int] = {}  # batch id -> workers that died loading it
+        self.pinner = loader._pinner
         self.prefetch = loader.prefetch_factor
         self.fast_group = loader.prefetch_factor  # credits per write while batches are fast
         self.next_bid = 0
@@ -788,8 +906,8 @@ class _Workers:
         self.closed = False
         self.broken: BaseException | None = None
         self._last_pump = self._last_rss = 0.0  # the first reply samples the workers' peak RSS
-        ctx = multiprocessing.get_context(loader.start_method)
-        common = {
+        self._ctx = multiprocessing.get_context(loader.start_method)
+        self._common = {
             "num_workers": loader.num_workers,
             "base_seed": base_seed,
             "dataset": loader.dataset,
@@ -802,41 +920,65 @@ class _Workers:
             # the one being used and the one being freed (more fall back to the bulk channel)
             "shm_slots": 8 * (loader.prefetch_factor + 2),
             "spin": workers_may_spin(loader.num_workers),
+            "stateful": loader._stateful,
+            "pin": loader._pinner is not None,
         }
         _live.add(self)
         try:
             for wid in range(loader.num_workers):
-                mine = theirs = None
-                if _shm.HAVE_MEMFD:
-                    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-                fdsock = None if theirs is None else _FdHandle(theirs.fileno())
-                worker_end, parent_end = _credit_fds()
-                proc = WorkerProcess(
-                    ctx,
-                    f"DataLoader-worker-{wid}",
-                    loader_loop,
-                    options={
-                        **common,
-                        "worker_id": wid,
-                        "fdsock": fdsock,
-                        "credits": _FdHandle(worker_end),
-                    },
-                )
-                try:
-                    proc.start()
-                except BaseException:
-                    os.close(parent_end)
-                    raise
-                finally:
-                    if theirs is not None:
-                        theirs.close()
-                    if worker_end != parent_end:
-                        os.close(worker_end)
-                self.slots.append(_Slot(wid, proc, mine, parent_end))
-                self.slots[-1].group = self.fast_group
+                slot = _Slot(wid, *self._spawn(wid, None if resume is None else resume[wid]))
+                slot.group = self.fast_group
+                slot.pinner = self.pinner
+                self.slots.append(slot)
         except BaseException:
             self.close(grace=0.0)
             raise
+
+    def _spawn(
+        self, wid: int, resume: dict[str, Any] | None
+    ) -> tuple[WorkerProcess, socket.socket | None, int, mmap.mmap | None]:
+        """Start worker ``wid``: its process, our end of its memfd socket, of its credit
+        counter, and its beacon (with ``worker_crash_retries``)."""
+        mine = theirs = None
+        if _shm.HAVE_MEMFD:
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        fdsock = None if theirs is None else _FdHandle(theirs.fileno())
+        worker_end, parent_end = _credit_fds()
+        beacon_fd = _beacon_fd() if self.retries else -1
+        beacon = None
+        try:
+            if beacon_fd >= 0:
+                beacon = mmap.mmap(beacon_fd, _BEACON.size)
+                _BEACON.pack_into(beacon, 0, -1)
+            proc = WorkerProcess(
+                self._ctx,
+                f"DataLoader-worker-{wid}",
+                loader_loop,
+                options={
+                    **self._common,
+                    "worker_id": wid,
+                    "fdsock": fdsock,
+                    "credits": _FdHandle(worker_end),
+                    "beacon": _FdHandle(beacon_fd) if beacon_fd >= 0 else None,
+                    "resume": resume,
+                },
+            )
+            proc.start()
+        except BaseException:
+            os.close(parent_end)
+            if mine is not None:
+                mine.close()
+            if beacon is not None:
+                beacon.close()
+            raise
+        finally:
+            if theirs is not None:
+                theirs.close()
+            if worker_end != parent_end:
+                os.close(worker_end)
+            if beacon_fd >= 0:
+                os.close(beacon_fd)
+        return proc, mine, parent_end, beacon
 
     # -- requests --
 
@@ -880,17 +1022,20 @@ class _Workers:
             slot.owed = 0  # no more credit for batches of the abandoned epoch
             slot.attention(_RESET)
         for slot in self.slots:
-            while self.read(slot, timeout)[0] != RESET_DONE:
+            while self.read(slot, timeout, resetting=True)[0] != RESET_DONE:
                 pass
             slot.held.clear()
             slot.backlog.clear()
             slot.credit = slot.owed = 0
             slot.exhausted = False
+            slot.answered, slot.wstate = 0, None
 
     # -- replies --
 
-    def read(self, slot: _Slot, timeout: float | None) -> Any:
-        """The next reply from ``slot``'s worker (waiting up to ``timeout`` seconds)."""
+    def read(self, slot: _Slot, timeout: float | None, resetting: bool = False) -> Any:
+        """The next reply from ``slot``'s worker (waiting up to ``timeout`` seconds).
+        With ``worker_crash_retries``, a worker that died is replaced and given again what
+        it held (see :meth:`retry`)."""
         conn = slot.conn
         if slot.credit <= 0:
             self.settle()  # it cannot answer without credit
@@ -917,7 +1062,16 @@ class _Workers:
                     self._wait_long([slot], deadline, timeout)
                     continue
                 except WriterDied as died:
-                    raise self._crashed(slot, died) from None
+                    if not self.retries:
+                        raise self._crashed(slot, died) from None
+                    if resetting:  # between epochs: nothing is lost, a new worker is reset
+                        slot.held.clear()
+                        slot.credit = 0
+                        self._replace(slot, None)
+                        return (RESET_DONE,)
+                    self.retry(slot, died)
+                    conn = slot.conn
+                    continue
                 except (EOFError, OSError) as exc:
                     raise self._crashed(slot, None, f"its channel failed: {exc}") from None
                 if msg[0] == MANY:
@@ -1036,6 +1190,70 @@ class _Workers:
         err.queued = dict(held[len(loading) :])  # type: ignore[attr-defined]
         return self._fail(err)
 
+    def retry(self, slot: _Slot, died: WriterDied) -> None:
+        """``slot``'s worker died: the batch it was loading is blamed (its beacon says which:
+        the oldest it held when it was loading none of them), and unless that batch has now
+        crashed ``worker_crash_retries + 1`` workers (WorkerCrashed, naming it), a fresh
+        worker takes the slot's place with every batch the dead one held, in the same order
+        and with the same credit, so the epoch goes on as if nothing happened. The report of
+        the death goes to ``on_worker_crash`` (a warning without one) and to
+        ``crash_reports``. An iterable dataset's part starts again where the dead worker's
+        last delivered batch left it (see NOTE [ Resuming an epoch ])."""
+        held = list(slot.held)
+        if not held:  # nothing lost: a new worker takes its place
+            self._replace(slot, None)
+            return
+        loading = slot.loading()
+        bid: int = held[0][0]
+        if loading is not None and any(b == loading for b, _ in held):
+            bid = loading
+        indices = dict(held)[bid]
+        count = self.crashes[bid] = self.crashes.get(bid, 0) + 1
+        text = self._batch_text(bid, indices)
+        why = f"DataLoader worker {slot.id}; it died loading {text}"
+        if count > self.retries:
+            why += (
+                f", which has now crashed {count} workers (worker_crash_retries="
+                f"{self.retries}); the reports of the earlier crashes are in err.crashes"
+            )
+        else:
+            why += f"; the batch goes to a fresh worker (retry {count} of {self.retries})"
+        err = slot.proc.crash_error(died, text, None, why)
+        err.worker_id = slot.id  # type: ignore[attr-defined]
+        err.batches = {bid: indices}  # type: ignore[attr-defined]
+        err.queued = {b: i for b, i in held if b != bid}  # type: ignore[attr-defined]
+        if count > self.retries:
+            err.crashes = list(self.reports)  # type: ignore[attr-defined]
+            raise self._fail(err)
+        resume = None
+        if self._common["iterable"]:
+            if self._common["stateful"] and slot.wstate is not None:
+                resume = {"state": slot.wstate}
+            elif slot.answered:
+                resume = {"skip": slot.answered}
+        self._replace(slot, resume)
+        self.reports.append(err)
+        if self.on_crash is not None:
+            self.on_crash(err)
+        else:
+            warnings.warn(str(err), WorkerCrashWarning, stacklevel=4)
+
+    def _replace(self, slot: _Slot, resume: dict[str, Any] | None) -> None:
+        """A fresh worker in ``slot``'s place, given what the dead one held."""
+        old = slot.proc
+        held, credit = list(slot.held), slot.credit
+        slot.rebind(*self._spawn(slot.id, resume))
+        with contextlib.suppress(Exception):
+            old.stop(timeout=0.0, grace=0.5)
+            old.close()
+        slot.held.clear()
+        slot.credit = 0
+        slot.group = self.fast_group
+        if held:
+            self.assign(slot, [b for b, _ in held], [i for _, i in held])
+        if credit > 0:
+            self.grant(slot, credit)
+
     def _timeout(self, slot: _Slot, timeout: float) -> BaseException:
         stack = slot.proc.stack(STACK_WAIT)
         task = self._batch_text(*slot.held[0]) if slot.held else "a batch"
@@ -1119,7 +1337,7 @@ class _RandomSampler:
 
     def __iter__(self) -> Iterator[int]:
         loader = self.loader()
-        seed = loader._next_seed() if loader is not None else random.getrandbits(63)
+        seed = loader._shuffle_seed() if loader is not None else random.getrandbits(63)
         try:
             import numpy as np
         except ImportError:
@@ -1153,6 +1371,13 @@ class DataLoader(Generic[BatchT]):
 
     Each worker seeds ``random``, NumPy's global generator and torch (when imported) from the
     epoch's base seed and its id (as torch does), so no two workers share a random stream.
+
+    For training (docs/loader-training.md): ``pin_memory=True`` delivers batches in pinned
+    (page-locked) memory when an accelerator is available (``pin_memory_device`` is accepted,
+    as torch's); :meth:`state_dict` and :meth:`load_state_dict` resume an epoch where it was
+    left; ``worker_crash_retries=N`` loads a batch whose worker died again on a fresh worker,
+    up to N times, each crash reported to ``on_worker_crash(err)`` (default: a
+    :class:`WorkerCrashWarning`) and kept in ``crash_reports``.
     """
 
     def __init__(
@@ -1176,6 +1401,9 @@ class DataLoader(Generic[BatchT]):
         seed: int | None = None,
         multiprocessing_context: Any = None,
         pin_memory: bool = False,
+        pin_memory_device: str = "",
+        worker_crash_retries: int = 0,
+        on_worker_crash: Callable[[Any], Any] | None = None,
     ) -> None:
         if multiprocessing_context is not None:  # torch's name for start_method
             if start_method is not None:
@@ -1185,11 +1413,18 @@ class DataLoader(Generic[BatchT]):
                 if isinstance(multiprocessing_context, str)
                 else multiprocessing_context.get_start_method()
             )
-        if pin_memory:
-            warnings.warn(
-                "pin_memory=True is ignored: this DataLoader has no pinned (page-locked) "
-                "memory; move batches to the device in the loop",
-                stacklevel=2,
+        if (
+            isinstance(worker_crash_retries, bool)
+            or not isinstance(worker_crash_retries, int)
+            or worker_crash_retries < 0
+        ):
+            raise ValueError(
+                f"worker_crash_retries must be an int, 0 or more (how many fresh workers a "
+                f"batch whose worker died is loaded on again), not {worker_crash_retries!r}"
+            )
+        if on_worker_crash is not None and not callable(on_worker_crash):
+            raise TypeError(
+                "on_worker_crash must be a callable taking the WorkerCrashed report, or None"
             )
         if num_workers < 0:
             raise ValueError("num_workers must be 0 or more")
@@ -1229,8 +1464,26 @@ class DataLoader(Generic[BatchT]):
         self.start_method = start_method
         self.generator = generator
         self.seed = seed
+        self.pin_memory = pin_memory
+        self.pin_memory_device = pin_memory_device
+        self._pinner = _pin.make_pinner(bool(pin_memory), pin_memory_device)
+        self.worker_crash_retries = worker_crash_retries
+        self.on_worker_crash = on_worker_crash
+        #: the reports (WorkerCrashed) of the workers that died and whose batches were retried
+        self.crash_reports: list[Any] = []
+        self._stateful = (
+            self._iterable
+            and callable(getattr(dataset, "state_dict", None))
+            and callable(getattr(dataset, "load_state_dict", None))
+        )
         self._epoch = 0
-        self._seeds = itertools.count()
+        self._seed_n = 0  # seeds drawn from ``seed``
+        # NOTE [ Resuming an epoch ]: what load_state_dict() put here, for the next iter()
+        self._resume: dict[str, Any] | None = None
+        self._loaded: dict[str, Any] | None = None
+        self._persistent_seed: int | None = None
+        self._shuffle_forced: int | None = None  # the next shuffle's seed, when resuming
+        self._last_shuffle: int | None = None  # the seed the last shuffle drew
         if not self._iterable and sampler is None and batch_sampler is None:
             n = len(dataset)
             sampler = _RandomSampler(n, self) if shuffle else _SequentialSampler(n)
@@ -1239,8 +1492,9 @@ class DataLoader(Generic[BatchT]):
         self._auto_collation = batch_sampler is not None or batch_size is not None
         self._workers: _Workers | None = None
         self._epochs: weakref.WeakSet[_Epoch] = weakref.WeakSet()  # every epoch not collected
-        self._current_ref: Callable[[], _Epoch | None] = lambda: None  # a weak reference:
-        # an epoch abandoned by the caller (a ``break``) is collected and stops its workers
+        # a weak reference: an epoch abandoned by the caller (a ``break``) is collected and
+        # stops its workers
+        self._current_ref: Callable[[], _Epoch | _LocalEpoch | None] = lambda: None
 
     # -- seeds --
 
@@ -1248,10 +1502,20 @@ class DataLoader(Generic[BatchT]):
         """A 63-bit seed: the next of the ``seed`` sequence, or drawn from ``generator``."""
         if self.seed is None:
             return _draw_seed(self.generator)
-        n = next(self._seeds)
+        n = self._seed_n
+        self._seed_n += 1
         return int.from_bytes(
             random.Random(f"{self.seed}/{n}").getrandbits(63).to_bytes(8, "little"), "little"
         )
+
+    def _shuffle_seed(self) -> int:
+        """The seed of a shuffled epoch's permutation (the resumed epoch's, once)."""
+        seed = self._shuffle_forced
+        if seed is None:
+            seed = self._next_seed()
+        self._shuffle_forced = None
+        self._last_shuffle = seed
+        return seed
 
     # -- the epoch --
 
@@ -1263,12 +1527,13 @@ class DataLoader(Generic[BatchT]):
     def _requests(self) -> Iterator[Any]:
         if self._iterable:
             return itertools.repeat(None)
+        # the sampler starts now (a shuffle draws its permutation's seed now)
         if self.batch_sampler is not None:
-            return (list(b) for b in self.batch_sampler)
+            return (list(b) for b in iter(self.batch_sampler))
         assert self.sampler is not None
         if self.batch_size is None:
             return iter(self.sampler)
-        return _batches(self.sampler, self.batch_size, self.drop_last)
+        return _batches(iter(self.sampler), self.batch_size, self.drop_last)
 
     def __iter__(self) -> Iterator[BatchT]:
         current = self._current_ref()
@@ -1283,6 +1548,15 @@ class DataLoader(Generic[BatchT]):
         self._epoch += 1
         if self.num_workers:
             refuse_during_main_import("a DataLoader's workers")
+        # See NOTE [ Resuming an epoch ]
+        resume, self._resume, self._loaded = self._resume, None, None
+        sampled = self.batch_sampler if self.batch_sampler is not None else self.sampler
+        if resume is not None:
+            _resume.set_sampler_state(sampled, resume["sampler"])
+            self._shuffle_forced = resume["shuffle_seed"]
+            sampler_state = resume["sampler"]
+        else:
+            sampler_state = None if self._iterable else _resume.sampler_state(sampled)
         if self.num_workers == 0:
             fetcher = _Fetcher(
                 self.dataset,
@@ -1291,19 +1565,96 @@ class DataLoader(Generic[BatchT]):
                 self.collate_fn,
                 self.drop_last,
             )
-            return _local_epoch(fetcher, self._requests())
+            info = self._epoch_info(None, sampler_state)
+            local = _LocalEpoch(self, fetcher, info, resume)
+            self._current_ref = weakref.ref(local)
+            return local
+        wresume = None if resume is None or not self._iterable else _worker_resume(resume)
         if self.persistent_workers:
             workers = self._workers
-            if workers is None or workers.closed or workers.broken is not None:
-                workers = self._workers = _Workers(self, self._next_seed())
+            if resume is not None and workers is not None:
+                workers.close()  # a resumed epoch needs its own seeds and positions
+            if (
+                resume is not None
+                or workers is None
+                or workers.closed
+                or workers.broken is not None
+            ):
+                seed = self._persistent_seed
+                if resume is not None:
+                    seed = resume["base_seed"]
+                workers = self._workers = _Workers(
+                    self, self._next_seed() if seed is None else seed, wresume
+                )
+                self._persistent_seed = None
             else:
                 workers.reset(self.timeout or None)
         else:
-            workers = _Workers(self, self._next_seed())
-        epoch = _Epoch(self, workers, self._requests())
+            seed = self._next_seed() if resume is None else resume["base_seed"]
+            workers = _Workers(self, seed, wresume)
+        epoch = _Epoch(self, workers, self._epoch_info(workers.base_seed, sampler_state), resume)
         self._current_ref = weakref.ref(epoch)
         self._epochs.add(epoch)
         return epoch
+
+    def _epoch_info(self, base_seed: int | None, sampler_state: Any) -> dict[str, Any]:
+        """What an epoch's state keeps of its start; starts the sampler."""
+        self._last_shuffle = None
+        requests = self._requests()
+        shuffle_seed, self._last_shuffle, self._shuffle_forced = self._last_shuffle, None, None
+        return {
+            "base_seed": base_seed,
+            "shuffle_seed": shuffle_seed,
+            "sampler": sampler_state,
+            "requests": requests,
+        }
+
+    # -- resuming --
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is: a plain picklable dict that :meth:`load_state_dict` takes to
+        go on from here, in this process or another (docs/loader-training.md lists what it
+        holds). Taken between two batches of an epoch, a loader restored from it yields the
+        rest of that epoch: the batches after the last one taken, in the same order, with the
+        same permutation and worker seeds; batches prefetched and not yet taken are loaded
+        again, not lost. It reads only what this process knows (the workers are never asked),
+        in microseconds."""
+        if self._loaded is not None:
+            return dict(self._loaded)  # loaded and not started yet: the same state
+        epoch = self._current_ref()
+        workers = self._workers
+        return {
+            "version": _resume.VERSION,
+            "kind": "iterable" if self._iterable else "map",
+            "num_workers": self.num_workers,
+            "epochs": self._epoch,
+            "seed_counter": self._seed_n,
+            "generator": _resume.generator_state(self.generator),
+            "persistent_base_seed": (
+                workers.base_seed if workers is not None and not workers.closed else None
+            ),
+            "epoch": None if epoch is None or epoch._complete else epoch._state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from ``state`` (what :meth:`state_dict` returned): the next ``iter()``
+        resumes the epoch that was in progress (or, in a state taken between epochs, starts
+        the next one, with the seeds it would have had). An epoch of this loader still being
+        iterated is stopped (its next ``next()`` raises RuntimeError), and persistent workers
+        start again."""
+        state = _resume.check(state, "iterable" if self._iterable else "map", self.num_workers)
+        for epoch in list(self._epochs):
+            epoch._abandon("load_state_dict() was called on its DataLoader")
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
+        self._current_ref = lambda: None
+        self._seed_n = int(state["seed_counter"])
+        _resume.set_generator_state(self.generator, state["generator"])
+        self._persistent_seed = state["persistent_base_seed"]
+        self._resume = state["epoch"]
+        self._epoch = int(state["epochs"]) - (state["epoch"] is not None)
+        self._loaded = state
 
     def __len__(self) -> int:
         if self._iterable:
@@ -1321,7 +1672,8 @@ class DataLoader(Generic[BatchT]):
     def worker_pids(self) -> list[int]:
         """The pids of the workers running now (persistent or of the current epoch)."""
         current = self._current_ref()
-        for workers in (self._workers, current.workers if current else None):
+        own = current.workers if isinstance(current, _Epoch) else None
+        for workers in (self._workers, own):
             if workers is not None and not workers.closed:
                 return workers.pids()
         return []
@@ -1346,12 +1698,172 @@ class DataLoader(Generic[BatchT]):
             self.close()
 
 
-def _local_epoch(fetcher: _Fetcher, requests: Iterator[Any]) -> Iterator[Any]:
-    for indices in requests:
-        try:
-            yield fetcher.fetch(indices)
-        except StopIteration:
-            return
+# NOTE [ Resuming an epoch ]
+#
+# An epoch's state is where its caller is, never where the workers are: the batches the
+# caller has taken, not those prefetched. A map-style epoch numbers its requests (the
+# sampler's batches) 0, 1, 2... and keeps which the caller took: all those below
+# ``done_below``, and ``taken`` above it (out of order, with in_order=False). Resuming
+# restores the sampler as it was when the epoch started (its state_dict, its generator, or
+# the shuffle's seed, kept as drawn), samples the epoch again and gives the workers only the
+# requests not taken: batches prefetched at the snapshot are loaded again, none is lost and
+# none comes twice. Batch k keeps its worker (``_Epoch._offset``) and the workers their seeds
+# (``base_seed``). An iterable dataset is where each worker's part of it is: a worker whose
+# dataset has ``state_dict`` sends the dataset's state with every batch, the parent keeps the
+# state sent with the last batch the caller took from each worker, and a resumed worker calls
+# ``load_state_dict`` with it before its first batch; a dataset without one is replayed (the
+# worker loads and drops the batches its part had delivered: exact for a dataset that yields
+# the same items every time). A retry after a crash (``_Workers.retry``) resumes the dead
+# worker's part the same way.
+
+
+def _worker_resume(epoch: dict[str, Any]) -> list[dict[str, Any] | None]:
+    """Per worker, where its part of an iterable dataset resumes (see the NOTE above)."""
+    out: list[dict[str, Any] | None] = []
+    for w in epoch["workers"]:
+        if w["state"] is not None:
+            out.append({"state": w["state"]})
+        else:
+            out.append({"skip": int(w["yielded"])} if w["yielded"] else None)
+    return out
+
+
+def _untaken(
+    requests: Iterator[Any], done_below: int, taken: set[int], positions: list[int]
+) -> Iterator[Any]:
+    """The requests of a resumed epoch that its caller had not taken; the number of each
+    is appended to ``positions`` as it goes out."""
+    for pos, request in enumerate(itertools.islice(requests, done_below, None), done_below):
+        if pos in taken:
+            continue
+        positions.append(pos)
+        yield request
+
+
+class _Taken:
+    """Which requests of a map-style epoch the caller took (see NOTE [ Resuming an epoch ]),
+    and the epoch's start, for its state."""
+
+    def __init__(self, info: dict[str, Any], resume: dict[str, Any] | None) -> None:
+        self.info = info
+        self.yielded = 0 if resume is None else int(resume["yielded"])
+        self.done_below = 0
+        self.taken: set[int] = set()
+        # the request number of the i-th batch given out: ``first + i``, or (a resumed epoch
+        # that had batches taken out of order) ``positions[i]``
+        self.first = 0
+        self.positions: list[int] | None = None
+        requests = info["requests"]
+        if resume is not None and "done_below" in resume:
+            self.done_below = self.first = int(resume["done_below"])
+            self.taken = {int(p) for p in resume["taken"]}
+            if self.taken:
+                self.positions = []
+                requests = _untaken(requests, self.done_below, set(self.taken), self.positions)
+            else:
+                requests = itertools.islice(requests, self.first, None)
+        self.requests = requests
+
+    def took(self, i: int) -> None:
+        """The caller took the ``i``-th batch given out this epoch."""
+        self.yielded += 1
+        pos = self.first + i if self.positions is None else self.positions[i]
+        if pos == self.done_below:
+            self.done_below = pos = pos + 1
+            taken = self.taken
+            while taken and pos in taken:
+                taken.discard(pos)
+                self.done_below = pos = pos + 1
+        else:
+            self.taken.add(pos)
+
+    def state(self) -> dict[str, Any]:
+        info = self.info
+        return {
+            "base_seed": info["base_seed"],
+            "shuffle_seed": info["shuffle_seed"],
+            "sampler": info["sampler"],
+            "yielded": self.yielded,
+            "done_below": self.done_below,
+            "taken": sorted(self.taken),
+        }
+
+
+class _LocalEpoch:
+    """An epoch loaded in this process (``num_workers=0``)."""
+
+    def __init__(
+        self,
+        loader: DataLoader,
+        fetcher: _Fetcher,
+        info: dict[str, Any],
+        resume: dict[str, Any] | None,
+    ) -> None:
+        self.loader = loader
+        self.fetcher = fetcher
+        self._iterable = loader._iterable
+        self._pinner = loader._pinner
+        self._complete = False
+        self._ended: str | None = None
+        self._given = 0
+        self._mark = _Taken(info, None if self._iterable else resume)
+        self._requests = self._mark.requests
+        self._answered, self._exhausted = 0, False
+        if self._iterable and resume is not None:
+            w = resume["workers"][0]
+            self._answered, self._exhausted = int(w["yielded"]), bool(w["exhausted"])
+            self._mark.yielded = int(resume["yielded"])
+            _resume_worker(fetcher, _worker_resume(resume)[0])
+
+    def __iter__(self) -> _LocalEpoch:
+        return self
+
+    def __next__(self) -> Any:
+        if self._ended is not None:
+            raise RuntimeError(
+                f"this DataLoader iterator was stopped before its end: {self._ended}"
+            )
+        if self._complete:
+            raise StopIteration
+        if self._iterable:
+            if self._exhausted:
+                self._complete = True
+                raise StopIteration
+            try:
+                batch = self.fetcher.fetch(None)
+            except StopIteration:
+                self._exhausted = self._complete = True
+                raise
+            self._answered += 1
+            self._mark.yielded += 1
+        else:
+            try:
+                indices = next(self._requests)
+            except StopIteration:
+                self._complete = True
+                raise
+            self._given += 1
+            self._mark.took(self._given - 1)
+            batch = self.fetcher.fetch(indices)
+        return batch if self._pinner is None else self._pinner.pin(batch)
+
+    def _state(self) -> dict[str, Any]:
+        state = self._mark.state()
+        if self._iterable:
+            dataset = self.fetcher.dataset
+            state["workers"] = [
+                {
+                    "state": dataset.state_dict() if self.loader._stateful else None,
+                    "yielded": self._answered,
+                    "exhausted": self._exhausted,
+                }
+            ]
+            state["next_worker"] = 0
+        return state
+
+    def _abandon(self, why: str | None = None) -> None:
+        if not self._complete:
+            self._ended = why
 
 
 class _Epoch:
@@ -1377,10 +1889,30 @@ class _Epoch:
     there, a worker's credit comes back to it.
     """
 
-    def __init__(self, loader: DataLoader, workers: _Workers, requests: Iterator[Any]) -> None:
+    def __init__(
+        self,
+        loader: DataLoader,
+        workers: _Workers,
+        info: dict[str, Any],
+        resume: dict[str, Any] | None = None,
+    ) -> None:
         self.loader = loader
         self.workers = workers
-        self._requests = requests
+        self._iterable = loader._iterable
+        # what the caller took, for state_dict() (see NOTE [ Resuming an epoch ])
+        self._mark = _Taken(info, None if self._iterable else resume)
+        self._requests = self._mark.requests
+        self._complete = False  # the epoch reached its end
+        # batch k of the epoch goes to the worker of batch ``_offset + k`` of a whole epoch
+        self._offset = self._mark.done_below
+        self._rot = 0  # iterable, in order: the worker whose batch comes first
+        self._last_wid = -1
+        if self._iterable and resume is not None:
+            self._mark.yielded = int(resume["yielded"])
+            self._rot = int(resume.get("next_worker", 0))
+            for slot, w in zip(workers.slots, resume["workers"]):
+                slot.answered, slot.wstate = int(w["yielded"]), w["state"]
+                slot.exhausted = bool(w["exhausted"])
         self._sampling = True
         workers.floor = workers.next_bid  # older batches belong to an abandoned epoch
         self._in_order = loader.in_order
@@ -1456,7 +1988,11 @@ class _Epoch:
             return
         first = workers.next_bid
         workers.next_bid += len(requests)
-        owners = [active[(j // block) % k] for j in range(len(requests))]
+        if self._iterable:  # rounds start with the worker whose turn it is (a resumed epoch)
+            shift = next((i for i, s in enumerate(active) if s.id >= self._rot), 0)
+        else:  # rounds hold whole blocks of every worker: batch k's worker is fixed
+            shift = self._offset
+        owners = [active[((j + shift) // block) % k] for j in range(len(requests))]
         for slot in active:
             mine = [j for j in range(len(requests)) if owners[j] is slot]
             if mine:
@@ -1496,7 +2032,9 @@ class _Epoch:
             kind = reply[0]
             if kind == OK:
                 self._free(slot)
-                return reply[2]
+                self._took(slot, reply)
+                pinner = workers.pinner
+                return reply[2] if pinner is None else pinner.pin(reply[2])
             if kind == END:
                 slot.exhausted = True  # this worker's part of an iterable dataset is done
                 if not self._in_order:
@@ -1504,7 +2042,33 @@ class _Epoch:
                         slot.held.pop()  # batches it will never be allowed to answer
                 continue
             self._free(slot)
+            self._took(slot, reply)
             raise revive(reply[2])  # a SystemExit of the dataset's is no exit here
+
+    def _took(self, slot: _Slot, reply: Any) -> None:
+        """The caller takes ``reply`` (a batch or its error) from ``slot``'s worker."""
+        if self._iterable:
+            self._mark.yielded += 1
+            slot.answered += 1
+            if len(reply) > 3:
+                slot.wstate = reply[3]
+            self._last_wid = slot.id
+        else:
+            self._mark.took(reply[1] - self.workers.floor)
+
+    def _state(self) -> dict[str, Any]:
+        """This epoch's part of ``DataLoader.state_dict()``."""
+        state = self._mark.state()
+        if self._iterable:
+            slots = self.workers.slots
+            state["workers"] = [
+                {"state": s.wstate, "yielded": s.answered, "exhausted": s.exhausted} for s in slots
+            ]
+            turns = self._turns
+            state["next_worker"] = (
+                turns[0].id if turns else (self._last_wid + 1) % max(1, len(slots))
+            )
+        return state
 
     def _free(self, slot: _Slot) -> None:
         """The caller took a batch of ``slot``'s: its credit goes to the worker of the batch
@@ -1517,7 +2081,7 @@ class _Epoch:
             self.workers.give_back(slot)
 
     def _finish(self) -> None:
-        self._finished = True
+        self._finished = self._complete = True
         if not self.loader.persistent_workers:
             self.workers.close()
 
