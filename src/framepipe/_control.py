@@ -8,8 +8,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ._wire import KIND_ERROR, dead_sentinel, header
 from ._unpickle import Imports
+from ._wire import KIND_ERROR, dead_sentinel, header
 from .errors import RemoteBaseException, WriterDied
 from .remote import (
     RemoteTraceback,

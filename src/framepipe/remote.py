@@ -28,8 +28,9 @@ the receiver has already imported, and nothing is imported to find one (unless t
 opts in with ``imports=``): an error payload never makes the receiver run a module's code.
 ``__main__`` classes revive only when both processes run the same main script. ``allow=``
 narrows revival further. Revival is bounded in exceptions, group depth and time; past the
-bounds, exceptions degrade to stand-ins and the traceback text keeps the whole story. That policy, and the only unpickler that
-reads a payload, are :mod:`framepipe._unpickle`: the security boundary, audited on its own.
+bounds, exceptions degrade to stand-ins and the traceback text keeps the whole story. That
+policy, and the only unpickler that reads a payload, are :mod:`framepipe._unpickle`: the
+security boundary, audited on its own. ``docs/reviving.md`` writes the policy down.
 """
 
 from __future__ import annotations
