@@ -92,6 +92,7 @@ MAX_REVIVE_DEPTH = 32
 #: Seconds one revival may take: past them, what is still to build is a stand-in at once.
 MAX_REVIVE_SECONDS = 0.25
 
+_GROUP_ARGS_REPR = 1000  # characters of a group's args repr kept
 _FORMAT = "framepipe.remote/1"
 _PROTOCOL = 5
 _BaseExceptionGroup: type[BaseException] | None = getattr(builtins, "BaseExceptionGroup", None)
@@ -399,7 +400,7 @@ class _Encoder:
             "mro": _type_names(type(exc)),
             "str": exception_message(exc),
             "args_repr": _safe(repr, getattr(exc, "args", ())),
-            "object": _round_trip(exc, resolver, same_type=True),
+            "object": None if _too_deep(exc) else _round_trip(exc, resolver, same_type=True),
             "state": [(name, *_value(value, resolver)) for name, value in _state(exc)],
             "traceback": _frames(exc.__traceback__),
             "cause": self._ids.get(id(exc.__cause__)) if exc.__cause__ is not None else None,
@@ -408,6 +409,9 @@ class _Encoder:
         }
         members = _members(exc)
         if members is not None:
+            # a group's args repr holds its members' (each group nesting all below it)
+            if len(node["args_repr"]) > _GROUP_ARGS_REPR:
+                node["args_repr"] = node["args_repr"][:_GROUP_ARGS_REPR] + "...]"
             node["message"] = _safe(str, getattr(exc, "message", ""))
             node["members"] = [self._ids.get(id(m)) for m in members]
         else:
@@ -416,6 +420,18 @@ class _Encoder:
         if isinstance(notes, (list, tuple)):
             node["notes"] = [n if isinstance(n, str) else _safe(repr, n) for n in notes]
         return node
+
+
+def _too_deep(exc: BaseException) -> bool:
+    """Whether ``exc`` is a group holding groups nested past MAX_REVIVE_DEPTH: a receiver
+    never revives its pickle whole (and it would grow with the square of the depth)."""
+    level = [exc]
+    for _ in range(MAX_REVIVE_DEPTH + 1):
+        level = [m for e in level for m in _members(e) or ()]
+        if not level:
+            return False
+        del level[MAX_EXCEPTIONS:]
+    return True
 
 
 def _members(exc: BaseException) -> tuple[BaseException, ...] | None:
