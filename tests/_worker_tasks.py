@@ -287,3 +287,9 @@ class FunctionOfTheParent:
 
     def __call__(self, *args):
         return len(args)
+
+
+def die_after_items(n):
+    """Yield 0..n-1, then die by SIGKILL."""
+    yield from range(n)
+    os.kill(os.getpid(), signal.SIGKILL)

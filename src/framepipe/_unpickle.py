@@ -135,7 +135,7 @@ class Resolver:
         imports = self._imports
         if imports is False or any(p.startswith("__") for p in name.split(".")):
             return False
-        return imports is True or _matches(name, imports)  # type: ignore[arg-type]
+        return imports is True or _matches(name, imports)
 
     def _module(self, name: str) -> types.ModuleType:
         if name in ("__main__", "__mp_main__"):

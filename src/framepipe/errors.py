@@ -245,7 +245,7 @@ class RemoteBaseException(FramepipeError):
         )
         self.__cause__ = original
 
-    def __reduce__(self):  # type: ignore[override]
+    def __reduce__(self) -> tuple[type[RemoteBaseException], tuple[BaseException, str, str]]:
         return (type(self), (self.original, self.remote_type, self.remote_traceback))
 
 

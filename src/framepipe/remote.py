@@ -708,7 +708,7 @@ class _Reviver:
     def _from_pickle(self, index: int) -> None:
         node = self._nodes[index]
         try:
-            cls: type[BaseException] | None = self._resolver.resolve(*self._mro(node)[0])
+            cls = self._resolver.resolve(*self._mro(node)[0])
         except Unavailable:
             return
         obj = self._load(node, cls)
@@ -854,8 +854,8 @@ class _Reviver:
                 tb = _traceback(node.get("traceback"))
                 if tb is not None:
                     obj.__traceback__ = tb
-            cause = self._objects.get(node.get("cause"))  # type: ignore[arg-type]
-            context = self._objects.get(node.get("context"))  # type: ignore[arg-type]
+            cause = self._objects.get(node.get("cause"))  # type: ignore[arg-type,unused-ignore]
+            context = self._objects.get(node.get("context"))  # type: ignore[arg-type,unused-ignore]
             if cause is not None:
                 obj.__cause__ = cause
             if context is not None:
