@@ -306,3 +306,9 @@ def kill_self_unless_marked(path):
 
 def die_always():
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_after_items(n):
+    """Yield 0..n-1, then die by SIGKILL."""
+    yield from range(n)
+    os.kill(os.getpid(), signal.SIGKILL)

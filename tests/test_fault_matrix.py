@@ -725,3 +725,135 @@ def test_a_100_mb_message_leaves_the_channel_usable(impl):
     finally:
         r.close()
         w.close()
+
+
+# -- a header that lies about its length -----------------------------------------------------
+
+
+@pytest.mark.parametrize("duplex", [False, True], ids=["pipe", "socket"])
+def test_a_lying_header_commits_no_memory(impl, duplex):
+    # 16 bytes announcing 2 GiB, no max_size, and no body: the read waits for bytes that never
+    # come and must not have committed memory for them (the compiled core's buffer is
+    # malloc'd, untouched; the twin's grows with what arrives).
+    proc = psutil.Process()
+    r, w = impl.pipe(duplex)
+    try:
+        for _ in range(3):  # warm up: buffers, the read paths' own allocations
+            w.send_bytes(b"x" * 100)
+            assert r.recv_bytes(timeout=WAIT) == b"x" * 100
+        gc.collect()
+        before = proc.memory_info().rss
+        wfd = w._handles()[1]
+        os.write(wfd, b"\x00\x00" + (1 << 31).to_bytes(8, sys.byteorder) + b"\x00\x00abc")
+        for _ in range(3):
+            with pytest.raises(ReadTimeout):
+                r.recv_bytes(timeout=0.05)
+        gc.collect()
+        grown = proc.memory_info().rss - before
+    finally:
+        r.close()
+        w.close()
+    assert grown < MIB, f"RSS grew by {grown / MIB:.2f} MiB for a frame that never came"
+
+
+@pytest.mark.parametrize("duplex", [False, True], ids=["pipe", "socket"])
+def test_a_large_frame_arriving_in_pieces_between_timeouts_is_intact(impl, duplex):
+    # The buffer grows while reads time out between the pieces; each timeout's exception is
+    # kept (its traceback holds the frames that read into the buffer).
+    data = payload(5 * MIB + 12345)
+    frame = struct.pack("=2sQ2s", b"\x00\x00", len(data), b"\x00\x00") + data
+    r, w = impl.pipe(duplex)
+    kept = []
+    try:
+        wfd = w._handles()[1]
+        cuts = [0, 7, 20, 70_000, MIB, 3 * MIB + 1, len(frame)]
+        for a, b in zip(cuts[:-2], cuts[1:-1]):
+            writer = Background(_write_all, wfd, frame[a:b])  # a piece over the pipe's size
+            while True:  # is read while it is written
+                done = not writer.thread.is_alive()
+                with pytest.raises(ReadTimeout) as info:
+                    r.recv_bytes(timeout=0.01)
+                kept.append(info.value)
+                if done:
+                    break
+            writer.join()
+        writer = Background(_write_all, wfd, frame[cuts[-2] :])
+        got = r.recv_bytes(timeout=WAIT)
+        writer.join()
+        assert len(got) == len(data) and got == data
+        w.send_bytes(b"next")
+        assert r.recv_bytes(timeout=WAIT) == b"next"
+    finally:
+        r.close()
+        w.close()
+    assert len(kept) >= len(cuts) - 2
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+# -- hostile error frames: imports, depth, width, chains -------------------------------------
+
+
+@pytest.mark.parametrize(
+    "probe",
+    [
+        "submodule",
+        "lazy-getattr",
+        "unittest.__main__",
+        "groups-250-deep",
+        "groups-5000-deep",
+        "group-20000-wide",
+        "cause-chain-5000",
+        "context-chain-5000",
+        "member-cycle",
+    ],
+)
+def test_hostile_error_frames_import_nothing_and_degrade(impl, tmp_path, monkeypatch, probe):
+    import _hostile as H
+
+    name = f"fp_matrix_{os.getpid()}_{probe.replace('-', '_').replace('.', '_')}"
+    pkg = H.Package(tmp_path, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    __import__(name)
+    import unittest  # noqa: F401 - the package is imported: only its __main__ is not
+
+    make = {
+        "submodule": lambda: H.one(f"{name}.boom", "Boom"),
+        "lazy-getattr": lambda: H.one(name, "LazyError"),
+        "unittest.__main__": lambda: H.one("unittest.__main__", "X"),
+        "groups-250-deep": lambda: H.nested_groups(250),
+        "groups-5000-deep": lambda: H.nested_groups(5000),
+        "group-20000-wide": lambda: H.wide_group(20_000),
+        "cause-chain-5000": lambda: H.chain(5000, "cause"),
+        "context-chain-5000": lambda: H.chain(5000, "context"),
+        "member-cycle": H.member_cycle,
+    }
+    before = set(sys.modules)
+    r, w = impl.pipe(False)
+    try:
+        data = H.error_frame(make[probe]())
+        writer = Background(lambda: (_write_all(w._handles()[1], data), w.send_bytes(b"after")))
+
+        def read():
+            try:
+                r.recv(timeout=WAIT)
+            except Exception as exc:  # noqa: BLE001 - looked at below
+                return exc
+            raise AssertionError("no exception")
+
+        exc = Background(read).join()  # fails, not hangs, if revival does not end
+        writer.join()
+        assert r.recv_bytes(timeout=WAIT) == b"after"
+    finally:
+        r.close()
+        w.close()
+        for mod in [m for m in sys.modules if m.startswith(name)]:
+            del sys.modules[mod]
+    assert not isinstance(exc, RecursionError)
+    assert isinstance(exc, Exception)
+    assert pkg.ran() == [], f"the reader ran {pkg.ran()}"
+    assert sorted(set(sys.modules) - before - {name}) == []

@@ -25,6 +25,7 @@ import os
 import pickle
 import signal
 import struct
+import sys
 import time
 import tracemalloc
 from dataclasses import dataclass
@@ -437,3 +438,101 @@ def test_both_cores_agree_on_any_bytes(fuzz):
         assert replay(c, chunks, ops) == replay(py, chunks, ops)
 
     run_profile(fuzz, 200, prop)
+
+
+# --- error frames: hostile exception graphs -------------------------------------------------
+
+# Class names an error frame may carry: builtins, a stdlib __main__ whose import would run a
+# program, absent modules, a function, BaseExceptions that are not Exceptions.
+ERROR_NAMES = [
+    ("builtins", "ValueError"),
+    ("builtins", "KeyError"),
+    ("builtins", "ExceptionGroup"),
+    ("builtins", "BaseExceptionGroup"),
+    ("builtins", "SystemExit"),
+    ("builtins", "KeyboardInterrupt"),
+    ("unittest.__main__", "X"),
+    ("email.__main__", "X"),
+    ("fp_fuzz_absent.errors", "Y"),
+    ("os", "system"),
+    ("builtins", "__import__"),
+]
+NEVER_IMPORTED = ("unittest.__main__", "email.__main__", "fp_fuzz_absent")
+
+
+@st.composite
+def error_graphs(draw):
+    """An error payload: a random graph of exceptions (members, causes and contexts pointing
+    anywhere, out of range and at themselves included), or a deep group / chain."""
+    import _hostile as H
+
+    shape = draw(st.sampled_from(["graph", "graph", "deep", "chain"]))
+    if shape == "deep":
+        return H.nested_groups(draw(st.integers(1, 1500)))
+    if shape == "chain":
+        return H.chain(draw(st.integers(1, 3000)), draw(st.sampled_from(["cause", "context"])))
+    n = draw(st.integers(1, 30))
+    index = st.one_of(st.none(), st.integers(-1, n))
+    nodes = []
+    for _ in range(n):
+        module, qualname = draw(st.sampled_from(ERROR_NAMES))
+        nodes.append(
+            H.node(
+                module,
+                qualname,
+                draw(st.text(max_size=8)),
+                members=draw(st.one_of(st.none(), st.lists(index, max_size=4))),
+                cause=draw(index),
+                context=draw(index),
+                pickled=draw(st.booleans()),
+            )
+        )
+    return H.envelope(nodes, root=draw(st.integers(0, n)))
+
+
+def read_error_frame(core, payload: bytes):
+    """What ``recv`` raises for ``payload`` as an error frame: (class name, text)."""
+    import _hostile as H
+    from _helpers import Background
+
+    r, w = os.pipe()
+    conn = core.Connection(r, writable=False)
+    frame = H.error_frame(payload)
+
+    def write() -> None:
+        view = memoryview(frame)
+        while view:
+            view = view[os.write(w, view) :]
+
+    try:
+        writer = Background(write)
+        with hang_guard(HANG):
+            try:
+                conn.recv(timeout=HANG)
+            except Exception as exc:  # noqa: BLE001 - compared between the cores
+                outcome = (type(exc).__name__, str(exc))
+            else:
+                raise AssertionError("an error frame raised nothing")
+        writer.join()
+    finally:
+        conn.close()
+        os.close(w)
+    return outcome
+
+
+def test_error_frames_never_import_hang_or_escape_and_both_cores_agree(fuzz):
+    try:
+        c, py = _impl.load("c"), _impl.load("python")
+    except ImportError as exc:
+        pytest.skip(f"needs both cores: {exc}")
+    import email  # noqa: F401 - imported: only their __main__ modules are not
+    import unittest  # noqa: F401
+
+    @given(payload=error_graphs())
+    def prop(payload):
+        got = read_error_frame(c, payload)
+        assert got == read_error_frame(py, payload)
+        assert got[0] != "RecursionError", got
+        assert not [m for m in sys.modules if m.startswith(NEVER_IMPORTED)]
+
+    run_profile(fuzz, 120, prop)

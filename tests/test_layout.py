@@ -77,7 +77,7 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
         {
             "_pipes": set(),
             "_aio": {"_args", "_lazy", "_pickling", "_stream_errors", "_wire", "errors"},
-            "_control": {"_wire", "errors", "remote", "watch"},
+            "_control": {"_unpickle", "_wire", "errors", "remote", "watch"},
             "_connection": {
                 "_aio",  # deferred, see DEFERRED
                 "_args",
@@ -86,6 +86,7 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
                 "_pickling",
                 "_pipes",
                 "_stream_errors",
+                "_unpickle",
                 "_wire",
                 "errors",
             },

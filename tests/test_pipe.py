@@ -7,6 +7,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 from _helpers import TIMEOUT, Background
@@ -312,3 +313,72 @@ def test_context_manager(impl, fd_count):
         p.write(b"ctx")
         assert p.read() == b"ctx"
     assert fd_count() == before
+
+
+# --- this process as the writer (the reference accepts it) -------------------------------------
+
+
+def test_writer_pid_of_this_process_is_accepted_with_timeouts_and_the_callback(impl):
+    calls = []
+    p = impl.Pipe(writer_pid=os.getpid(), timeout=0.02, timeout_callback=lambda: calls.append(1))
+    try:
+        assert p.get_writer_pid() == os.getpid()
+        with pytest.raises(framepipe.ReadTimeout):
+            p.read()
+        assert calls == [1]
+        p.write(b"mine")
+        assert p.read() == b"mine"
+        with pytest.raises(framepipe.ReadTimeout):
+            p.read(timeout=0.01)
+        assert calls == [1, 1]
+        p.set_writer_pid(os.getpid())  # again, later: still accepted
+        assert p.get_writer_pid() == os.getpid()
+    finally:
+        p.close()
+
+
+def test_a_forked_reader_watches_the_pid_recorded_as_this_processes(impl, tmp_path):
+    # Process A makes a Pipe with itself as the writer and forks B, which reads; A exits
+    # without writing. B holds a write end too, so end of file never comes: only a watch of
+    # A, made in B, can end B's read.
+    src = os.path.dirname(os.path.dirname(os.path.abspath(framepipe.__file__)))
+    name = "c" if impl.__name__.endswith("._core") else "python"
+    out = tmp_path / "reader.txt"
+    code = f"""
+import os, sys, time
+sys.path.insert(0, {src!r})
+from framepipe import _impl, WriterDied
+core = _impl.load({name!r})
+p = core.Pipe(writer_pid=os.getpid(), timeout=60)
+p.write(b"before")
+pid = os.fork()
+if pid == 0:
+    try:
+        first = p.read()
+        try:
+            p.read()
+            result = "read returned"
+        except WriterDied as exc:
+            result = f"WriterDied {{exc.pid}} {{exc.exitcode}}"
+        except Exception as exc:
+            result = f"{{type(exc).__name__}}: {{exc}}"
+        open({str(out)!r}, "w").write(first.decode() + " " + result + " " + str(os.getppid()))
+    finally:
+        os._exit(0)
+time.sleep(1.0)
+os._exit(5)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        assert proc.wait(TIMEOUT) == 5
+        deadline = time.monotonic() + TIMEOUT
+        while not out.exists() or not out.read_text():
+            assert time.monotonic() < deadline, "the forked reader never ended its read"
+            time.sleep(0.02)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+    first, kind, pid, code_ = out.read_text().split()[:4]
+    assert (first, kind, int(pid)) == ("before", "WriterDied", proc.pid)
+    assert code_ in ("5", "None")  # A is not B's child: its status may not be readable

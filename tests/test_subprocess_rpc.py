@@ -337,3 +337,21 @@ def test_compat_exports_every_reference_name():
     assert "Pipe" in compat.__all__ and callable(rpc.Pipe._close_fds)
     assert rpc.hardened_repr(type("Bad", (), {"__repr__": lambda self: 1 / 0})()) == "< Unknown >"
     assert rpc.to_handle(5) == 5 and rpc.from_handle(5, os.O_RDONLY) == 5
+
+
+def test_a_pipe_whose_writer_is_this_process_times_out_as_the_reference(impl):
+    # pytorch/benchmark's worker tests make such pipes: a writer pid of their own, a timeout
+    # and a callback that must run before the reference's error.
+    calls = []
+    pipe = rpc._pipe_for(impl)(
+        writer_pid=os.getpid(), timeout=0.05, timeout_callback=lambda: calls.append("cb")
+    )
+    try:
+        assert pipe.get_writer_pid() == os.getpid()
+        with pytest.raises(OSError, match=r"^Exceeded timeout: 0.05$") as info:
+            pipe.read()
+        assert isinstance(info.value, ReadTimeout) and calls == ["cb"]
+        pipe.write(b"ping")
+        assert pipe.read() == b"ping" and calls == ["cb"]
+    finally:
+        pipe.close()

@@ -19,6 +19,7 @@ from _worker_tasks import (
     append_to,
     count_up,
     cwd,
+    die_after_items,
     env,
     exit_hard,
     failing_initializer,
@@ -255,6 +256,52 @@ def test_worker_calls_queued_in_this_process_behind_a_crash_fail_too(engine):
         for fut in behind:  # none runs on the new process, where the state is gone
             assert isinstance(fut.exception(WAIT), WorkerCrashed)
         assert w.call(get_global) is None  # the next call: a new process
+
+
+def test_worker_calls_made_after_the_crash_was_processed_fail_until_a_caller_sees_it(engine):
+    # The window of the test above, opened wide: the death is fully processed (the dying
+    # call's future is failed) before the next calls are made, and no caller has looked at
+    # the crash yet. Those calls were made against the old process's state: they fail with
+    # the same crash instead of running on the new process (which would return None here).
+    with Worker(start_method="fork") as w:
+        w.call(set_global, "loaded")
+        first = w.pid
+        dying = w.submit(kill_self_if, 3, {3})
+        assert _wait_until(dying.done, WAIT)  # done() hands nobody the crash
+        later = [w.submit(get_global) for _ in range(20)]
+        assert all(f.done() for f in later)  # failed at once, never queued
+        crash = dying.exception(WAIT)
+        assert isinstance(crash, WorkerCrashed) and crash.pid == first
+        assert all(f.exception(WAIT) is crash for f in later)
+        assert w.call(get_global) is None  # the crash was seen: a new process
+        assert w.pid != first
+
+
+def test_worker_a_crash_seen_through_acall_or_a_stream_lets_the_next_call_run(engine):
+    async def through_acall(w):
+        with pytest.raises(WorkerCrashed):
+            await w.acall(kill_self_if, 3, {3})
+        return await w.acall(get_global)
+
+    with Worker(start_method="fork") as w:
+        w.call(set_global, "loaded")
+        assert asyncio.run(through_acall(w)) is None
+        w.call(set_global, "again")
+        with pytest.raises(WorkerCrashed):
+            list(w.stream(die_after_items, 2))
+        assert w.call(get_global) is None
+
+
+def test_worker_an_idle_crash_fails_no_call(engine):
+    # A crash that failed no call (the idle worker was killed from outside) holds none back:
+    # the next call runs on a new process, as before.
+    with Worker(start_method="fork") as w:
+        w.call(set_global, "loaded")
+        first = w.pid
+        os.kill(first, signal.SIGKILL)
+        # until the death is processed (a call sent before would be held by the dead process)
+        assert _wait_until(lambda: all(s.dead for s in w._core.slots() if s.proc.pid == first))
+        assert w.call(get_global) is None and w.pid != first
 
 
 def test_worker_stream_item_timeout_counts_from_its_start(engine):

@@ -18,6 +18,7 @@ from .errors import (
     FramepipeError,
     MessageTooLong,
     ReadTimeout,
+    RemoteBaseException,
     WriterDied,
 )
 from .guard import Guard, ProcessFailure, record, write_error_file
@@ -54,6 +55,7 @@ __all__ = [
     "ProcessFailure",
     "ReadTimeout",
     "RefusedPayload",
+    "RemoteBaseException",
     "RemoteError",
     "RemoteTraceback",
     "WriterDied",

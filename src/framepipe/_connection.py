@@ -29,6 +29,7 @@ from ._args import check_bulk_handles, check_exception, check_handles, check_max
 from ._control import check_watch, dead_error, error_frame, remote_error, start_watch, stop_watch
 from ._pickling import FLAG_BYTES, dumps, dumps_bulk, dumps_inband, loads, parse_object
 from ._stream_errors import closed, missing_buffer
+from ._unpickle import Imports, import_prefixes
 from ._wire import BULK_MIN, KIND_BUFFER, KIND_DATA, KIND_ERROR, KIND_OBJECT, header
 from .errors import MessageTooLong
 
@@ -69,13 +70,19 @@ class ConnectionBase(_EngineBase):
     16 KiB or more are written to it while their frame header still goes through ``handle``
     in order, and a reader takes them from its own ``bulk_handle``. As with ``write_handle``,
     ``bulk_write_handle`` gives a duplex connection a separate bulk fd to write.
+
+    An error frame raises the exception it carries, revived under the rules of
+    ``docs/reviving.md``: nothing is imported unless ``revive_imports`` admits it, and a
+    ``BaseException`` that is not an ``Exception`` (``SystemExit``...) arrives wrapped in
+    :class:`framepipe.errors.RemoteBaseException`.
     """
 
-    # No __dict__ (each engine's class adds the one slot, _watch_handle: the watcher's
-    # registration of the watched writer): every attribute lookup on a connection, each
-    # send_bytes or recv, then goes straight to the class.
+    # No __dict__ (each engine's class adds the slots, _watch_handle: the watcher's
+    # registration of the watched writer, and _revive_imports): every attribute lookup on a
+    # connection, each send_bytes or recv, then goes straight to the class.
     __slots__ = ()
     _watch_handle: Any
+    _revive_imports: tuple[str, ...] | bool
 
     def __init__(
         self,
@@ -89,8 +96,10 @@ class ConnectionBase(_EngineBase):
         max_size: int | None = None,
         closefd: bool = True,
         read_ahead: bool = False,
+        revive_imports: Imports = False,
     ) -> None:
         self._watch_handle = None
+        self._revive_imports = import_prefixes(revive_imports)
         fd, wfd = check_handles(handle, readable, writable, write_handle)
         bfd, bwfd = check_bulk_handles(bulk_handle, bulk_write_handle, readable, writable)
         check_max_size(max_size)
@@ -127,6 +136,18 @@ class ConnectionBase(_EngineBase):
     def max_size(self) -> int | None:
         """Largest frame payload this connection accepts, or None for no limit."""
         return self._max_size
+
+    @property
+    def revive_imports(self) -> tuple[str, ...] | bool:
+        """What an error frame read here may make this process import to revive its exception
+        (see ``docs/reviving.md``): False (nothing, the default: a class whose module is not
+        imported yet arrives as a stand-in), a tuple of module prefixes, or True (any module
+        but ``__main__``-style ones). Settable; takes module names or a bool."""
+        return self._revive_imports
+
+    @revive_imports.setter
+    def revive_imports(self, value: Imports) -> None:
+        self._revive_imports = import_prefixes(value)
 
     @property
     def read_ahead(self) -> bool:
@@ -270,7 +291,7 @@ class ConnectionBase(_EngineBase):
         by its out-of-band buffers. Returns the object, or its in-band pickle when ``raw``."""
         if kind >= 0:
             if kind == KIND_ERROR:
-                raise remote_error(payload)
+                raise remote_error(payload, self._revive_imports)
             if kind != KIND_OBJECT:
                 raise self._break(missing_buffer(kind, len(payload), None))
             pickled, table = parse_object(payload)
@@ -342,7 +363,11 @@ class ConnectionBase(_EngineBase):
         bulk = bfd if bfd >= 0 else bwfd
         dup_b = None if bulk < 0 else reduction.DupFd(bulk)
         dup_bw = None if bfd < 0 or bwfd < 0 or bwfd == bfd else reduction.DupFd(bwfd)
-        options = {"max_size": self._max_size, "read_ahead": self._read_ahead}
+        options = {
+            "max_size": self._max_size,
+            "read_ahead": self._read_ahead,
+            "revive_imports": self._revive_imports,
+        }
         return _rebuild_connection, (
             self.ENGINE,
             dup_r,

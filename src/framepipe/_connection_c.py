@@ -16,7 +16,7 @@ class Connection(ConnectionBase, Engine):
     __module__ = "framepipe.connection"
     # _watch_handle: see ConnectionBase. A __dict__, which the compiled engine has not, as the
     # stdlib's connections have one: callers hang their own attributes on connections.
-    __slots__ = ("_watch_handle", "__dict__")
+    __slots__ = ("_watch_handle", "_revive_imports", "__dict__")
 
     recv_bytes = engine_call(ConnectionBase.recv_bytes, Engine)
     recv_bytes_into = engine_call(ConnectionBase.recv_bytes_into, Engine)

@@ -15,7 +15,7 @@ class Connection(ConnectionBase, Engine):
     __doc__ = ConnectionBase.__doc__
     __module__ = "framepipe.connection"
     # _watch_handle: see ConnectionBase (the engine's instances have a __dict__ already).
-    __slots__ = ("_watch_handle",)
+    __slots__ = ("_watch_handle", "_revive_imports")
 
     recv_bytes = engine_call(ConnectionBase.recv_bytes, Engine)
     recv_bytes_into = engine_call(ConnectionBase.recv_bytes_into, Engine)

@@ -8,9 +8,17 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ._unpickle import Imports
 from ._wire import KIND_ERROR, dead_sentinel, header
-from .errors import WriterDied
-from .remote import dumps_exception, loads_exception
+from .errors import RemoteBaseException, WriterDied
+from .remote import (
+    RemoteTraceback,
+    _chain_end,
+    dumps_exception,
+    format_exception_text,
+    loads_exception,
+    qualified_name,
+)
 from .watch import Liveness, dead_status_word, exitcode_from_status_word, resolve_target, watcher
 
 # -- error frames ---------------------------------------------------------------------------
@@ -22,9 +30,16 @@ def error_frame(exc: BaseException) -> list[bytes]:
     return [header(KIND_ERROR, len(payload)), payload]
 
 
-def remote_error(payload: bytes) -> BaseException:
-    """The exception an error frame carries (framepipe.remote revives it)."""
-    return loads_exception(payload)
+def remote_error(payload: bytes, imports: Imports | None = False) -> BaseException:
+    """The exception an error frame carries (framepipe.remote revives it, importing only
+    what ``imports`` admits). A ``BaseException`` that is not an ``Exception`` comes wrapped
+    in :class:`RemoteBaseException`: raised as itself, it would end the reader's program."""
+    exc = loads_exception(payload, imports=imports)
+    if isinstance(exc, Exception):
+        return exc
+    end = _chain_end(exc)
+    text = end.text if isinstance(end, RemoteTraceback) else format_exception_text(exc)
+    return RemoteBaseException(exc, qualified_name(type(exc)), text)
 
 
 # -- the writer's death ---------------------------------------------------------------------

@@ -161,7 +161,9 @@ class Pipe:
     bytes and ``write(bytes)`` sends one, of any size. ``timeout`` (seconds) bounds every read
     unless ``read(timeout=...)`` says otherwise; ``timeout_callback`` runs before
     :class:`ReadTimeout` is raised. With ``writer_pid`` set, the writer's death raises
-    :class:`WriterDied` instead of hanging.
+    :class:`WriterDied` instead of hanging. ``writer_pid`` may be this process's own pid, as
+    the reference allows (a pipe this process writes): nothing is watched here, and a reader
+    in another process (a forked child that inherited the Pipe) watches that pid there.
     """
 
     _Connection: ClassVar[type[Any]]  # the engine's Connection: each engine's subclass sets it
@@ -200,6 +202,7 @@ class Pipe:
         if self._reader is not None and self._writer is not None:
             self._reader._peer = weakref.ref(self._writer)
         self._writer_pid: int | None = None
+        self._deferred_watch: int | None = None  # a writer pid to watch once read elsewhere
         if writer_pid is not None:
             self.set_writer_pid(writer_pid)
 
@@ -209,6 +212,8 @@ class Pipe:
             raise OSError("cannot read: this Pipe was made without a read handle")
         if timeout is USE_DEFAULT:
             timeout = self.timeout
+        if self._deferred_watch is not None and self._deferred_watch != os.getpid():
+            self._watch_deferred()
         try:
             data: bytes = self._reader.recv_bytes(timeout=timeout)
         except TimeoutError:
@@ -232,8 +237,25 @@ class Pipe:
     def set_writer_pid(self, writer_pid: int) -> None:
         if self._reader is None:
             raise OSError("cannot watch a writer: this Pipe was made without a read handle")
-        self._reader.watch(writer_pid)
+        if writer_pid == os.getpid():
+            # This process writes: it cannot see its own death, so nothing is watched here;
+            # a reader in another process (one forked from here) watches it there.
+            self._reader.watch(None)
+            self._deferred_watch = writer_pid
+        else:
+            self._reader.watch(writer_pid)
+            self._deferred_watch = None
         self._writer_pid = writer_pid
+
+    def _watch_deferred(self) -> None:
+        """First read in a process other than the writer recorded as this Pipe's own: watch it
+        from here (best effort: a writer already gone and reaped cannot be watched)."""
+        pid, self._deferred_watch = self._deferred_watch, None
+        assert self._reader is not None
+        try:
+            self._reader.watch(pid)
+        except (OSError, ValueError):
+            pass
 
     def close(self) -> None:
         """Close the fds this Pipe owns (once)."""

@@ -89,6 +89,10 @@ _may_spin = may_spin  # whether a read may spin now (the compiled engine has its
 
 _READ_CHUNK = READ_BUFFER  # read-ahead buffer: many small frames per read(), a whole record
 _DIRECT_MIN = 16 * 1024  # a remainder at least this large is read straight into its frame
+# A frame's buffer is allocated whole up to this size; a larger one starts here and doubles as
+# its bytes arrive (bytearray(n) writes all n bytes: a header announcing 2 GiB that no body
+# follows would otherwise commit 2 GiB, where the compiled engine's malloc commits nothing).
+_GROW_FIRST = 256 * 1024
 _IOV_MAX = 1024
 _LIVENESS_SLICE = 0.01  # without a pidfd, a dead writer is noticed within this many seconds
 _POLLIN = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
@@ -356,6 +360,8 @@ class Engine:
         self._rpad, self._wpad = pads(fd, wfd, bfd, bwfd)  # see _wire.PAD_MIN
         self._rsock: _RecordSocket | None = None
         self._rscratch: bytearray | None = None
+        self._rpeek = bytearray(1)  # MSG_PEEK's target: a record's length, before reading it
+        self._rview: memoryview | None = None  # the view of a growing frame read into (_room)
         if self._records:
             self._rsock = socket_view(fd, socket.SOCK_SEQPACKET, _RecordSocket)
         self._ids = tuple(_fd_identity(f) if f >= 0 else None for f in (fd, wfd, bfd, bwfd))
@@ -744,14 +750,15 @@ class Engine:
 
     def _read_into(
         self,
-        view: memoryview | None,
+        view: Any,
         deadline: float,
         want: int = 0,
         bulk: bool = False,
         eager: bool = False,
     ) -> Any:
         """One read(): into ``view`` (the byte count, 0 at end of file), or when ``view`` is
-        None, up to ``want`` bytes (bytes, empty at end of file). Raises _Expired on the
+        None, up to ``want`` bytes (bytes, empty at end of file); on a record socket, ``view``
+        may be a function of the record's length (see _recv_record). Raises _Expired on the
         deadline, WriterDied when the watched writer died with nothing left to read, and
         OSError when another thread closes the connection. ``bulk`` reads the bulk fd instead
         of the pipe; ``eager`` tries a read before any wait. The waiting is in _poll_once, where
@@ -827,14 +834,21 @@ class Engine:
             if not bulk:
                 self._poll_first = time.monotonic() - started > _POLL_WAITED
 
-    def _recv_record(self, view: memoryview | None, want: int, wait: bool = False) -> Any:
+    def _recv_record(self, view: Any, want: int, wait: bool = False) -> Any:
         """One record, whole, without blocking unless ``wait`` (BlockingIOError when there is
         none): into ``view`` (the byte count), or when ``view`` is None, as bytes (at most
-        ``want``)."""
+        ``want``). ``view`` may be a function of the record's length that returns the view to
+        read it into (the length is peeked first)."""
         sock = self._rsock
         if sock is None:
             raise closed()
-        if view is None:
+        if callable(view):
+            peek = socket.MSG_PEEK | socket.MSG_TRUNC | (0 if wait else socket.MSG_DONTWAIT)
+            length = sock.recv_into(self._rpeek, 1, peek)
+            if length == 0:
+                return 0  # end of file
+            into = view(length)
+        elif view is None:
             if self._rscratch is None:
                 self._rscratch = bytearray(_READ_CHUNK)
             # a frame's later record may be longer than the buffer (see _wire.record_limits)
@@ -1038,6 +1052,7 @@ class Engine:
                 take = min(avail, n - got)
                 if not self._pdiscard:
                     s = self._bstart
+                    self._room(got + take)
                     self._pdest[got : got + take] = self._buf[s : s + take]
                 self._bstart += take
                 self._consumed += take
@@ -1049,14 +1064,41 @@ class Engine:
             ):
                 if self._pdiscard:  # a record dropped whole: it may be longer than the buffer
                     k = len(self._read_into(None, deadline, min(n - got, FRAME_RECORD_MAX)))
+                elif self._records:  # room for the record that came, once its length is known
+                    k = self._read_into(self._record_room, deadline, eager=got == 0)
                 else:  # the payload's first bytes came with its header: read before polling
-                    k = self._read_into(memoryview(self._pdest)[got:n], deadline, eager=got == 0)
+                    k = self._read_into(self._room(got + 1), deadline, eager=got == 0)
                 if k == 0:
                     self._at_eof(deadline)
                 self._pgot = got + k
                 self._consumed += k
             else:
                 self._fill(deadline, n - got)
+
+    def _room(self, need: int, length: int | None = None) -> memoryview:
+        """Grow the pending frame's buffer to hold ``need`` bytes (doubling, up to the
+        frame's size: it grows with what arrives, see _GROW_FIRST); returns the view of its
+        room after the bytes already there (``length`` bytes of it when given). The view is
+        released by the next call or by _release_room, so the buffer can grow again whatever
+        still refers to the view (a traceback's frames)."""
+        self._release_room()
+        dest = self._pdest
+        have = len(dest)
+        if need > have:
+            dest += bytes(min(self._plen, max(need, 2 * have)) - have)  # calloc'd zeros
+        got = self._pgot
+        view = self._rview = memoryview(dest)[got : len(dest) if length is None else got + length]
+        return view
+
+    def _release_room(self) -> None:
+        view, self._rview = self._rview, None
+        if view is not None:
+            view.release()
+
+    def _record_room(self, length: int) -> memoryview:
+        """The view a record of ``length`` bytes is read into (see _recv_record)."""
+        got = self._pgot
+        return self._room(min(got + length, self._plen), min(length, self._plen - got))
 
     def _pump_bulk(self, deadline: float) -> None:
         """Read the pending frame's payload from the bulk fd, straight into its destination."""
@@ -1066,7 +1108,7 @@ class Engine:
             if self._pdiscard:
                 k = len(self._read_into(None, deadline, min(n - got, _READ_CHUNK), True))
             else:
-                k = self._read_into(memoryview(self._pdest)[got:n], deadline, bulk=True)
+                k = self._read_into(self._room(got + 1), deadline, bulk=True)
             if k == 0:
                 self._at_eof(deadline)
             self._pgot = got + k
@@ -1090,7 +1132,9 @@ class Engine:
                 self._pdest, self._pexternal = into, True
             else:
                 try:
-                    self._pdest = bytearray(n)
+                    if n > _GROW_FIRST:
+                        bytes(n)  # can n bytes be had? calloc maps them, touching none
+                    self._pdest = bytearray(min(n, _GROW_FIRST))
                 except MemoryError:
                     self._pkind, self._pbulk = -1, False
                     offset = self._consumed - HEADER_SIZE
@@ -1099,10 +1143,11 @@ class Engine:
             self._pump(deadline)
         except BaseException:
             if self._pexternal:  # keep what arrived; the caller's buffer is theirs again
-                own = bytearray(self._plen)
-                own[: self._pgot] = self._pdest[: self._pgot]
+                own = bytearray(self._pdest[: self._pgot])  # grows on as the rest arrives
                 self._pdest, self._pexternal = own, False
             raise
+        finally:
+            self._release_room()
         kind, dest, n = self._pkind, self._pdest, self._plen
         self._pkind, self._pdest, self._pbulk = -1, None, False
         self._drop_pad_after_frame()  # the fd readable again only if a message is there

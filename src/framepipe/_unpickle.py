@@ -15,11 +15,15 @@ The policy:
    a class deriving from ``BaseException``. Anything else (``os.system``, ``builtins.eval``,
    ``getattr``, a non-exception class) is refused with :class:`RefusedPayload` before it is
    called, and the whole payload with it.
-3. **Only modules that are already imported are searched.** A class is looked up in
-   ``sys.modules``; a submodule of a package that is already imported may be imported (as
-   unpickling one of its exceptions would), a new top-level package never is. ``__main__``
-   classes resolve only when the sender ran the same main script (same absolute path).
-   Names must be identifiers; dunder attributes, ``<locals>`` and malformed names never
+3. **Only modules that are already imported are searched, and nothing is imported.** A class
+   is looked up in ``sys.modules``, in the module's own namespace (a module's ``__getattr__``,
+   which may import lazily, is never called); a module that is not imported yet, even a
+   submodule of an imported package, is never imported, because importing it runs its code:
+   the class degrades to a stand-in. A receiver that wants its classes imported opts in with
+   ``imports`` (:data:`Imports`: module prefixes, or True for any module); even then a module
+   named with a dunder part (``unittest.__main__``) or outside ``imports`` is not imported.
+   ``__main__`` classes resolve only when the sender ran the same main script (same absolute
+   path). Names must be identifiers; dunder attributes, ``<locals>`` and malformed names never
    resolve.
 4. **The receiver may narrow further** with ``allow`` (:data:`Allow`): classes outside it are
    reported :class:`Unavailable`, and the caller degrades them to a stand-in instead of
@@ -48,6 +52,7 @@ from .errors import FramepipeError
 
 __all__ = [
     "Allow",
+    "Imports",
     "RefusedPayload",
     "Resolver",
     "RestrictedUnpickler",
@@ -59,6 +64,32 @@ __all__ = [
 Allow = Iterable[type | str]
 """What ``allow=`` takes: exception classes (exactly those) and module prefixes (``"builtins"``
 matches the module ``builtins``, ``"myapp"`` matches ``myapp`` and ``myapp.errors``)."""
+
+Imports = bool | Iterable[str]
+"""What ``imports=`` takes: False (import nothing, the default), module prefixes that may be
+imported to find a class (``"myapp"`` admits ``myapp`` and ``myapp.errors``), or True (any
+module). Modules named with a dunder part (``pkg.__main__``) are never imported."""
+
+
+def _matches(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(
+        module == p or module.startswith(p if p.endswith(".") else p + ".") for p in prefixes
+    )
+
+
+def import_prefixes(imports: Imports | None) -> tuple[str, ...] | bool:
+    """``imports`` checked and normalised: False, True, or a tuple of module prefixes."""
+    if imports is None or imports is False:
+        return False
+    if imports is True:
+        return True
+    entries = [imports] if isinstance(imports, str) else list(imports)
+    for entry in entries:
+        if not isinstance(entry, str) or not all(p.isidentifier() for p in entry.split(".")):
+            raise TypeError(
+                f"imports= takes True, False or module names such as 'myapp'; got {entry!r}"
+            )
+    return tuple(entries) or False
 
 
 class RefusedPayload(FramepipeError, pickle.UnpicklingError):
@@ -81,7 +112,10 @@ class Resolver:
     resolve only when it is also this process's), or None.
     """
 
-    def __init__(self, allow: Allow | None, main_file: str | None) -> None:
+    def __init__(
+        self, allow: Allow | None, main_file: str | None, imports: Imports | None = False
+    ) -> None:
+        self._imports = import_prefixes(imports)
         self._classes: set[type] | None = None
         self._prefixes: tuple[str, ...] = ()
         if allow is not None:
@@ -95,10 +129,13 @@ class Resolver:
         if self._classes is None or cls in self._classes:
             return True
         module = getattr(cls, "__module__", "") or ""
-        return any(
-            module == p or module.startswith(p if p.endswith(".") else p + ".")
-            for p in self._prefixes
-        )
+        return _matches(module, self._prefixes)
+
+    def _may_import(self, name: str) -> bool:
+        imports = self._imports
+        if imports is False or any(p.startswith("__") for p in name.split(".")):
+            return False
+        return imports is True or _matches(name, imports)
 
     def _module(self, name: str) -> types.ModuleType:
         if name in ("__main__", "__mp_main__"):
@@ -113,12 +150,12 @@ class Resolver:
                     return module
             raise Unavailable(name)
         module = sys.modules.get(name)
-        if module is not None:
+        if isinstance(module, types.ModuleType):
             return module
-        if name.split(".")[0] in sys.modules:
+        if module is None and self._may_import(name):
             try:
                 return importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - a submodule that fails to import is unavailable
+            except Exception:  # noqa: BLE001 - a module that fails to import is unavailable
                 pass
         raise Unavailable(name)
 
@@ -140,10 +177,7 @@ class Resolver:
             raise RefusedPayload(f"refused to resolve {module}.{qualname}: not a class name")
         obj: object = self._module(module)
         for part in parts:
-            try:
-                obj = getattr(obj, part)
-            except AttributeError:
-                raise Unavailable(qualname) from None
+            obj = _static_attribute(obj, part, qualname)
         if not (isinstance(obj, type) and issubclass(obj, BaseException)):
             raise RefusedPayload(
                 f"refused to load {module}.{qualname}: an error payload may only name exception "
@@ -152,6 +186,24 @@ class Resolver:
         if not self.allows(obj):
             raise Unavailable(qualname)
         return obj
+
+
+def _static_attribute(obj: object, name: str, qualname: str) -> object:
+    """``obj.name`` read from the namespaces themselves: a module's ``__dict__``, or a class's
+    and its bases' ``__dict__``. Nothing is called (no module ``__getattr__``, which may import
+    a module, no metaclass ``__getattr__``, no descriptor)."""
+    if isinstance(obj, types.ModuleType):
+        # not obj.__dict__: a lazily loaded module (importlib.util.LazyLoader) would run its
+        # code on that attribute access
+        namespace = object.__getattribute__(obj, "__dict__")
+        if isinstance(namespace, dict) and name in namespace:
+            return namespace[name]
+    elif isinstance(obj, type):
+        for cls in obj.__mro__:
+            namespace = cls.__dict__
+            if name in namespace:
+                return namespace[name]
+    raise Unavailable(qualname)
 
 
 class RestrictedUnpickler(pickle.Unpickler):

@@ -18,6 +18,7 @@ __all__ = [
     "FrameError",
     "MessageTooLong",
     "ReadTimeout",
+    "RemoteBaseException",
     "WriterDied",
     "BufferTooShort",
     "signal_name",
@@ -218,3 +219,40 @@ class WriterDied(FramepipeError, EOFError, OSError):
 
 def _rebuild_writer_died(cls, pid, exitcode, kwargs):  # type: ignore[no-untyped-def]
     return cls(pid, exitcode, **kwargs)
+
+
+class RemoteBaseException(FramepipeError):
+    """The writer sent a ``BaseException`` that is not an ``Exception`` (``SystemExit``,
+    ``KeyboardInterrupt``, ``GeneratorExit``, ...) in an error frame.
+
+    Raised as itself in the reader, such an exception would end the reader's program or pass
+    for its own Ctrl-C, so a read raises this instead, an ``Exception``. ``original`` is the
+    revived exception, intact (its class, args, traceback frames and cause chain), and is also
+    the ``__cause__``; ``remote_type`` names its class (``"SystemExit"``), ``remote_args`` are
+    its args and ``remote_traceback`` is the sender's formatted traceback. Re-raise
+    ``original`` to act on it as the writer meant: ``raise err.original``.
+    """
+
+    def __init__(self, original: BaseException, remote_type: str, remote_traceback: str) -> None:
+        self.original = original
+        self.remote_type = remote_type
+        self.remote_args: tuple[object, ...] = tuple(getattr(original, "args", ()))
+        self.remote_traceback = remote_traceback
+        shown = ", ".join(_short_repr(a) for a in self.remote_args)
+        super().__init__(
+            f"the writer sent {remote_type}({shown}), which is not an Exception: it arrives "
+            "wrapped so that it cannot end this process or pass for its own Ctrl-C; the "
+            "original is .original (and the cause), to re-raise if that is what you want"
+        )
+        self.__cause__ = original
+
+    def __reduce__(self) -> tuple[type[RemoteBaseException], tuple[BaseException, str, str]]:
+        return (type(self), (self.original, self.remote_type, self.remote_traceback))
+
+
+def _short_repr(value: object) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a message never fails
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 200 else text[:197] + "..."

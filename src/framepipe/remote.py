@@ -24,21 +24,26 @@ and where it came from; :func:`loads_exception` ends the revived exception's cau
 Reviving is safe by default: the unpickler resolves exception classes and nothing else. A
 payload that names any other global (``os.system``, ``builtins.eval``, ...) is refused with
 :class:`RefusedPayload` before anything it names is called. Classes are looked up in modules
-the receiver has already imported (a submodule of an imported package may be imported, a new
-top-level package never is), and ``__main__`` classes only when both processes run the same
-main script. ``allow=`` narrows revival further. That policy, and the only unpickler that
-reads a payload, are :mod:`framepipe._unpickle`: the security boundary, audited on its own.
+the receiver has already imported, and nothing is imported to find one (unless the receiver
+opts in with ``imports=``): an error payload never makes the receiver run a module's code.
+``__main__`` classes revive only when both processes run the same main script. ``allow=``
+narrows revival further. Revival is bounded in exceptions, group depth and time; past the
+bounds, exceptions degrade to stand-ins and the traceback text keeps the whole story. That
+policy, and the only unpickler that reads a payload, are :mod:`framepipe._unpickle`: the
+security boundary, audited on its own. ``docs/reviving.md`` writes the policy down.
 """
 
 from __future__ import annotations
 
 import builtins
+import collections
 import contextlib
 import multiprocessing
 import os
 import pickle
 import socket
 import sys
+import time
 import traceback
 import types
 from collections.abc import Callable, Iterator
@@ -49,6 +54,7 @@ import tblib
 
 from ._unpickle import (
     Allow,
+    Imports,
     RefusedPayload,
     Resolver,
     Unavailable,
@@ -58,7 +64,11 @@ from ._unpickle import (
 
 __all__ = [
     "MAX_FRAMES",
+    "MAX_REVIVE_DEPTH",
+    "MAX_REVIVE_NODES",
+    "MAX_REVIVE_SECONDS",
     "Allow",
+    "Imports",
     "Origin",
     "RefusedPayload",
     "RemoteError",
@@ -74,7 +84,15 @@ MAX_FRAMES = 100
 MAX_EXCEPTIONS = 256
 #: Characters of formatted traceback text kept; a longer text keeps both ends.
 MAX_TEXT = 1 << 20
+#: Exceptions revived from one payload; links to exceptions past it are left out (the
+#: traceback text at the end of the cause chain still shows them).
+MAX_REVIVE_NODES = MAX_EXCEPTIONS
+#: Groups nested in groups revived; a group whose members lie deeper is a stand-in.
+MAX_REVIVE_DEPTH = 32
+#: Seconds one revival may take: past them, what is still to build is a stand-in at once.
+MAX_REVIVE_SECONDS = 0.25
 
+_GROUP_ARGS_REPR = 1000  # characters of a group's args repr kept
 _FORMAT = "framepipe.remote/1"
 _PROTOCOL = 5
 _BaseExceptionGroup: type[BaseException] | None = getattr(builtins, "BaseExceptionGroup", None)
@@ -382,7 +400,7 @@ class _Encoder:
             "mro": _type_names(type(exc)),
             "str": exception_message(exc),
             "args_repr": _safe(repr, getattr(exc, "args", ())),
-            "object": _round_trip(exc, resolver, same_type=True),
+            "object": None if _too_deep(exc) else _round_trip(exc, resolver, same_type=True),
             "state": [(name, *_value(value, resolver)) for name, value in _state(exc)],
             "traceback": _frames(exc.__traceback__),
             "cause": self._ids.get(id(exc.__cause__)) if exc.__cause__ is not None else None,
@@ -391,6 +409,9 @@ class _Encoder:
         }
         members = _members(exc)
         if members is not None:
+            # a group's args repr holds its members' (each group nesting all below it)
+            if len(node["args_repr"]) > _GROUP_ARGS_REPR:
+                node["args_repr"] = node["args_repr"][:_GROUP_ARGS_REPR] + "...]"
             node["message"] = _safe(str, getattr(exc, "message", ""))
             node["members"] = [self._ids.get(id(m)) for m in members]
         else:
@@ -399,6 +420,18 @@ class _Encoder:
         if isinstance(notes, (list, tuple)):
             node["notes"] = [n if isinstance(n, str) else _safe(repr, n) for n in notes]
         return node
+
+
+def _too_deep(exc: BaseException) -> bool:
+    """Whether ``exc`` is a group holding groups nested past MAX_REVIVE_DEPTH: a receiver
+    never revives its pickle whole (and it would grow with the square of the depth)."""
+    level = [exc]
+    for _ in range(MAX_REVIVE_DEPTH + 1):
+        level = [m for e in level for m in _members(e) or ()]
+        if not level:
+            return False
+        del level[MAX_EXCEPTIONS:]
+    return True
 
 
 def _members(exc: BaseException) -> tuple[BaseException, ...] | None:
@@ -552,20 +585,36 @@ def _traceback(frames: Any) -> types.TracebackType | None:
 
 
 class _Reviver:
-    """Builds every recorded exception, then links causes, contexts and tracebacks."""
+    """Builds the recorded exceptions within the revival bounds, then links causes, contexts
+    and tracebacks. Nothing here recurses: a payload's nesting costs no Python stack.
+
+    The plan: from the root, breadth first over members, causes and contexts, at most
+    :data:`MAX_REVIVE_NODES` exceptions, and group members only :data:`MAX_REVIVE_DEPTH`
+    groups deep; a group whose members lie past the depth is *cut* (a stand-in holding its own
+    text). Members are built before their group (an iterative post-order); a group whose whole
+    member tree is in the plan is first tried from its own pickle. Past
+    :data:`MAX_REVIVE_SECONDS`, what is still to build becomes a stand-in at once."""
 
     def __init__(self, nodes: list[Any], resolver: Resolver, marker: type[RemoteError]) -> None:
         self._nodes = nodes
         self._resolver = resolver
         self._marker = marker
         self._objects: dict[int, BaseException] = {}
-        self._building: set[int] = set()
+        self._planned: dict[int, int] = {}  # node -> its group depth
+        self._cut: set[int] = set()  # groups whose members lie past MAX_REVIVE_DEPTH
+        self._whole: dict[int, bool] = {}  # node -> its member tree is all in the plan
+        self._deadline = time.monotonic() + MAX_REVIVE_SECONDS
 
     def revive(self, root: int) -> BaseException:
-        for index in range(len(self._nodes)):
-            self._object(index)
-        for index, obj in self._objects.items():
-            self._link(self._nodes[index], obj)
+        if self._node(root) is None:
+            raise RefusedPayload("malformed framepipe error payload: no root exception")
+        self._plan(root)
+        for index in self._planned:
+            self._whole_tree(index)
+        for index in self._planned:
+            self._construct(index)
+        for index, obj in list(self._objects.items()):
+            self._link(index, obj)
         return self._objects[root]
 
     def _node(self, index: Any) -> dict[str, Any] | None:
@@ -575,18 +624,109 @@ class _Reviver:
                 return node
         return None
 
-    def _object(self, index: Any) -> BaseException | None:
-        obj = self._objects.get(index) if isinstance(index, int) else None
-        node = self._node(index)
-        if obj is not None or node is None or index in self._building:
-            return obj
-        self._building.add(index)
+    def _members(self, index: int) -> list[int]:
+        node = self._nodes[index]
+        ids = node.get("members")
+        if not isinstance(ids, list):
+            return []
+        return [i for i in ids if self._node(i) is not None]
+
+    def _plan(self, root: int) -> None:
+        planned = self._planned
+        planned[root] = 0
+        queue = collections.deque([root])
+        while queue:
+            index = queue.popleft()
+            depth = planned[index]
+            node = self._nodes[index]
+            links = [(i, depth + 1) for i in self._members(index)]
+            if links and depth >= MAX_REVIVE_DEPTH:
+                self._cut.add(index)
+                links = []
+            links += [(node.get("cause"), depth), (node.get("context"), depth)]
+            for link, level in links:
+                if link in planned or self._node(link) is None:
+                    continue
+                if len(planned) >= MAX_REVIVE_NODES:
+                    return
+                planned[link] = level
+                queue.append(link)
+
+    def _post_order(
+        self,
+        start: int,
+        visit: Callable[[int], None],
+        done: dict[int, Any],
+        expand: Callable[[int], bool],
+    ) -> None:
+        """``visit`` every node of the member tree under ``start`` (in the plan, not
+        ``done``), members first, going into the members of those ``expand`` says; a member
+        cycle is broken where it closes."""
+        on_path: set[int] = set()
+        stack = [(start, False)]
+        while stack:
+            index, expanded = stack.pop()
+            if index in done:
+                continue
+            if expanded:
+                on_path.discard(index)
+                visit(index)
+                continue
+            if index in on_path:
+                continue
+            on_path.add(index)
+            stack.append((index, True))
+            if expand(index):
+                for member in reversed(self._members(index)):
+                    if member in self._planned and member not in done and member not in on_path:
+                        stack.append((member, False))
+
+    def _whole_tree(self, start: int) -> None:
+        def visit(index: int) -> None:
+            self._whole[index] = index not in self._cut and all(
+                self._whole.get(m, False) for m in self._members(index)
+            )
+
+        self._post_order(start, visit, self._whole, lambda index: index not in self._cut)
+
+    def _construct(self, start: int) -> None:
+        def visit(index: int) -> None:
+            if index not in self._objects:
+                self._objects[index] = self._build(index)
+
+        self._post_order(start, visit, self._objects, self._open)
+
+    def _open(self, index: int) -> bool:
+        """Whether the members of ``index`` are to be built before it: not when it is cut, nor
+        when it is a group revived whole from its own pickle (its members then are its own)."""
+        if index in self._cut:
+            return False
+        if self._members(index) and self._whole.get(index) and index not in self._objects:
+            self._from_pickle(index)
+        return index not in self._objects
+
+    def _from_pickle(self, index: int) -> None:
+        node = self._nodes[index]
         try:
-            obj = self._build(node)
-        finally:
-            self._building.discard(index)
-        self._objects[index] = obj
-        return obj
+            cls = self._resolver.resolve(*self._mro(node)[0])
+        except Unavailable:
+            return
+        obj = self._load(node, cls)
+        if obj is not None:
+            self._objects[index] = obj
+            self._claim_members(index, obj)
+
+    def _load(self, node: dict[str, Any], cls: type[BaseException]) -> BaseException | None:
+        blob = node.get("object")
+        if blob is None or time.monotonic() > self._deadline:
+            return None
+        try:
+            obj = load_value(blob, self._resolver)
+        except RefusedPayload:
+            raise
+        except Exception:
+            return None
+        return obj if type(obj) is cls else None
 
     def _mro(self, node: dict[str, Any]) -> tuple[tuple[str, str], ...]:
         mro = node.get("mro")
@@ -597,26 +737,21 @@ class _Reviver:
         )
         return tuple(names) or (("builtins", "Exception"),)
 
-    def _build(self, node: dict[str, Any]) -> BaseException:
+    def _build(self, index: int) -> BaseException:
+        node = self._nodes[index]
         mro = self._mro(node)
+        if index in self._cut or time.monotonic() > self._deadline:
+            return self._standin(index, mro)
         try:
             cls: type[BaseException] | None = self._resolver.resolve(*mro[0])
         except Unavailable:
             cls = None
         if cls is not None:
-            blob = node.get("object")
-            if blob is not None:
-                try:
-                    obj = load_value(blob, self._resolver)
-                except RefusedPayload:
-                    raise
-                except Exception:
-                    obj = None
-                if type(obj) is cls:
-                    self._claim_members(node, obj)
-                    return obj
+            obj = None if self._members(index) else self._load(node, cls)
+            if obj is not None:
+                return obj
             try:
-                obj = _new_without_init(cls, self._args(node))
+                obj = _new_without_init(cls, self._args(index))
             except RefusedPayload:
                 raise
             except Exception:
@@ -624,21 +759,17 @@ class _Reviver:
             else:
                 self._restore(obj, node)
                 return obj
-        return self._standin(node, mro)
+        return self._standin(index, mro)
 
-    def _claim_members(self, node: dict[str, Any], group: BaseException) -> None:
+    def _claim_members(self, index: int, group: BaseException) -> None:
         """Give the members of an unpickled group the node numbers they were recorded under."""
-        pending = [(node, group)]
+        pending = [(index, group)]
         while pending:
             parent, obj = pending.pop()
-            ids = parent.get("members")
-            if not isinstance(ids, list):
-                continue
-            for index, member in zip(ids, getattr(obj, "exceptions", ())):
-                child = self._node(index)
-                if child is not None and index not in self._objects:
-                    self._objects[index] = member
-                    pending.append((child, member))
+            for member_index, member in zip(self._members(parent), getattr(obj, "exceptions", ())):
+                if member_index in self._planned and member_index not in self._objects:
+                    self._objects[member_index] = member
+                    pending.append((member_index, member))
 
     def _value(self, value: Any) -> Any:
         if not (isinstance(value, tuple) and len(value) == 2):
@@ -653,10 +784,11 @@ class _Reviver:
                 pass
         return text
 
-    def _args(self, node: dict[str, Any]) -> tuple[Any, ...]:
-        members = node.get("members")
-        if isinstance(members, list):
-            revived = [m for m in (self._object(i) for i in members) if m is not None]
+    def _args(self, index: int) -> tuple[Any, ...]:
+        node = self._nodes[index]
+        if isinstance(node.get("members"), list):
+            members = [] if index in self._cut else self._members(index)
+            revived = [self._objects[m] for m in members if m in self._objects]
             return (str(node.get("message", "")), revived)
         args = node.get("args")
         return tuple(self._value(a) for a in args) if isinstance(args, list) else ()
@@ -688,8 +820,9 @@ class _Reviver:
             yield Exception
         yield BaseException
 
-    def _standin(self, node: dict[str, Any], mro: tuple[tuple[str, str], ...]) -> BaseException:
-        args = self._args(node)
+    def _standin(self, index: int, mro: tuple[tuple[str, str], ...]) -> BaseException:
+        node = self._nodes[index]
+        args = self._args(index)
         obj: BaseException | None = None
         for base in self._bases(mro):
             for attempt in (args, tuple(_safe(repr, a) for a in args)):
@@ -708,16 +841,21 @@ class _Reviver:
         obj.remote_message = str(node.get("str", ""))  # type: ignore[attr-defined]
         return obj
 
-    def _link(self, node: dict[str, Any], obj: BaseException) -> None:
-        tb = _traceback(node.get("traceback"))
+    def _link(self, index: int, obj: BaseException) -> None:
+        node = self._nodes[index]
         try:
-            if tb is not None:
-                obj.__traceback__ = tb
             notes = node.get("notes")
-            if isinstance(notes, list):
-                kept = [n for n in notes if isinstance(n, str)]
+            kept = [n for n in notes if isinstance(n, str)] if isinstance(notes, list) else None
+            if index in self._cut:
+                kept = [*(kept or ()), _CUT_NOTE]
+            if kept is not None:
                 obj.__notes__ = kept  # type: ignore[attr-defined,unused-ignore]  # 3.10
-            cause, context = self._object(node.get("cause")), self._object(node.get("context"))
+            if time.monotonic() <= self._deadline:
+                tb = _traceback(node.get("traceback"))
+                if tb is not None:
+                    obj.__traceback__ = tb
+            cause = self._objects.get(node.get("cause"))  # type: ignore[arg-type,unused-ignore]
+            context = self._objects.get(node.get("context"))  # type: ignore[arg-type,unused-ignore]
             if cause is not None:
                 obj.__cause__ = cause
             if context is not None:
@@ -725,6 +863,12 @@ class _Reviver:
             obj.__suppress_context__ = bool(node.get("suppress", False))
         except Exception:
             pass
+
+
+_CUT_NOTE = (
+    "(framepipe: the exceptions nested in this group lie past the revival bounds and were not "
+    "revived; the whole traceback text is in the RemoteTraceback at the end of the cause chain)"
+)
 
 
 def _dotted(module: str, qualname: str) -> str:
@@ -748,6 +892,7 @@ def revive(
     data: bytes | bytearray | memoryview,
     *,
     allow: Allow | None = None,
+    imports: Imports | None = False,
     marker: type[RemoteError] = RemoteError,
     trace: Callable[[str, int | None, str | None, str | None], BaseException] = RemoteTraceback,
 ) -> BaseException:
@@ -757,7 +902,7 @@ def revive(
     place = envelope.get("origin")
     place = place if isinstance(place, dict) else {}
     main = place.get("main")
-    resolver = Resolver(allow, main if isinstance(main, str) else None)
+    resolver = Resolver(allow, main if isinstance(main, str) else None, imports)
     root = envelope.get("root", 0)
     exc = _Reviver(envelope["nodes"], resolver, marker).revive(root if isinstance(root, int) else 0)
     pid, name, host = place.get("pid"), place.get("name"), place.get("host")
@@ -778,7 +923,10 @@ def revive(
 
 
 def loads_exception(
-    data: bytes | bytearray | memoryview, *, allow: Allow | None = None
+    data: bytes | bytearray | memoryview,
+    *,
+    allow: Allow | None = None,
+    imports: Imports | None = False,
 ) -> BaseException:
     """Revive an exception serialized by :func:`dumps_exception`; returns it (raise it).
 
@@ -792,5 +940,13 @@ def loads_exception(
     ``["builtins"]`` revives builtin exceptions only); others become stand-ins whose base is
     allowed. Raises :class:`RefusedPayload` when the payload names anything but exception
     classes, or is not an error payload; nothing it names is called.
+
+    Nothing is imported to find a class: a class whose module this process has not imported
+    becomes a stand-in (importing it would run that module's code, chosen by the sender).
+    ``imports`` opts in: module prefixes that may be imported (``["myapp"]``), or True for any
+    module; modules named with a dunder part (``pkg.__main__``) are never imported. Revival is
+    bounded (:data:`MAX_REVIVE_NODES` exceptions, groups :data:`MAX_REVIVE_DEPTH` deep,
+    :data:`MAX_REVIVE_SECONDS` seconds): what lies past the bounds degrades to stand-ins, and
+    the whole traceback text stays in the :class:`RemoteTraceback`.
     """
-    return revive(data, allow=allow)
+    return revive(data, allow=allow, imports=imports)

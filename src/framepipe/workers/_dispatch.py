@@ -426,6 +426,7 @@ class _Future(concurrent.futures.Future):  # type: ignore[type-arg]
 
     _core: Core | None = None
     _slot: Slot | None = None  # the worker the task was last sent to
+    _actor: Core | None = None  # an actor's call: handing out its crash is noted (crash_seen)
 
     def _invoke_callbacks(self) -> None:
         # Completed by a caller that reads its worker's channel: its done-callbacks run in the
@@ -449,12 +450,19 @@ class _Future(concurrent.futures.Future):  # type: ignore[type-arg]
             timeout = self._core.wait_for(self, timeout)
         if self._state == _FINISHED and self._exception is None:
             return self._result  # final once set: no need for the condition
-        return super().result(timeout)
+        try:
+            return super().result(timeout)
+        finally:
+            if self._actor is not None and self._exception is not None:
+                self._actor.crash_seen(self._exception)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         if self._state in _PENDING_STATES and self._core is not None:
             timeout = self._core.wait_for(self, timeout)
-        return super().exception(timeout)
+        exc = super().exception(timeout)
+        if self._actor is not None and exc is not None:
+            self._actor.crash_seen(exc)
+        return exc
 
 
 class _End:
@@ -865,6 +873,13 @@ class Core:
         self._dispatch_lock = threading.Lock()
         self._submit_lock = threading.Lock()
         self._dispatch_wanted = False
+        # NOTE [an actor's crash]: calls made against a crashed actor's state never run on its
+        # replacement. From the death's first moment (_on_death) until a caller is handed the
+        # crash (crash_seen), every call made fails with it: held while the error is built
+        # (_crash_hold), then failed at once (_unseen_crash). A call made once a caller has
+        # seen it starts a new process. Submit lock held to read or change either.
+        self._crash_hold: list[Task] | None = None
+        self._unseen_crash: BaseException | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -901,6 +916,8 @@ class Core:
         future: concurrent.futures.Future[Any] = _Future()
         if LEND:
             future._core = self  # type: ignore[attr-defined]
+        if self.policy == "actor":
+            future._actor = self  # type: ignore[attr-defined]
         tid = next(self._ids)
         stream = ItemChannel() if op == STREAM else None
         msg = (
@@ -913,10 +930,17 @@ class Core:
         task = Task(tid, future, _task_name(fn), payload, timeout, stream)
         with self._submit_lock:  # never held by the manager: submitting never waits for it
             self._check_open()  # again: it may have been shut down meanwhile
+            crashed = self._behind_crash(task)
             # Nothing queued ahead of it and nobody dispatching: straight to a hungry worker.
-            direct = not self._pending and self._dispatch_lock.acquire(blocking=False)
-            if not direct:
+            direct = (
+                not crashed and not self._pending and self._dispatch_lock.acquire(blocking=False)
+            )
+            if not direct and not crashed:
                 self._queue(task)
+        if crashed:
+            if crashed is not True:
+                task.fail(crashed)
+            return task
         if direct:
             try:
                 sent = self._send_direct(task)
@@ -924,14 +948,35 @@ class Core:
                 self._dispatch_lock.release()
             if not sent:
                 with self._submit_lock:
-                    self._pending.appendleft(task)  # ahead of any queued meanwhile
-                    self._queue(None)
-                    if self.broken is not None:
-                        self._pending.remove(task)
-                        task.fail(self.broken)
+                    crashed = self._behind_crash(task)
+                    if not crashed:
+                        self._pending.appendleft(task)  # ahead of any queued meanwhile
+                        self._queue(None)
+                        if self.broken is not None:
+                            self._pending.remove(task)
+                            task.fail(self.broken)
+                if crashed and crashed is not True:
+                    task.fail(crashed)
         if self._dispatch_wanted:
             self.kick()
         return task
+
+    def _behind_crash(self, task: Task) -> BaseException | bool:
+        """An actor's call made after its crash, before a caller saw it (submit lock held; see
+        NOTE [an actor's crash]): True when it is held until the crash's error is built, the
+        error to fail it with, or False when it may run."""
+        if self._crash_hold is not None:
+            self._crash_hold.append(task)
+            return True
+        return self._unseen_crash if self._unseen_crash is not None else False
+
+    def crash_seen(self, exc: BaseException) -> None:
+        """A caller was handed ``exc``: if it is the actor's crash, calls made from now on run
+        on a new process (see NOTE [an actor's crash])."""
+        if exc is self._unseen_crash:
+            with self._submit_lock:
+                if exc is self._unseen_crash:
+                    self._unseen_crash = None
 
     def _newest_pending(self) -> int:
         """The id of the newest task queued here (submit lock held); -1 when none is."""
@@ -1749,9 +1794,15 @@ class Core:
     # -- deaths, deadlines, replacement --
 
     def _on_death(self, slot: Slot, died: WriterDied | None, reason: str | None = None) -> None:
-        with self._lock:
+        # an actor's crash: calls made from now on wait for its error (NOTE [an actor's crash])
+        crash = self.policy == "actor" and slot.stopping is None and not self.closing
+        with self._submit_lock if crash else contextlib.nullcontext(), self._lock:
             if slot.dead:
                 return
+            if crash:
+                queued = list(self._pending)  # made before the death: they fail with it
+                self._pending.clear()
+                self._crash_hold = []
             slot.dead = True
             self._version += 1
             self._dirty = True
@@ -1769,6 +1820,18 @@ class Core:
             reason or slot.crash_reason,
             starting=not slot.ready,
         )
+        if crash:
+            # The actor's state is gone: the calls queued here behind the ones it held fail
+            # too, and so do those made since, until a caller is handed the crash (NOTE [an
+            # actor's crash]); a crash that failed no call (an idle worker died) holds none.
+            with self._submit_lock, self._lock:
+                held, self._crash_hold = self._crash_hold or [], None
+                if orphans or queued:
+                    self._unseen_crash = err  # before any caller can be handed it
+                    queued += held
+                else:
+                    self._pending.extend(held)
+                    self._queue(None)
         for fut in waiters:
             if not fut.done():
                 fut.set_exception(err)
@@ -1778,10 +1841,12 @@ class Core:
                 orphans.insert(0, head)  # it runs again, first (see NOTE [ Crashes ... ])
             else:
                 head.fail(err)  # a task that timed out has failed already: this does nothing
-        if self.policy == "actor":
-            # The actor's state is gone: the calls queued here behind the ones it held fail
-            # too, those made before its end was known (a crash now, a deadline when it
-            # passed); later calls start a new process.
+        if crash:
+            for task in orphans + queued:
+                task.fail(err)
+        elif self.policy == "actor":
+            # A stopped actor (a passed deadline): the calls queued by the time the deadline
+            # passed fail with it; later calls start a new process.
             with self._submit_lock, self._lock:
                 cut = self._newest_pending() if slot.stopping is None else slot.cut_tid
                 queued = (

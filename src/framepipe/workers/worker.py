@@ -66,6 +66,7 @@ class Stream(Iterator[Any], AsyncIterator[Any]):
             raise StopIteration
         if isinstance(item, D._Failure):
             self._done = True
+            self._core.crash_seen(item.exc)
             raise item.exc
         self._unacked += 1
         if self._unacked >= max(1, self._window // 2):
