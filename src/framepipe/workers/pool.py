@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from .._lazy import asyncio  # imported on first use (see _lazy)
+from . import _byvalue
 from . import _dispatch as D
 from .worker import _check_timeout, get_context
 
@@ -147,6 +148,7 @@ class Pool(concurrent.futures.Executor):
             return _ordered(results, len(results.values), deadline)
         it = zip(*iterables)
         chunks = iter(lambda: list(itertools.islice(it, chunksize)), [])
+        fn = _byvalue.prepare(self._core, fn)  # by value if it must, once per worker
         results = self._core.submit_many(
             _run_chunk, ((fn, c) for c in chunks), self._core.task_timeout
         )
