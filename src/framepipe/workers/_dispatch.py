@@ -2117,4 +2117,3 @@ class Core:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"{self.name} has no running worker")
             time.sleep(0.001)
-

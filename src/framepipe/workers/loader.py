@@ -67,7 +67,7 @@ from .. import connection as _connection
 from .._stream_errors import workers_may_spin
 from ..errors import ReadTimeout, WriterDied
 from ..remote import add_note, dumps_exception, loads_exception
-from . import _shm
+from . import _byvalue, _shm
 from ._process import ChildContext, WorkerProcess, _FdHandle, register_parent_side
 from .errors import TaskTimeout, WorkerError, WorkerStartError, revive
 
@@ -785,6 +785,8 @@ class _Workers:
             "shm_slots": 8 * (loader.prefetch_factor + 2),
             "spin": workers_may_spin(loader.num_workers),
         }
+        for key in ("dataset", "collate_fn", "worker_init_fn"):  # by value if they must
+            common[key] = _byvalue.portable(ctx, common[key])
         _live.add(self)
         try:
             for wid in range(loader.num_workers):
