@@ -26,8 +26,10 @@ importing :mod:`framepipe` never imports joblib; this module does.
 from __future__ import annotations
 
 import concurrent.futures
+import multiprocessing
 import os
 import threading
+import warnings
 from typing import Any
 
 from joblib import register_parallel_backend
@@ -105,6 +107,14 @@ class FramepipeBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[
         if n_jobs == 0:
             raise ValueError("n_jobs == 0 in Parallel has no meaning")
         if n_jobs is None:
+            return 1
+        if multiprocessing.current_process().daemon:
+            if n_jobs != 1:  # a daemonic process may not start processes
+                warnings.warn(
+                    "the framepipe backend runs sequentially inside a daemonic process "
+                    "(such as a multiprocessing.Pool worker): it may not start processes",
+                    stacklevel=3,
+                )
             return 1
         if n_jobs < 0:
             return max((os.cpu_count() or 1) + 1 + n_jobs, 1)

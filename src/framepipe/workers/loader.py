@@ -67,7 +67,7 @@ from .. import connection as _connection
 from .._stream_errors import workers_may_spin
 from ..errors import ReadTimeout, WriterDied
 from ..remote import add_note, dumps_exception, loads_exception
-from . import _byvalue, _shm
+from . import _byvalue, _progress, _shm
 from ._process import ChildContext, WorkerProcess, _FdHandle, register_parent_side
 from .errors import TaskTimeout, WorkerError, WorkerStartError, revive
 
@@ -1158,6 +1158,7 @@ class DataLoader:
         seed: int | None = None,
         multiprocessing_context: Any = None,
         pin_memory: bool = False,
+        progress: Any = None,
     ) -> None:
         if multiprocessing_context is not None:  # torch's name for start_method
             if start_method is not None:
@@ -1209,6 +1210,8 @@ class DataLoader:
         self.worker_init_fn = worker_init_fn
         self.persistent_workers = persistent_workers
         self.start_method = start_method
+        _progress.check(progress)
+        self.progress = progress  # see _progress
         self.generator = generator
         self.seed = seed
         self._epoch = 0
@@ -1253,6 +1256,15 @@ class DataLoader:
         return _batches(self.sampler, self.batch_size, self.drop_last)
 
     def __iter__(self) -> Iterator[Any]:
+        if self.progress is None or self.progress is False:
+            return self._epoch_iter()
+        try:
+            total: int | None = len(self)
+        except TypeError:
+            total = None
+        return _progress.track(self._epoch_iter(), self.progress, total, "DataLoader")
+
+    def _epoch_iter(self) -> Iterator[Any]:
         current = self._current_ref()
         if current is not None and self.persistent_workers:
             # One set of workers serves one epoch at a time: the new one takes them over.

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from .._lazy import asyncio  # imported on first use (see _lazy)
-from . import _byvalue
+from . import _byvalue, _progress
 from . import _dispatch as D
 from .worker import _check_timeout, get_context
 
@@ -136,12 +136,19 @@ class Pool(concurrent.futures.Executor):
         *iterables: Iterable[Any],
         timeout: float | None = None,
         chunksize: int = 1,
+        progress: Any = None,
     ) -> Iterator[T]:
         """Like ``Executor.map``: results in order; ``timeout`` bounds the whole iteration
         (from this call), raising ``TimeoutError``. ``chunksize`` groups that many calls into
-        one task (a crash then fails the whole chunk)."""
+        one task (a crash then fails the whole chunk). ``progress``: True, a callable, a tqdm
+        or rich bar, to show the results handed out (see :mod:`._progress`)."""
         if not isinstance(chunksize, int) or chunksize < 1:
             raise ValueError(f"chunksize must be a positive int, not {chunksize!r}")
+        if progress is not None and progress is not False:
+            _progress.check(progress)
+            items = list(zip(*iterables))
+            it = self.map(fn, *zip(*items), timeout=timeout, chunksize=chunksize)
+            return _progress.track(it, progress, len(items), self._core.name)
         deadline = None if timeout is None else time.monotonic() + timeout
         if chunksize == 1:
             results = self._core.submit_many(fn, zip(*iterables), self._core.task_timeout)
@@ -154,10 +161,25 @@ class Pool(concurrent.futures.Executor):
         )
         return itertools.chain.from_iterable(_ordered(results, len(results.values), deadline))
 
-    def imap_unordered(self, fn: Callable[..., T], iterable: Iterable[Any]) -> Iterator[T]:
+    def imap(
+        self,
+        fn: Callable[..., T],
+        iterable: Iterable[Any],
+        chunksize: int = 1,
+        *,
+        progress: Any = None,
+    ) -> Iterator[T]:
+        """Results of ``fn(x)`` for each x of ``iterable``, in order (``map`` of one
+        iterable, as ``multiprocessing.Pool.imap`` is called)."""
+        return self.map(fn, iterable, chunksize=chunksize, progress=progress)
+
+    def imap_unordered(
+        self, fn: Callable[..., T], iterable: Iterable[Any], *, progress: Any = None
+    ) -> Iterator[T]:
         """Results of ``fn(x)`` for each x of ``iterable`` as they complete, in any order."""
+        _progress.check(progress)
         futures = [self.submit(fn, x) for x in iterable]
-        return _unordered(futures)
+        return _progress.track(_unordered(futures), progress, len(futures), self._core.name)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop accepting tasks; with ``wait``, wait for the submitted ones and for every
