@@ -47,9 +47,10 @@ class Progress:
 class _Plain:
     """One line on a terminal, redrawn in place at most every :data:`PLAIN_PERIOD`."""
 
-    def __init__(self, desc: str, stream: Any) -> None:
+    def __init__(self, desc: str, stream: Any, unit: str) -> None:
         self.desc = desc
         self.stream = stream
+        self.unit = unit
         self.drawn = 0.0
 
     def __call__(self, p: Progress, final: bool = False) -> None:
@@ -60,7 +61,7 @@ class _Plain:
         total = f"/{p.total}" if p.total is not None else ""
         pct = f" {100 * p.done // p.total:3d}%" if p.total else ""
         line = (
-            f"\r{self.desc}:{pct} {p.done}{total} tasks, {p.rate:.1f} tasks/s, "
+            f"\r{self.desc}:{pct} {p.done}{total} {self.unit}s, {p.rate:.1f} {self.unit}s/s, "
             f"{p.crashes} crashes, {p.timeouts} timeouts"
         )
         self.stream.write(line + ("\n" if final else ""))
@@ -68,7 +69,7 @@ class _Plain:
 
 
 class _Tracker:
-    def __init__(self, progress: Any, total: int | None, desc: str) -> None:
+    def __init__(self, progress: Any, total: int | None, desc: str, unit: str) -> None:
         self.total = total
         self.done = self.crashes = self.timeouts = 0
         self.start = time.monotonic()
@@ -83,17 +84,17 @@ class _Tracker:
                 from tqdm.auto import tqdm
             except ImportError:
                 if sys.stderr is not None and sys.stderr.isatty():
-                    self._plain = _Plain(desc, sys.stderr)
+                    self._plain = _Plain(desc, sys.stderr, unit)
             else:
                 self._bar = self._tqdm = tqdm(
-                    total=total, desc=desc, unit="task", file=sys.stderr, dynamic_ncols=True
+                    total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True
                 )
-                self._tqdm.set_postfix(crashes=0, timeouts=0)
+                self._tqdm.set_postfix(crashes=0, timeouts=0, refresh=False)
         elif hasattr(progress, "update") and hasattr(progress, "set_postfix"):
             self._tqdm = progress
             if getattr(progress, "total", None) is None and total is not None:
                 progress.total = total
-            progress.set_postfix(crashes=0, timeouts=0)
+            progress.set_postfix(crashes=0, timeouts=0, refresh=False)
         elif hasattr(progress, "add_task") and hasattr(progress, "advance"):
             self._rich = progress
             self._task = progress.add_task(desc, total=total)
@@ -156,15 +157,19 @@ def check(progress: Any) -> None:
     )
 
 
-def track(it: Iterator[T], progress: Any, total: int | None, desc: str) -> Iterator[T]:
+def track(
+    it: Iterator[T], progress: Any, total: int | None, desc: str, unit: str = "task"
+) -> Iterator[T]:
     """``it``, counting its results (and the failure that ends it) on ``progress``."""
     if progress is None or progress is False:
         return it
-    return _tracked(it, progress, total, desc)
+    return _tracked(it, progress, total, desc, unit)
 
 
-def _tracked(it: Iterator[T], progress: Any, total: int | None, desc: str) -> Iterator[T]:
-    tracker = _Tracker(progress, total, desc)
+def _tracked(
+    it: Iterator[T], progress: Any, total: int | None, desc: str, unit: str
+) -> Iterator[T]:
+    tracker = _Tracker(progress, total, desc, unit)
     try:
         while True:
             try:

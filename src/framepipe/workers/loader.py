@@ -1262,7 +1262,7 @@ class DataLoader:
             total: int | None = len(self)
         except TypeError:
             total = None
-        return _progress.track(self._epoch_iter(), self.progress, total, "DataLoader")
+        return _progress.track(self._epoch_iter(), self.progress, total, "DataLoader", "batch")
 
     def _epoch_iter(self) -> Iterator[Any]:
         current = self._current_ref()
