@@ -147,8 +147,8 @@ class Pool(concurrent.futures.Executor):
         if progress is not None and progress is not False:
             _progress.check(progress)
             items = list(zip(*iterables))
-            it = self.map(fn, *zip(*items), timeout=timeout, chunksize=chunksize)
-            return _progress.track(it, progress, len(items), self._core.name)
+            plain = self.map(fn, *zip(*items), timeout=timeout, chunksize=chunksize)
+            return _progress.track(plain, progress, len(items), self._core.name)
         deadline = None if timeout is None else time.monotonic() + timeout
         if chunksize == 1:
             results = self._core.submit_many(fn, zip(*iterables), self._core.task_timeout)
