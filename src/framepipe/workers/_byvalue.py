@@ -29,6 +29,7 @@ way when the process is spawned (a forked worker has them already).
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import hashlib
 import io
@@ -125,15 +126,11 @@ def _main_top_names() -> frozenset[str]:
     path = getattr(main, "__file__", None)
     if not isinstance(path, str) or not path.endswith(".py"):
         return frozenset()
-    try:
-        mtime = os.stat(path).st_mtime_ns
-    except OSError:
-        return frozenset()
-    return _top_names(path, mtime)
+    return _top_names(path)
 
 
 @functools.lru_cache(maxsize=4)
-def _top_names(path: str, mtime: int) -> frozenset[str]:
+def _top_names(path: str) -> frozenset[str]:
     try:
         with open(path, "rb") as f:
             tree = ast.parse(f.read(), path)
@@ -321,17 +318,22 @@ def dumps(core: Any, obj: Any, what: Any, exc: BaseException) -> bytes:
     return f.getvalue()
 
 
+# A function of __main__: whether a spawned worker lacks it (decided once per function).
+_main_needs_value: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
 def stand_in(core: Any, fn: Any, exc: BaseException | None = None) -> Any:
     """``fn``, or its stand-in when it must go by value (``exc``: its plain pickle failed;
     None: ``fn`` is of ``__main__`` and may go by value). Raises TypeError, naming the extra,
     when it must and cloudpickle is missing."""
     if exc is None:
-        if (
-            type(fn) is not types.FunctionType
-            or not main_by_value(core._mp)
-            or by_reference(fn)
-            or not have_cloudpickle()
-        ):
+        try:
+            lacked = _main_needs_value[fn]
+        except (KeyError, TypeError):
+            lacked = type(fn) is types.FunctionType and not by_reference(fn) and have_cloudpickle()
+            with contextlib.suppress(TypeError):
+                _main_needs_value[fn] = lacked
+        if not lacked or not main_by_value(core._mp):
             return fn  # as before: a spawned worker that lacks it says so
     else:
         _cloudpickle(_describe(fn), exc)
