@@ -51,9 +51,7 @@ def bench_maps(items: int, repeat: int) -> dict[str, float]:
     else:
         ex = get_reusable_executor(max_workers=2)
         list(ex.map(f, range(100)))
-        rates["loky map(lambda)"] = _median_rate(
-            items, lambda: list(ex.map(f, data)), repeat
-        )
+        rates["loky map(lambda)"] = _median_rate(items, lambda: list(ex.map(f, data)), repeat)
         ex.shutdown(wait=True)
     try:
         from mpire import WorkerPool
@@ -63,9 +61,7 @@ def bench_maps(items: int, repeat: int) -> dict[str, float]:
         # mpire's default start method (fork): spawn would need use_dill=True and dill
         with WorkerPool(n_jobs=2, keep_alive=True) as mp_pool:
             mp_pool.map(f, range(100))
-            rates["mpire map(lambda)"] = _median_rate(
-                items, lambda: mp_pool.map(f, data), repeat
-            )
+            rates["mpire map(lambda)"] = _median_rate(items, lambda: mp_pool.map(f, data), repeat)
     return rates
 
 
@@ -78,6 +74,9 @@ def bench_joblib(calls: int, repeat: int) -> dict[str, float]:
     import framepipe.joblib  # noqa: F401 - registers the backend
 
     rates = {}
+    # the floor: joblib's own work in this process (making the calls, batching, results)
+    run = lambda: joblib.Parallel(n_jobs=1)(joblib.delayed(abs)(-i) for i in range(calls))  # noqa: E731
+    rates["joblib Parallel(n_jobs=1), in this process"] = _median_rate(calls, run, repeat)
     for backend in ("framepipe", "loky"):
         with joblib.parallel_config(backend=backend, n_jobs=2):
             run = lambda: joblib.Parallel()(joblib.delayed(abs)(-i) for i in range(calls))  # noqa: E731
