@@ -340,6 +340,8 @@ def stand_in(core: Any, fn: Any, exc: BaseException | None = None) -> Any:
     try:
         return registry(core).ref(fn)
     except Exception as exc2:  # noqa: BLE001 - said as what cannot be sent
+        if exc is None:
+            return fn  # by reference after all: a worker that lacks it says so
         err = TypeError(f"cannot send {_describe(fn)} to a worker process by value: {exc2}")
         raise err from exc2
 
