@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import functools
 import os
 import pickle
 import signal
@@ -525,13 +526,13 @@ def test_pool_maps_of_different_functions_at_once_and_what_cannot_be_sent(engine
         assert [f.result(WAIT) for f in singles] == [2 * i for i in range(500)]
         assert list(pool.map(add, range(5), [10] * 5)) == [10, 11, 12, 13, 14]
         # an item that cannot be sent fails alone, in its place
-        it = pool.map(identity, [1, lambda: 2, 3])
+        it = pool.map(identity, [1, threading.Lock(), 3])  # not even by value
         assert next(it) == 1
         with pytest.raises(TypeError, match="cannot send"):
             next(it)
         # a function that cannot be sent fails every item
         with pytest.raises(TypeError, match="cannot send"):
-            next(pool.map(lambda x: x, [1, 2]))
+            next(pool.map(functools.partial(add, threading.Lock()), [1, 2]))
         assert pool.submit(add, 1, 2).result(WAIT) == 3
 
 
@@ -589,7 +590,7 @@ def test_pool_task_exceptions_never_break_it(engine):
             exc = fut.exception(WAIT)
             assert type(exc) is TwoArgError and exc.code == i
         with pytest.raises(TypeError, match="cannot send argument 0 of"):
-            pool.submit(identity, lambda: 1)  # not picklable: refused at once
+            pool.submit(identity, threading.Lock())  # not picklable: refused at once
         assert pool.submit(add, 1, 1).result(WAIT) == 2
         assert pool.crashes == []
 

@@ -51,7 +51,7 @@ from .._lazy import asyncio  # imported on first use (see _lazy)
 from .._spin import workers_may_spin
 from ..errors import ReadTimeout, WriterDied
 from ..remote import dumps_exception
-from . import _process, _shm
+from . import _byvalue, _process, _shm
 from ._mainguard import refuse_during_main_import
 from ._process import ChildContext, WorkerProcess
 from .errors import (
@@ -263,14 +263,18 @@ def task_loop(ctx: ChildContext) -> None:
                                 wire.flush()
                         send((RESULT, tid, value))
                 except Exception as exc:  # noqa: BLE001 - an unpicklable result
-                    if wire is not None:
-                        wire.give_back(wire.used)  # the parent never saw these arrays
-                    err = WorkerError(
-                        f"the result of {_task_name(fn)} could not be sent back: "
-                        f"{type(exc).__name__}: {exc}"
-                    )
-                    err.__cause__ = exc
-                    send((ERROR, tid, dumps_exception(err)))
+                    blob = _byvalue.dumps_result((RESULT, tid, value))  # by value, if it can
+                    if blob is not None:
+                        send_bytes(blob)
+                    else:
+                        if wire is not None:
+                            wire.give_back(wire.used)  # the parent never saw these arrays
+                        err = WorkerError(
+                            f"the result of {_task_name(fn)} could not be sent back: "
+                            f"{type(exc).__name__}: {exc}"
+                        )
+                        err.__cause__ = exc
+                        send((ERROR, tid, dumps_exception(err)))
             ctx.calls += 1
             ctx.busy += perf() - start
             if max_rss is not None:
@@ -823,8 +827,10 @@ class Core:
         self.policy = policy
         self._n = max_workers
         self._mp = mp_context
+        self.byvalue: _byvalue.Registry | None = None  # functions sent by value (_byvalue)
+        self._main_by_value = _byvalue.main_by_value(mp_context)
         self._proc_kw: dict[str, Any] = dict(
-            initializer=initializer,
+            initializer=_byvalue.portable(mp_context, initializer),
             initargs=tuple(initargs),
             env=env,
             cwd=cwd,
@@ -920,14 +926,20 @@ class Core:
             future._actor = self  # type: ignore[attr-defined]
         tid = next(self._ids)
         stream = ItemChannel() if op == STREAM else None
+        name = _task_name(fn)
+        if self._main_by_value and getattr(fn, "__module__", None) == "__main__":
+            fn = _byvalue.stand_in(self, fn)  # by value, if the worker cannot import it
         msg = (
             (CALL, tid, fn, args, kwargs) if op == CALL else (STREAM, tid, fn, args, kwargs, window)
         )
         try:
             payload = pickle.dumps(msg, protocol=5)
-        except Exception as exc:  # noqa: BLE001 - raised here, naming what could not be sent
-            raise _unpicklable(fn, exc, args, kwargs) from exc
-        task = Task(tid, future, _task_name(fn), payload, timeout, stream)
+        except Exception as exc:  # noqa: BLE001 - by value, else raised here, naming what
+            try:  # could not be sent
+                payload = _byvalue.dumps(self, msg, fn, exc)
+            except Exception as exc2:  # noqa: BLE001
+                raise _unpicklable(fn, exc, args, kwargs) from exc2
+        task = Task(tid, future, name, payload, timeout, stream)
         with self._submit_lock:  # never held by the manager: submitting never waits for it
             self._check_open()  # again: it may have been shut down meanwhile
             crashed = self._behind_crash(task)
@@ -1031,6 +1043,8 @@ class Core:
                 self._dirty = True
                 self.wake()
         try:
+            if self.byvalue is not None:
+                self.byvalue.define(slot)  # what it needs of the functions sent by value
             slot.proc.conn.send_bytes(task.payload)
         except (OSError, ValueError):
             task.delivered = False  # the worker is gone: its death reschedules it
@@ -1047,11 +1061,15 @@ class Core:
         dumps = pickle.dumps
         ids = self._ids
         try:
-            dumps(fn, protocol=5)  # sent once per frame of items, not with each
+            if self._main_by_value and getattr(fn, "__module__", None) == "__main__":
+                fn = _byvalue.stand_in(self, fn)
+            try:
+                dumps(fn, protocol=5)  # sent once per frame of items, not with each
+            except Exception as exc:  # noqa: BLE001 - by value, once per worker
+                fn = _byvalue.stand_in(self, fn, exc)
         except Exception as exc:  # noqa: BLE001 - every item fails with it
-            err = _unpicklable(fn, exc)
             for i in range(len(items)):
-                results.store(i, _Failure(err))
+                results.store(i, _Failure(exc))
             return results
         # Queued a few hundred at a time, so the workers start while the rest is pickled.
         for start in range(0, len(items), _MAP_STEP):
@@ -1060,9 +1078,12 @@ class Core:
                 tid = next(ids)
                 try:
                     payload = dumps((tid, items[i]), protocol=5)
-                except Exception as exc:  # noqa: BLE001 - this item fails, the others run
-                    results.store(i, _Failure(_unpicklable(fn, exc, tuple(items[i]))))
-                    continue
+                except Exception as exc:  # noqa: BLE001 - by value, else this item fails
+                    try:
+                        payload = _byvalue.dumps(self, (tid, items[i]), fn, exc)
+                    except Exception:  # noqa: BLE001 - the others run
+                        results.store(i, _Failure(_unpicklable(fn, exc, tuple(items[i]))))
+                        continue
                 tasks.append(MapTask(tid, results, i, name, payload, timeout, fn))
             with self._submit_lock:
                 self._check_open()
@@ -1132,6 +1153,8 @@ class Core:
             else:
                 payload = pickle.dumps((BATCH, [t.payload for t in batch]), protocol=5)
             try:
+                if self.byvalue is not None:
+                    self.byvalue.define(slot)
                 slot.proc.conn.send_bytes(payload)
             except (OSError, ValueError):
                 for t in batch:

@@ -45,7 +45,7 @@ from ..errors import signal_name
 from ..guard import ERROR_FILE_ENV, ProcessFailure, write_error_file
 from ..remote import dumps_exception, format_exception_text, loads_exception
 from ..watch import Liveness
-from . import _launch
+from . import _byvalue, _launch
 from ._mainguard import refuse_during_main_import
 from ._process import (
     TAIL_BYTES,
@@ -711,8 +711,8 @@ class WorkerGroup:
         boot = _Boot(
             rank=r.rank,
             parent_pid=os.getpid(),
-            fn=self.entrypoint,  # type: ignore[arg-type]
-            args=self.args[r.rank],
+            fn=_byvalue.portable(self._ctx, self.entrypoint),  # by value if it must
+            args=_byvalue.portable(self._ctx, self.args[r.rank]),
             env=self._env(r.rank),
             result=writer,
             stdout=None if out_fd is None else _FdHandle(out_fd),

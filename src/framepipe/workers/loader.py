@@ -72,7 +72,7 @@ from .. import connection as _connection
 from .._spin import workers_may_spin
 from ..errors import ReadTimeout, WriterDied
 from ..remote import add_note, dumps_exception, loads_exception
-from . import _pin, _resume, _shm
+from . import _byvalue, _pin, _progress, _resume, _shm
 from ._mainguard import refuse_during_main_import
 from ._process import ChildContext, WorkerProcess, _FdHandle, register_parent_side
 from .errors import (
@@ -923,6 +923,8 @@ class _Workers:
             "stateful": loader._stateful,
             "pin": loader._pinner is not None,
         }
+        for key in ("dataset", "collate_fn", "worker_init_fn"):  # by value if they must
+            self._common[key] = _byvalue.portable(self._ctx, self._common[key])
         _live.add(self)
         try:
             for wid in range(loader.num_workers):
@@ -1404,6 +1406,7 @@ class DataLoader(Generic[BatchT]):
         pin_memory_device: str = "",
         worker_crash_retries: int = 0,
         on_worker_crash: Callable[[Any], Any] | None = None,
+        progress: Any = None,
     ) -> None:
         if multiprocessing_context is not None:  # torch's name for start_method
             if start_method is not None:
@@ -1462,6 +1465,8 @@ class DataLoader(Generic[BatchT]):
         self.worker_init_fn = worker_init_fn
         self.persistent_workers = persistent_workers
         self.start_method = start_method
+        _progress.check(progress)
+        self.progress = progress  # see _progress
         self.generator = generator
         self.seed = seed
         self.pin_memory = pin_memory
@@ -1536,6 +1541,15 @@ class DataLoader(Generic[BatchT]):
         return _batches(iter(self.sampler), self.batch_size, self.drop_last)
 
     def __iter__(self) -> Iterator[BatchT]:
+        if self.progress is None or self.progress is False:
+            return self._epoch_iter()
+        try:
+            total: int | None = len(self)
+        except TypeError:
+            total = None
+        return _progress.track(self._epoch_iter(), self.progress, total, "DataLoader", "batch")
+
+    def _epoch_iter(self) -> Iterator[BatchT]:
         current = self._current_ref()
         if current is not None and self.persistent_workers:
             # One set of workers serves one epoch at a time: the new one takes them over.

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ParamSpec, TypeVar, overload
 
 from .._lazy import asyncio  # imported on first use (see _lazy)
+from . import _byvalue, _progress
 from . import _dispatch as D
 from .worker import _check_timeout, get_context
 
@@ -175,6 +176,7 @@ class Pool(concurrent.futures.Executor):
         timeout: float | None = None,
         chunksize: int = 1,
         buffersize: int | None = None,
+        progress: Any = None,
     ) -> Iterator[T]: ...
 
     @overload
@@ -188,6 +190,7 @@ class Pool(concurrent.futures.Executor):
         timeout: float | None = None,
         chunksize: int = 1,
         buffersize: int | None = None,
+        progress: Any = None,
     ) -> Iterator[T]: ...
 
     @overload
@@ -202,6 +205,7 @@ class Pool(concurrent.futures.Executor):
         timeout: float | None = None,
         chunksize: int = 1,
         buffersize: int | None = None,
+        progress: Any = None,
     ) -> Iterator[T]: ...
 
     def map(
@@ -211,6 +215,7 @@ class Pool(concurrent.futures.Executor):
         timeout: float | None = None,
         chunksize: int = 1,
         buffersize: int | None = None,
+        progress: Any = None,
     ) -> Iterator[T]:
         """Like ``Executor.map``: results in order; ``timeout`` bounds the whole iteration
         (from this call), raising ``TimeoutError``. ``chunksize`` groups that many calls into
@@ -218,23 +223,31 @@ class Pool(concurrent.futures.Executor):
         ``Executor.map``): at most that many tasks submitted and not yet yielded; the items
         are then taken from ``iterables`` only as results are consumed, so an endless
         generator runs in bounded memory. Without it, every item is taken at once, as
-        ``concurrent.futures`` does."""
+        ``concurrent.futures`` does. ``progress``: True, a callable, a tqdm or rich bar, to
+        show the results handed out (see :mod:`._progress`)."""
         _check_positive("chunksize", chunksize)
         if buffersize is not None:
             _check_positive("buffersize", buffersize)
+        _progress.check(progress)
         deadline = None if timeout is None else time.monotonic() + timeout
         items: Iterator[tuple[Any, ...]] = zip(*iterables)
         run: Callable[..., Any] = fn
+        total = _length(iterables)
         if chunksize > 1:
+            each = _byvalue.prepare(self._core, fn)  # by value if it must, once per worker
             it = items
-            items = ((fn, c) for c in iter(lambda: list(itertools.islice(it, chunksize)), []))
+            items = ((each, c) for c in iter(lambda: list(itertools.islice(it, chunksize)), []))
             run = _run_chunk
         if buffersize is None:
             results = self._core.submit_many(run, items, self._core.task_timeout)
             out = _ordered(results, len(results.values), deadline)
+            if chunksize == 1:
+                total = len(results.values)
         else:
             out = _lazy(self._core, run, items, buffersize, deadline)
-        return itertools.chain.from_iterable(out) if chunksize > 1 else out
+        if chunksize > 1:
+            out = itertools.chain.from_iterable(out)
+        return _progress.track(out, progress, total, self._core.name)
 
     def imap(
         self,
@@ -242,16 +255,23 @@ class Pool(concurrent.futures.Executor):
         iterable: Iterable[A],
         chunksize: int = 1,
         buffersize: int | None = None,
+        *,
+        progress: Any = None,
     ) -> Iterator[T]:
         """Results of ``fn(x)`` for each x of ``iterable``, in order, taking items only as
         results are consumed: at most ``buffersize`` (default: 256 a worker) submitted and not
         yet yielded (``multiprocessing.Pool.imap``, in bounded memory)."""
         if buffersize is None:
             buffersize = D._MAP_STEP * self._max_workers
-        return self.map(fn, iterable, chunksize=chunksize, buffersize=buffersize)
+        return self.map(fn, iterable, chunksize=chunksize, buffersize=buffersize, progress=progress)
 
     def imap_unordered(
-        self, fn: Callable[[A], T], iterable: Iterable[A], buffersize: int | None = None
+        self,
+        fn: Callable[[A], T],
+        iterable: Iterable[A],
+        buffersize: int | None = None,
+        *,
+        progress: Any = None,
     ) -> Iterator[T]:
         """Results of ``fn(x)`` for each x of ``iterable`` as they complete, in any order,
         taking items only as results are consumed (at most ``buffersize``, default 256 a
@@ -259,7 +279,9 @@ class Pool(concurrent.futures.Executor):
         if buffersize is None:
             buffersize = D._MAP_STEP * self._max_workers
         _check_positive("buffersize", buffersize)
-        return _unordered(self, fn, iter(iterable), buffersize)
+        _progress.check(progress)
+        out = _unordered(self, fn, iter(iterable), buffersize)
+        return _progress.track(out, progress, _length((iterable,)), self._core.name)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop accepting tasks; with ``wait``, wait for the submitted ones and for every
@@ -357,6 +379,14 @@ def _ordered(results: D.MapResults, n: int, deadline: float | None) -> Iterator[
             yield value
     finally:
         results.cancelled = True
+
+
+def _length(iterables: tuple[Iterable[Any], ...]) -> int | None:
+    """How many items ``zip(*iterables)`` gives, where they all say (else None)."""
+    try:
+        return min(len(it) for it in iterables)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
 
 
 def _check_positive(label: str, value: Any) -> None:

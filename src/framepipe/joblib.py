@@ -1,0 +1,174 @@
+"""A joblib backend that runs ``Parallel`` (and scikit-learn's ``n_jobs``) on framepipe workers.
+
+Importing this module registers the backend under the name ``"framepipe"``::
+
+    import joblib
+    import framepipe.joblib  # noqa: F401 - registers the backend
+
+    with joblib.parallel_config(backend="framepipe", n_jobs=4):
+        results = joblib.Parallel()(joblib.delayed(f)(x) for x in data)
+
+Batches are joblib's own (the auto-batching of its process backends); ``timeout=``,
+``return_as="generator"`` and ``"generator_unordered"`` work as with loky. A worker that dies
+fails the call with :class:`framepipe.workers.WorkerCrashed` (which worker, its signal or exit
+code, the batch it ran, its last stderr lines), not with a bare ``TerminatedWorkerError``; the
+workers are then replaced before the next call. Functions joblib cannot send by reference
+(lambdas, closures) go by value, once per worker (see :mod:`framepipe.workers`).
+
+Keyword arguments given to ``parallel_config(backend="framepipe", ...)`` go to
+:class:`framepipe.workers.Pool` (``start_method``, ``task_timeout``, ``max_tasks_per_worker``,
+``max_rss``, ...). The workers are kept from one ``Parallel`` call to the next while those
+arguments and ``n_jobs`` stay the same, as loky's are.
+
+importing :mod:`framepipe` never imports joblib; this module does.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+import threading
+import warnings
+from typing import Any
+
+from joblib import register_parallel_backend
+from joblib._parallel_backends import (
+    AutoBatchingMixin,
+    FallbackToBackend,
+    ParallelBackendBase,
+    SequentialBackend,
+)
+
+from .workers import Pool
+
+__all__ = ["FramepipeBackend", "register"]
+
+NAME = "framepipe"
+# What Parallel passes every backend for its memory-mapping of large arrays (loky's): results
+# and arguments here travel through framepipe's own channels, large arrays in shared memory.
+_JOBLIB_ONLY = frozenset(
+    {"max_nbytes", "mmap_mode", "temp_folder", "idle_worker_timeout", "verbose", "context"}
+)
+
+_lock = threading.Lock()
+_shared: tuple[Any, Pool] | None = None  # (its arguments, the pool) kept between calls
+
+
+def _pool_for(n_jobs: int, kwargs: dict[str, Any]) -> Pool:
+    """The pool kept for these arguments; a new one (the previous one shut down) otherwise."""
+    global _shared
+    key = (n_jobs, sorted((k, repr(v)) for k, v in kwargs.items()))
+    with _lock:
+        old = _shared
+        if old is not None and old[0] == key and old[1].broken is None:
+            return old[1]
+        kwargs.setdefault("name", "joblib")
+        pool = Pool(n_jobs, **kwargs)
+        _shared = (key, pool)
+    if old is not None:
+        old[1].shutdown(wait=False)
+    return pool
+
+
+def _discard(pool: Pool) -> None:
+    """Kill ``pool``'s workers now and forget it (a crash, a timeout, an error)."""
+    global _shared
+    with _lock:
+        if _shared is not None and _shared[1] is pool:
+            _shared = None
+    pool.terminate()
+
+
+class FramepipeBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[misc]
+    """joblib's ``ParallelBackendBase`` over a :class:`framepipe.workers.Pool`."""
+
+    supports_retrieve_callback = True
+    supports_timeout = True
+    supports_return_generator = True
+    supports_inner_max_num_threads = True
+    supports_sharedmem = False
+    uses_threads = False
+
+    def __init__(
+        self,
+        nesting_level: int | None = None,
+        inner_max_num_threads: int | None = None,
+        **pool_kwargs: Any,
+    ) -> None:
+        super().__init__(
+            nesting_level=nesting_level,
+            inner_max_num_threads=inner_max_num_threads,
+            **pool_kwargs,
+        )
+        self._pool: Pool | None = None
+
+    def effective_n_jobs(self, n_jobs: int | None) -> int:
+        if n_jobs == 0:
+            raise ValueError("n_jobs == 0 in Parallel has no meaning")
+        if n_jobs is None:
+            return 1
+        if multiprocessing.current_process().daemon:
+            if n_jobs != 1:  # a daemonic process may not start processes
+                warnings.warn(
+                    "the framepipe backend runs sequentially inside a daemonic process "
+                    "(such as a multiprocessing.Pool worker): it may not start processes",
+                    stacklevel=3,
+                )
+            return 1
+        if n_jobs < 0:
+            return max((os.cpu_count() or 1) + 1 + n_jobs, 1)
+        return int(n_jobs)
+
+    def configure(
+        self,
+        n_jobs: int = 1,
+        parallel: Any = None,
+        prefer: str | None = None,
+        require: str | None = None,
+        **kwargs: Any,
+    ) -> int:
+        n_jobs = self.effective_n_jobs(n_jobs)
+        if n_jobs == 1:
+            raise FallbackToBackend(SequentialBackend(nesting_level=self.nesting_level))
+        pool_kwargs = {
+            k: v for k, v in {**self.backend_kwargs, **kwargs}.items() if k not in _JOBLIB_ONLY
+        }
+        env = dict(self._prepare_worker_env(n_jobs))
+        env.update(pool_kwargs.pop("env", None) or {})
+        self._pool = _pool_for(n_jobs, {**pool_kwargs, "env": env})
+        self.parallel = parallel
+        return n_jobs
+
+    def submit(self, func: Any, callback: Any = None) -> concurrent.futures.Future[Any]:
+        assert self._pool is not None, "configure() first"
+        future = self._pool.submit(func)
+        if callback is not None:
+            future.add_done_callback(callback)
+        return future
+
+    def retrieve_result_callback(self, future: concurrent.futures.Future[Any]) -> Any:
+        return future.result()
+
+    def terminate(self) -> None:
+        self._pool = None  # its workers stay for the next call (see _pool_for)
+        self.reset_batch_stats()
+
+    def abort_everything(self, ensure_ready: bool = True) -> None:
+        if self._pool is not None:
+            _discard(self._pool)
+            self._pool = None
+        if ensure_ready and self.parallel is not None:
+            self.configure(
+                n_jobs=self.parallel.n_jobs,
+                parallel=self.parallel,
+                **self.parallel._backend_kwargs,
+            )
+
+
+def register() -> None:
+    """Register the backend as ``"framepipe"`` (done when this module is imported)."""
+    register_parallel_backend(NAME, FramepipeBackend)
+
+
+register()
