@@ -90,7 +90,7 @@ MAX_REVIVE_NODES = MAX_EXCEPTIONS
 #: Groups nested in groups revived; a group whose members lie deeper is a stand-in.
 MAX_REVIVE_DEPTH = 32
 #: Seconds one revival may take: past them, what is still to build is a stand-in at once.
-MAX_REVIVE_SECONDS = 0.25
+MAX_REVIVE_SECONDS = 1.0
 
 _GROUP_ARGS_REPR = 1000  # characters of a group's args repr kept
 _FORMAT = "framepipe.remote/1"
@@ -603,6 +603,7 @@ class _Reviver:
         self._planned: dict[int, int] = {}  # node -> its group depth
         self._cut: set[int] = set()  # groups whose members lie past MAX_REVIVE_DEPTH
         self._whole: dict[int, bool] = {}  # node -> its member tree is all in the plan
+        self._member_lists: dict[int, list[int]] = {}
         self._deadline = time.monotonic() + MAX_REVIVE_SECONDS
 
     def revive(self, root: int) -> BaseException:
@@ -625,11 +626,13 @@ class _Reviver:
         return None
 
     def _members(self, index: int) -> list[int]:
-        node = self._nodes[index]
-        ids = node.get("members")
-        if not isinstance(ids, list):
-            return []
-        return [i for i in ids if self._node(i) is not None]
+        """The members of group ``index`` that are recorded (no more than could be revived)."""
+        members = self._member_lists.get(index)
+        if members is None:
+            ids = self._nodes[index].get("members")
+            members = [] if not isinstance(ids, list) else ids[:MAX_REVIVE_NODES]
+            members = self._member_lists[index] = [i for i in members if self._node(i) is not None]
+        return members
 
     def _plan(self, root: int) -> None:
         planned = self._planned

@@ -173,8 +173,11 @@ class Worker:
     ``call`` returns the result or raises the worker's exception as its own type with the
     worker's traceback; ``submit`` returns a :class:`concurrent.futures.Future`. If the worker
     dies, every caller waiting on it gets :class:`WorkerCrashed` (pid, signal or exit code,
-    the task, peak RSS, the OOM hint, its native traceback and last stderr lines); the next call
-    starts a new process (``stats["restarts"]`` counts them; the namespace of ``exec`` /
+    the task, peak RSS, the OOM hint, its native traceback and last stderr lines); when the
+    crash failed a call, so does every call made after it until a caller has been handed it
+    (``result()``, ``exception()``, ``call``, ``acall`` or a stream raising it): those calls
+    were made against the old process's state, which the new one does not have. The next call
+    after that starts a new process (``stats["restarts"]`` counts them; the namespace of ``exec`` /
     ``store`` starts empty again).
 
     ``start_method`` is ``"spawn"`` (default), ``"fork"`` or ``"forkserver"``. ``initializer(
