@@ -7,6 +7,7 @@ Programs a user would write run for real in a fresh interpreter (a file, ``pytho
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -215,7 +216,10 @@ def test_python_dash_and_dash_c_programs_run_spawned_workers(tmp_path, how):
 
 @pytest.mark.parametrize("how", ["file", "stdin", "c"])
 def test_a_function_the_worker_cannot_find_gets_a_short_error_saying_what_to_do(tmp_path, how):
+    # without cloudpickle (with it, such a function goes by value: tests/test_byvalue.py)
     code = """
+        import sys
+        sys.modules["cloudpickle"] = None
         from framepipe.workers import Pool
 
         if __name__ == "__main__":
@@ -234,7 +238,7 @@ def test_a_function_the_worker_cannot_find_gets_a_short_error_saying_what_to_do(
     else:
         assert "has no file (python -c, python -)" in first
     assert "define it at the top level of a module file" in first
-    assert 'start_method="fork"' in first
+    assert 'start_method="fork"' in first and "framepipe[cloudpickle]" in first
     # one traceback (the caller's), not the worker's twice
     assert out.stderr.count(TRACEBACK) == 1, out.stderr
     assert "RemoteTraceback" not in out.stderr and "AttributeError" not in out.stderr
@@ -445,8 +449,13 @@ def test_an_unpicklable_argument_fails_at_submit_naming_it(engine):
         assert "identity" in first and "_thread.lock cannot be pickled" in first
         with pytest.raises(TypeError, match=r"^cannot send keyword argument 'x' of "):
             pool.submit(identity, x=lock)
-        with pytest.raises(TypeError, match=r"^cannot send the function "):
-            pool.submit(lambda: 1)
+        if importlib.util.find_spec("cloudpickle") is None:
+            with pytest.raises(TypeError, match=r"^cannot send the function .*cloudpickle"):
+                pool.submit(lambda: 1)
+        else:  # by value (tests/test_byvalue.py)
+            assert pool.submit(lambda: 1).result(WAIT) == 1
+        with pytest.raises(TypeError, match=r"^cannot send argument 0 of .* even by value"):
+            pool.submit(identity, lambda: lock)
         assert pool.submit(identity, 5).result(WAIT) == 5  # nothing was queued
         # map: the item that cannot be sent fails in its place, naming its argument
         it = pool.map(max, [1, lock], [2, 3])

@@ -379,6 +379,14 @@ def _type_name(value: Any) -> str:
     return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
 
 
+def _cloudpickle_or_none() -> Any:
+    try:
+        import cloudpickle
+    except ImportError:
+        return None
+    return cloudpickle
+
+
 def unpicklable_error(
     name: str,
     fn: Any,
@@ -386,8 +394,10 @@ def unpicklable_error(
     args: tuple[Any, ...] = (),
     kwargs: dict[str, Any] | None = None,
 ) -> TypeError:
-    """The error of a call of ``fn`` (named ``name``) that cannot be pickled: which part (the
-    function, or which argument, by position or keyword, and its type) and what to do."""
+    """The error of a call of ``fn`` (named ``name``) that cannot be pickled, by reference nor
+    (where cloudpickle is installed) by value: which part (the function, or which argument,
+    by position or keyword, and its type) and what to do."""
+    cloud = _cloudpickle_or_none()
     parts: list[tuple[str, Any]] = [("the function", fn)]
     parts += [(f"argument {i}", a) for i, a in enumerate(args)]
     parts += [(f"keyword argument {k!r}", v) for k, v in (kwargs or {}).items()]
@@ -395,25 +405,36 @@ def unpicklable_error(
     for part, obj in parts:
         try:
             pickle.dumps(obj, protocol=5)
-        except Exception as e:  # noqa: BLE001 - the culprit
-            label, value, exc = part, obj, e
-            break
+            continue
+        except Exception as e:  # noqa: BLE001 - the culprit, unless it goes by value
+            found: BaseException = e
+        if cloud is not None:
+            try:
+                cloud.dumps(obj, protocol=5)
+                continue
+            except Exception as e:  # noqa: BLE001 - not by value either
+                found = e
+        label, value, exc = part, obj, found
+        break
     why = f"{type(exc).__name__}: {exc}"
+    even = ", even by value" if cloud is not None else ""
     if label == "the function":
-        text = (
-            f"cannot send the function {name} to a worker process ({why}); define it at the "
-            "top level of a module: a lambda or a nested function cannot be sent"
+        text = f"cannot send the function {name} to a worker process{even} ({why}); " + (
+            "define it at the top level of a module"
+            if cloud is not None
+            else "define it at the top level of a module, or install cloudpickle to send "
+            "lambdas and nested functions by value: pip install 'framepipe[cloudpickle]'"
         )
     elif label:
         text = (
             f"cannot send {label} of {name} to a worker process: {_type_name(value)} "
-            f"cannot be pickled ({why}); pass something picklable "
+            f"cannot be pickled{even} ({why}); pass something picklable "
             "(a path, a number, a module-level function) and build the object in the worker"
         )
     else:
         text = (
-            f"cannot send {name} and its arguments to a worker process ({why}); functions "
-            "must be defined at module level and arguments picklable"
+            f"cannot send {name} and its arguments to a worker process{even} ({why}); "
+            "functions must be defined at module level and arguments picklable"
         )
     err = TypeError(text)
     err.__cause__ = exc
@@ -467,8 +488,9 @@ def unloadable_error(tid: int, exc: BaseException) -> WorkerError:
             )
         err = WorkerError(
             f"task {tid}: the worker cannot find {name!r}: {why}; define it at the top level "
-            'of a module file (above the `if __name__ == "__main__":` block), or use '
-            'start_method="fork"'
+            'of a module file (above the `if __name__ == "__main__":` block), use '
+            'start_method="fork", or install cloudpickle to send it by value: pip install '
+            "'framepipe[cloudpickle]'"
         )
         err.__suppress_context__ = True
         return err
