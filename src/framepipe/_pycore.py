@@ -1087,7 +1087,9 @@ class Engine:
         if need > have:
             dest += bytes(min(self._plen, max(need, 2 * have)) - have)  # calloc'd zeros
         got = self._pgot
-        view = self._rview = memoryview(dest)[got : len(dest) if length is None else got + length]
+        # never past the frame's end: a caller's buffer (recv_bytes_into) may be larger
+        end = min(len(dest), self._plen) if length is None else got + length
+        view = self._rview = memoryview(dest)[got:end]
         return view
 
     def _release_room(self) -> None:
