@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import time
 
@@ -86,6 +87,25 @@ def no_leftover_processes():
         except psutil.Error:
             pass
     assert not left, f"processes left behind: {[p.pid for p in left]}"
+
+
+@pytest.fixture
+def no_leftover_loader_workers():
+    """Fails the test if a DataLoader worker outlives it (and kills what it left)."""
+    yield
+    deadline = time.monotonic() + 5.0
+    leftovers = []
+    while True:
+        leftovers = [
+            p for p in multiprocessing.active_children() if p.name.startswith("DataLoader-worker")
+        ]
+        if not leftovers or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    for p in leftovers:
+        p.kill()
+        p.join(5)
+    assert not leftovers, f"workers left running: {[p.pid for p in leftovers]}"
 
 
 def pytest_addoption(parser):

@@ -1,8 +1,8 @@
 """framepipe.workers.DataLoader with real worker processes, on both engines where the engine
 matters (the ``engine`` fixture puts the ``impl`` core under ``framepipe.connection``).
 
-Every test leaves no worker behind: the ``reaped`` fixture kills and fails on any DataLoader
-worker still running at the end. Loaders get a ``timeout`` as a hang guard, so a broken test
+Every test leaves no worker behind: the ``no_leftover_loader_workers`` fixture (conftest) kills
+and fails on any DataLoader worker still running at the end. Loaders get a ``timeout`` as a hang guard, so a broken test
 fails with TaskTimeout instead of blocking the suite.
 """
 
@@ -43,22 +43,8 @@ MiB = 1024 * 1024
 
 
 @pytest.fixture(autouse=True)
-def reaped():
-    """Fail the test if a DataLoader worker outlives it (after killing it)."""
+def _reaped(no_leftover_loader_workers):
     yield
-    deadline = time.monotonic() + 5.0
-    leftovers = []
-    while True:
-        leftovers = [
-            p for p in multiprocessing.active_children() if p.name.startswith("DataLoader-worker")
-        ]
-        if not leftovers or time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
-    for p in leftovers:
-        p.kill()
-        p.join(5)
-    assert not leftovers, f"workers left running: {[p.pid for p in leftovers]}"
 
 
 @pytest.fixture

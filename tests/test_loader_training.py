@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import multiprocessing
 import os
 import pickle
 import random
@@ -34,22 +33,8 @@ GUARD = 30.0  # seconds: a batch that takes this long means a hang (TaskTimeout 
 
 
 @pytest.fixture(autouse=True)
-def reaped():
-    """Fail the test if a DataLoader worker outlives it (after killing it)."""
+def _reaped(no_leftover_loader_workers):
     yield
-    deadline = time.monotonic() + 5.0
-    leftovers = []
-    while True:
-        leftovers = [
-            p for p in multiprocessing.active_children() if p.name.startswith("DataLoader-worker")
-        ]
-        if not leftovers or time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
-    for p in leftovers:
-        p.kill()
-        p.join(5)
-    assert not leftovers, f"workers left running: {[p.pid for p in leftovers]}"
 
 
 # -- datasets (module level: spawned workers import them) --------------------------------------

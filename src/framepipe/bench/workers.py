@@ -766,12 +766,8 @@ def format_report(report: dict[str, Any]) -> str:
             "",
             *_format_scaling(report),
             *_format_targets(report),
+            *_format_tail(report),
         ]
-        missed = sum(1 for t in report["targets"] if not t["met"])
-        for line in busy_lines(report.get("load"), (), missed):
-            lines += ["", *wrap(line, "")]
-        if report.get("missing_line"):
-            lines += ["", *wrap(report["missing_line"], "")]
         return "\n".join(fit(lines))
     lines = [
         f"framepipe {m['framepipe']} bench workers: {report['workers']} workers a pool, "
@@ -850,13 +846,19 @@ def format_report(report: dict[str, Any]) -> str:
                 f"  {name:<21} {late * 1e3:6.1f} ms late, stack: "
                 f"{'yes' if r.get('timeout_stack') else 'no'}"
             )
-    lines += _format_targets(report)
+    lines += _format_targets(report) + _format_tail(report)
+    return "\n".join(fit(lines))
+
+
+def _format_tail(report: dict[str, Any]) -> list[str]:
+    """Whether the machine was busy (when a target was missed), and the pools not installed."""
+    lines: list[str] = []
     missed = sum(1 for t in report["targets"] if not t["met"])
     for line in busy_lines(report.get("load"), (), missed):
         lines += ["", *wrap(line, "")]
     if report.get("missing_line"):
         lines += ["", *wrap(report["missing_line"], "")]
-    return "\n".join(fit(lines))
+    return lines
 
 
 _METRICS = (
