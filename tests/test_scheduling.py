@@ -200,3 +200,22 @@ def test_lazy_map_with_chunks_and_errors(engine):
             next(it)
         with pytest.raises(ValueError, match="buffersize"):
             pool.map(identity, [1], buffersize=0)
+
+
+def test_taking_tasks_over_without_epoll(engine, monkeypatch):
+    """Where callers never read a worker's channel (no epoll or eventfd), tasks are taken over
+    all the same (nobody is reading a channel to be told)."""
+    from framepipe.workers import _dispatch as D
+
+    monkeypatch.setattr(D, "_EPOLL", None)
+    monkeypatch.setattr(D, "LEND", False)
+    with Pool(2, start_method="fork") as pool:
+        _warm(pool, 2)
+        for _ in range(3):
+            assert [f.result(WAIT) for f in [pool.submit(identity, i) for i in range(500)]]
+        long = pool.submit(nap, 1.0)
+        short = [pool.submit(nap, 0.001) for _ in range(100)]
+        long_pid, _, long_end = long.result(WAIT)
+        results = [f.result(WAIT) for f in short]
+        assert all(end < long_end for _, _, end in results)
+        assert pool.broken is None

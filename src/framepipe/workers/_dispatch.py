@@ -736,8 +736,9 @@ class Slot:
         self.help_poller: Any = None
 
     def poke(self) -> None:
-        with contextlib.suppress(OSError):
-            os.eventfd_write(self.poke_fd, 1)
+        if self.poke_fd >= 0:  # (none where callers never read a channel: no LEND)
+            with contextlib.suppress(OSError):
+                os.eventfd_write(self.poke_fd, 1)
 
     def close_poke(self) -> None:
         fd, self.poke_fd = self.poke_fd, -1
