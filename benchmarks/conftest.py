@@ -1,6 +1,6 @@
 """Fixtures for the pytest-benchmark suites.
 
-Run them with ``python -m pytest benchmarks --benchmark-only`` (group tables compare the
+Run them with ``python -m pytest benchmarks --benchmark-only -n 0`` (group tables compare the
 implementations side by side; add ``--benchmark-group-by=group`` or ``--benchmark-columns``
 as usual). Every test is parametrized over ``impl``: framepipe's compiled core (``c``, skipped
 when it is not built unless ``FRAMEPIPE_REQUIRE_EXTENSIONS=1``), its pure-Python twin (``py``)

@@ -88,7 +88,12 @@ if [ "$#" -eq 0 ]; then
     #   items that load at once as fast, which they are not under the sanitizers;
     # - test_rss_stays_flat_over_many_small_and_some_16_mib_messages: ASan's quarantine keeps
     #   up to 256 MB of freed memory by design, so RSS is not flat under it.
+    # Left out too: the suites whose subject is not the compiled core but a tool above it
+    # (mypy's types, the docs' examples, torch's elastic agent, joblib's and dask's own
+    # machinery); they run in the plain suite.
     set -- tests \
+        --ignore tests/test_typing.py --ignore tests/test_docs.py --ignore tests/test_run.py \
+        --ignore tests/test_joblib.py --ignore tests/test_executor_swap.py \
         --deselect tests/test_faults.py::test_forkserver_exit_codes_survive_many_deaths \
         --deselect tests/test_workers_group.py::test_root_cause_without_error_files_is_the_first_death \
         --deselect tests/test_loader.py::test_order_kept_while_batches_turn_slow_and_fast_again \
