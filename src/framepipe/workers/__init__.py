@@ -15,7 +15,10 @@ worker's stack), :class:`PoolBroken`, :class:`WorkerCancelled`.
 from ._dispatch import worker_namespace
 from .errors import (
     PoolBroken,
+    TaskExit,
+    TaskPicklingError,
     TaskTimeout,
+    TaskUnpicklingError,
     WorkerCancelled,
     WorkerCrashed,
     WorkerError,
@@ -30,7 +33,10 @@ __all__ = [
     "Pool",
     "PoolBroken",
     "Stream",
+    "TaskExit",
+    "TaskPicklingError",
     "TaskTimeout",
+    "TaskUnpicklingError",
     "Worker",
     "WorkerCancelled",
     "WorkerCrashed",

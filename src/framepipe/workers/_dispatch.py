@@ -43,6 +43,7 @@ import signal
 import socket
 import threading
 import time
+import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -55,7 +56,9 @@ from . import _process, _shm
 from ._process import ChildContext, WorkerProcess
 from .errors import (
     PoolBroken,
+    TaskPicklingError,
     TaskTimeout,
+    TaskUnpicklingError,
     WorkerCancelled,
     WorkerCrashed,
     WorkerError,
@@ -148,12 +151,14 @@ def _task_name(fn: Any) -> str:
     except (KeyError, TypeError):
         pass
     name = _name_of(fn)
-    try:
-        if len(_names) < 4096:
-            _names[fn] = name
-    except TypeError:
-        pass  # unhashable callable
+    # Kept only for what lives as long as its module anyway: never a bound method (its
+    # instance), a closure or a callable object, which the caller may expect to be freed.
+    if type(fn) in _LASTING and "<locals>" not in name and len(_names) < 4096:
+        _names[fn] = name
     return name
+
+
+_LASTING = frozenset({types.FunctionType, types.BuiltinFunctionType, type})
 
 
 def _name_of(fn: Any) -> str:
@@ -257,14 +262,16 @@ def task_loop(ctx: ChildContext) -> None:
                             if wire.new:
                                 wire.flush()
                         send((RESULT, tid, value))
-                except Exception as exc:  # noqa: BLE001 - an unpicklable result
+                except (Exception, SystemExit) as exc:  # noqa: BLE001 - an unpicklable result
                     if wire is not None:
                         wire.give_back(wire.used)  # the parent never saw these arrays
-                    err = WorkerError(
-                        f"the result of {_task_name(fn)} could not be sent back: "
-                        f"{type(exc).__name__}: {exc}"
-                    )
-                    err.__cause__ = exc
+                    err: BaseException = exc  # a SystemExit in a __reduce__: as itself
+                    if isinstance(exc, Exception):
+                        err = TaskPicklingError(
+                            f"the result of {_task_name(fn)} could not be sent back: "
+                            f"{type(exc).__name__}: {exc}"
+                        )
+                        err.__cause__ = exc
                     send((ERROR, tid, dumps_exception(err)))
             ctx.calls += 1
             ctx.busy += perf() - start
@@ -324,7 +331,7 @@ def _unloadable(blob: bytes, exc: BaseException, at: int) -> list[tuple[Any, ...
         raise exc
     entries = []
     for tid in tids:
-        err = WorkerError(
+        err = TaskUnpicklingError(
             f"task {tid} could not be unpickled in the worker: {type(exc).__name__}: {exc} "
             "(the function, its arguments and what they refer to must be importable in the "
             "worker)"
@@ -1645,7 +1652,7 @@ class Core:
                 f"read, with no task due: {type(exc).__name__}: {exc}"
             ) from exc
         what = "an item" if task.stream is not None else "the result"
-        err = WorkerError(
+        err = TaskUnpicklingError(
             f"{what} of {task.name} (task {task.tid}) from worker {slot.proc.name!r} could not "
             f"be unpickled in this process: {type(exc).__name__}: {exc}"
         )
@@ -1705,7 +1712,7 @@ class Core:
                         pass  # it failed already (its deadline passed, it was cancelled)
             elif kind == ERROR:
                 self._cancelled.discard(task.tid)
-                task.fail(revive(msg[2]))
+                task.fail(revive(msg[2], self.policy == "pool"))
             else:
                 self._cancelled.discard(task.tid)
                 if task.stream is not None:
@@ -1715,6 +1722,8 @@ class Core:
                         task.future.set_result(None)
             slot.outstanding.popleft()
             slot.done_bytes += task.size
+            task.payload = b""  # answered: its pickled call and function are not kept
+            task.fn = None
             return 1
         elif kind == ITEM:
             task = slot.outstanding[0]
@@ -2117,6 +2126,14 @@ class Core:
                 # not those running already (taken from a worker that died): they run again
                 pending = [t for t in self._pending if not t.running]
                 again = [t for t in self._pending if t.running]
+                if self.policy == "pool":
+                    # Nor the next task of each worker with nothing in hand (still starting,
+                    # or idle): it has it as good as handed, as ProcessPoolExecutor's workers
+                    # have the tasks of its call queue, which fills before they start.
+                    holding = sum(1 for s in self._slots if s.outstanding and not s.dead)
+                    free = max(0, self._n - holding)
+                    again += pending[:free]
+                    del pending[:free]
                 self._pending.clear()
                 self._pending.extend(again)
             else:
@@ -2206,8 +2223,8 @@ class Core:
             time.sleep(0.001)
 
 
-def _unpicklable(fn: Any, exc: BaseException) -> TypeError:
-    err = TypeError(
+def _unpicklable(fn: Any, exc: BaseException) -> TaskPicklingError:
+    err = TaskPicklingError(
         f"cannot send {_task_name(fn)} and its arguments to a worker process: "
         f"{type(exc).__name__}: {exc}; functions must be defined at module level and "
         "arguments picklable"

@@ -16,13 +16,16 @@ forkserver) with four private channels:
 Child side, :func:`child_main` makes the process a good citizen before running the loop it
 was given: its own process group (Ctrl-C at the terminal reaches the parent only), death with
 its parent (``PR_SET_PDEATHSIG`` and a pidfd watch of the parent, then SIGKILL to its own
-group), no inherited parent-side descriptors after a fork.
+group), no descriptor inherited from the parent after a fork but the ones it needs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import faulthandler
+import multiprocessing.context as _mp_context
+import multiprocessing.popen_fork as _popen_fork
+import multiprocessing.util as _mp_util
 import os
 import re
 import select
@@ -352,6 +355,84 @@ def _rebind_stream(name: str, fd: int) -> None:
     )
 
 
+def _needed_fds(boot: _Boot) -> set[int]:
+    """The descriptors a forked worker keeps: stdin, stdout, stderr, its own channels, and
+    multiprocessing's resource tracker (which a child that makes a semaphore writes to)."""
+    keep = {0, 1, 2}
+    for obj in (boot.conn, boot.health, boot.stack_w, boot.stderr_w, *boot.options.values()):
+        if isinstance(obj, _FdHandle):
+            keep.add(obj.fd)
+        elif hasattr(obj, "_handles"):  # a connection
+            keep.update(fd for fd in obj._handles() if fd >= 0)
+    from multiprocessing import resource_tracker
+
+    tracker_fd = getattr(resource_tracker._resource_tracker, "_fd", None)
+    if isinstance(tracker_fd, int):
+        keep.add(tracker_fd)
+    return keep
+
+
+def _close_inherited(keep: set[int]) -> None:
+    """Release every descriptor of a freshly forked worker but those in ``keep``, whichever
+    thread of the parent opened them (another thread's ``subprocess.Popen`` exec-error pipe
+    among them: held here, that Popen would wait for this worker to end). Each is replaced by
+    /dev/null rather than closed, so that a Python object the worker inherited (a logging
+    handler's file) never writes into a descriptor the worker opens later with the same
+    number."""
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc: close by ranges around the ones kept
+        fd = 0
+        for k in sorted(keep):
+            os.closerange(fd, k)
+            fd = k + 1
+        os.closerange(fd, os.sysconf("SC_OPEN_MAX"))
+        return
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        for fd in fds:
+            if fd in keep or fd == null:
+                continue
+            try:
+                os.fstat(fd)  # (the listing's own descriptor is closed by now)
+            except OSError:
+                continue
+            os.dup2(null, fd, inheritable=False)
+    finally:
+        os.close(null)
+
+
+class _ForkPopen(_popen_fork.Popen):
+    """multiprocessing's fork start, the child releasing the descriptors it does not need
+    (see :func:`_close_inherited`) before anything else runs in it."""
+
+    def _launch(self, process_obj: Any) -> None:
+        code = 1
+        parent_r, child_w = os.pipe()
+        child_r, parent_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                os.close(parent_r)
+                os.close(parent_w)
+                _close_inherited(_needed_fds(process_obj._args[0]) | {child_r, child_w})
+                code = process_obj._bootstrap(parent_sentinel=child_r)
+            finally:
+                os._exit(code)
+        else:
+            os.close(child_w)
+            os.close(child_r)
+            close = _mp_util.close_fds  # type: ignore[attr-defined]
+            self.finalizer = _mp_util.Finalize(self, close, (parent_r, parent_w))
+            self.sentinel = parent_r
+
+
+class _ForkProcess(_mp_context.ForkProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _ForkPopen(process_obj)
+
+
 def child_main(boot: _Boot) -> None:
     """A worker process's body: hygiene, redirects, health thread, initializer, then the loop."""
     with contextlib.suppress(OSError):
@@ -643,7 +724,8 @@ class WorkerProcess:
             options=self._options,
         )
         try:
-            self.process = self._ctx.Process(
+            fork = self._ctx.get_start_method() == "fork"
+            self.process = (_ForkProcess if fork else self._ctx.Process)(
                 target=child_main, args=(boot,), name=self.name, daemon=False
             )
             self.process.start()

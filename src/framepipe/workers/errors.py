@@ -2,13 +2,18 @@
 
 Each is a :class:`framepipe.FramepipeError` and, where one exists, the stdlib class that code
 using ``concurrent.futures`` already catches: :class:`TaskTimeout` is a ``TimeoutError``,
-:class:`WorkerCancelled` a ``concurrent.futures.CancelledError``, :class:`PoolBroken` a
-``concurrent.futures.BrokenExecutor``.
+:class:`WorkerCancelled` a ``concurrent.futures.CancelledError``, :class:`PoolBroken` and
+:class:`WorkerCrashed` a ``concurrent.futures.process.BrokenProcessPool`` (a
+``BrokenExecutor``), :class:`TaskPicklingError` a ``pickle.PicklingError`` (and a
+``TypeError``), :class:`TaskUnpicklingError` a ``BrokenProcessPool``, and :class:`TaskExit`
+(a pool's task that called ``sys.exit``) a ``SystemExit``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import pickle
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from ..errors import FramepipeError, signal_name
@@ -21,6 +26,9 @@ __all__ = [
     "WorkerCancelled",
     "PoolBroken",
     "WorkerStartError",
+    "TaskPicklingError",
+    "TaskUnpicklingError",
+    "TaskExit",
     "format_bytes",
 ]
 
@@ -52,8 +60,10 @@ class WorkerStartError(WorkerError):
     the process died before it was ready."""
 
 
-class WorkerCrashed(WorkerError):
-    """A worker process died while callers were waiting on it.
+class WorkerCrashed(WorkerError, BrokenProcessPool):
+    """A worker process died while callers were waiting on it. Also a
+    ``concurrent.futures.process.BrokenProcessPool``, what code written for
+    ``ProcessPoolExecutor`` catches when a worker dies (a framepipe pool goes on).
 
     Attributes: ``worker`` (its name), ``pid``, ``exitcode`` (negative for a signal, as
     ``subprocess.Popen`` reports it; None when unknown), ``signal_name``, ``core_dumped``,
@@ -199,10 +209,11 @@ class WorkerCancelled(WorkerError, concurrent.futures.CancelledError):
     inside the running call, and to every caller whose call was running or queued."""
 
 
-class PoolBroken(WorkerError, concurrent.futures.BrokenExecutor):
+class PoolBroken(WorkerError, BrokenProcessPool):
     """The pool gave up: its workers crashed more than ``max_restarts`` times within
     ``restart_window`` seconds, or their initializer failed. ``crashes`` lists the last
-    :class:`WorkerCrashed` errors (newest last)."""
+    :class:`WorkerCrashed` errors (newest last). A ``BrokenProcessPool`` (and so a
+    ``concurrent.futures.BrokenExecutor``)."""
 
     def __init__(self, message: str, crashes: list[BaseException] | None = None) -> None:
         self.reason = message
@@ -218,16 +229,47 @@ class PoolBroken(WorkerError, concurrent.futures.BrokenExecutor):
         return (type(self), (self.reason, self.crashes))
 
 
+class TaskPicklingError(WorkerError, TypeError, pickle.PicklingError):
+    """A task's function or arguments (in this process), or its result (in the worker), could
+    not be pickled: a ``pickle.PicklingError`` as ``ProcessPoolExecutor`` raises, and a
+    ``TypeError``. The pickling error is ``__cause__``; only that task fails."""
+
+
+class TaskUnpicklingError(WorkerError, BrokenProcessPool, pickle.UnpicklingError):
+    """A task's function or arguments could not be unpickled in the worker, or its result in
+    this process (the error is ``__cause__``). Only that task fails and the pool goes on; a
+    ``BrokenProcessPool`` all the same, what ``ProcessPoolExecutor`` raises then."""
+
+
+class TaskExit(WorkerError, SystemExit):
+    """A pool's task raised ``SystemExit`` (``sys.exit()``): re-raised in the caller as a
+    ``SystemExit`` with the same ``code``, as ``ProcessPoolExecutor`` does, and also a
+    :class:`WorkerError` (an ``Exception``), so that ``except Exception`` catches it too. The
+    worker goes on. The task's own exception is ``__cause__``."""
+
+    def __init__(self, message: str, code: Any = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self), self.code))
+
+
 def _rebuild(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return cls(*args, **kwargs)
 
 
-def revive(blob: bytes) -> BaseException:
+def revive(blob: bytes, executor: bool = False) -> BaseException:
     """The exception a worker sent (``dumps_exception``), to raise in the caller. A
     SystemExit, KeyboardInterrupt or GeneratorExit raised by a task comes as a
     :class:`WorkerError` whose cause it is: never re-raised as itself in the caller, where it
-    would end the program or look like a Ctrl-C."""
+    would end the program or look like a Ctrl-C; for a pool (``executor``), a SystemExit
+    comes as a :class:`TaskExit`, a SystemExit as ``ProcessPoolExecutor`` re-raises it."""
     exc = loads_exception(blob)
+    if executor and isinstance(exc, SystemExit):
+        err: WorkerError = TaskExit(f"the task raised SystemExit({exc.code!r})", exc.code)
+        err.__cause__ = exc
+        return err
     if not isinstance(exc, Exception):
         err = WorkerError(f"the task raised {type(exc).__name__}({exc})")
         err.__cause__ = exc

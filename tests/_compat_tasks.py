@@ -1,0 +1,92 @@
+"""Functions and classes the Pool compatibility tests run in worker processes (importable by
+spawned workers: pytest puts this directory on sys.path and multiprocessing passes it on)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+
+class Payload:
+    """A weakly referenceable object, to tell when the parent has let go of it."""
+
+    def __init__(self, n: int = 0) -> None:
+        self.n = n
+
+    def method(self) -> int:
+        return self.n
+
+
+def make_payload(n: int) -> Payload:
+    return Payload(n)
+
+
+def size_of(p: Payload) -> int:
+    return p.n
+
+
+def make_lock(_: object = None) -> threading.Lock:
+    return threading.Lock()
+
+
+def exit_with(code: int) -> None:
+    raise SystemExit(code)
+
+
+def exit_hard(code: int) -> None:
+    os._exit(code)
+
+
+def fail_init() -> None:
+    raise ValueError("the initializer failed")
+
+
+def nap(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def fail_to_load() -> None:
+    raise KeyError("this object cannot be rebuilt here")
+
+
+class LoadsBadly:
+    """Pickles fine; unpickling it calls :func:`fail_to_load`."""
+
+    def __reduce__(self) -> tuple[object, tuple[()]]:
+        return fail_to_load, ()
+
+
+class ExitsOnLoad:
+    """Pickles fine; unpickling it exits the process that does it."""
+
+    def __reduce__(self) -> tuple[object, tuple[int]]:
+        return exit_with, (1,)
+
+
+def open_fds(_: object = None) -> list[str]:
+    """What each open descriptor of the worker points at."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return out
+
+
+def make_bad_result() -> LoadsBadly:
+    """A result that pickles in the worker and cannot be unpickled in the parent."""
+    return LoadsBadly()
+
+
+class ExitsOnPickle:
+    """Pickling it exits the process that does it."""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        raise SystemExit(1)
+
+
+def make_exit_on_result() -> ExitsOnPickle:
+    return ExitsOnPickle()
