@@ -104,6 +104,23 @@ def _register(path: str) -> None:
         sys.meta_path.insert(0, _Finder(path))
 
 
+def _foreign() -> bool:
+    """Whether the test file is not this interpreter's own (the workers then need the
+    finder, which importing this module installs: see :func:`_boot`)."""
+    import test
+
+    own = os.path.join(os.path.dirname(test.__file__), "test_concurrent_futures.py")
+    return os.environ.get(_ENV) not in (None, own)
+
+
+def _boot(initializer: Any, initargs: tuple[Any, ...]) -> None:
+    """A worker's first call where the test file is not the interpreter's own: importing
+    this module (to unpickle this function) has installed the finder; then the tests' own
+    initializer."""
+    if initializer is not None:
+        initializer(*initargs)
+
+
 if os.environ.get(_ENV):
     _register(os.environ[_ENV])
 
@@ -129,6 +146,8 @@ def _executor_class() -> type:
                 if mp_context is not None
                 else multiprocessing.get_start_method(allow_none=True) or "spawn"
             )
+            if _foreign():
+                initializer, initargs = _boot, (initializer, initargs)
             super().__init__(
                 max_workers,
                 start_method=method,

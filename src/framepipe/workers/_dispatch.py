@@ -275,6 +275,9 @@ def task_loop(ctx: ChildContext) -> None:
                     send((ERROR, tid, dumps_exception(err)))
             ctx.calls += 1
             ctx.busy += perf() - start
+            # Answered: the call's objects are let go of now, not when the next one comes
+            # (an argument whose __del__ tells its owner, as the stdlib's workers do).
+            msg = fn = args = kwargs = value = None
             if max_rss is not None:
                 rss = _process.current_rss(os.getpid())
                 if rss is not None and rss > max_rss:

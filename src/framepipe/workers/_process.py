@@ -402,6 +402,21 @@ def _close_inherited(keep: set[int]) -> None:
         os.close(null)
 
 
+def _forget_unfinished_imports() -> None:
+    """In a freshly forked worker: drop the modules another thread of the parent was still
+    importing when it forked (half run, their import locks held by a thread that does not
+    exist here: the worker's own import of one would wait forever), so that the worker
+    imports them afresh."""
+    import importlib._bootstrap as bootstrap
+
+    for name, module in list(sys.modules.items()):
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and getattr(spec, "_initializing", False):
+            del sys.modules[name]
+    bootstrap._module_locks.clear()
+    bootstrap._blocking_on.clear()
+
+
 class _ForkPopen(_popen_fork.Popen):
     """multiprocessing's fork start, the child releasing the descriptors it does not need
     (see :func:`_close_inherited`) before anything else runs in it."""
@@ -415,6 +430,7 @@ class _ForkPopen(_popen_fork.Popen):
             try:
                 os.close(parent_r)
                 os.close(parent_w)
+                _forget_unfinished_imports()
                 _close_inherited(_needed_fds(process_obj._args[0]) | {child_r, child_w})
                 code = process_obj._bootstrap(parent_sentinel=child_r)
             finally:
