@@ -14,6 +14,7 @@ import sys
 import threading
 import weakref
 from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 
 import pytest
 from _compat_tasks import (
@@ -236,3 +237,21 @@ def test_a_forked_worker_holds_no_descriptor_of_the_parent(engine, tmp_path):
             seen = pool.submit(open_fds).result(WAIT)
             assert str(path) not in seen
             assert g.read() == "still mine"
+
+
+def test_cpython_executor_suite_runs_against_pool():
+    """A few of CPython's own executor tests, through the tool CI runs them all with (fork and
+    spawn): the adapter still builds a Pool the tests accept."""
+    if sys.version_info[:2] != (3, 11):
+        pytest.skip("the adapted suite is CPython 3.11's")
+    tool = Path(__file__).resolve().parents[1] / "tools" / "cpython_executor_suite.py"
+    proc = subprocess.run(
+        [sys.executable, str(tool), "-k", "ProcessPoolExecutorTest.test_submit"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if "is not installed" in proc.stdout:
+        pytest.skip("test_concurrent_futures.py is not installed (libpython3.11-testsuite)")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "framepipe: 4 passed, 0 failed, 0 skipped of 4" in proc.stdout, proc.stdout

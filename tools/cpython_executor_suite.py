@@ -34,7 +34,7 @@ import weakref
 from typing import Any, cast
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SRC = os.environ.get("FRAMEPIPE_SUITE_SRC") or os.path.join(os.path.dirname(HERE), "src")
+SRC = os.path.join(os.path.dirname(HERE), "src")  # where framepipe is not installed
 
 # Class-name prefixes of the test classes that run (the process-pool ones, fork and spawn).
 PREFIXES = ("ProcessPoolFork", "ProcessPoolSpawn")
@@ -183,7 +183,10 @@ def load(path: str, stdlib: bool = False) -> types.ModuleType:
     # The child interpreters of the interpreter-shutdown tests import the same file, and
     # make the same swap first.
     original = mod.assert_python_ok
-    prelude = _CHILD_PRELUDE.format(src=SRC, tools=HERE, swap=not stdlib)
+    import framepipe  # the children import the very same one (installed, or this checkout's)
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(framepipe.__file__)))
+    prelude = _CHILD_PRELUDE.format(src=root, tools=HERE, swap=not stdlib)
 
     def assert_python_ok(*args: str, **env: Any) -> Any:
         args = tuple(
@@ -280,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             "(Debian: apt-get install libpython3.11-testsuite)"
         )
         return 1 if args.require else 0
-    if SRC not in sys.path:
+    if importlib.util.find_spec("framepipe") is None:
         sys.path.insert(0, SRC)
     mod = load(path, stdlib=args.stdlib)
     if not args.stdlib:
