@@ -90,3 +90,14 @@ class ExitsOnPickle:
 
 def make_exit_on_result() -> ExitsOnPickle:
     return ExitsOnPickle()
+
+
+#: a file the program opens before it forks a pool (see read_shared)
+SHARED = None
+
+
+def read_shared() -> str:
+    """What the file the program opened before the fork holds, read by a forked worker."""
+    assert SHARED is not None
+    SHARED.seek(0)
+    return SHARED.read()

@@ -9,13 +9,17 @@ import concurrent.futures as cf
 import gc
 import os
 import pickle
+import select
+import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
+import _compat_tasks
 import pytest
 from _compat_tasks import (
     ExitsOnLoad,
@@ -30,6 +34,7 @@ from _compat_tasks import (
     make_payload,
     nap,
     open_fds,
+    read_shared,
     size_of,
 )
 
@@ -217,26 +222,59 @@ def test_a_popen_next_to_a_fork_pool_never_waits_for_it(engine):
     assert waited == 0, f"{waited} of 20 Popen calls waited for the pool"
 
 
-def test_a_forked_worker_holds_no_descriptor_of_the_parent(engine, tmp_path):
-    path = tmp_path / "parent-only.txt"
-    with open(path, "w") as f, Pool(2, start_method="fork") as pool:
+def test_a_forked_worker_holds_no_pipe_or_socket_of_the_parent(engine, tmp_path):
+    path = tmp_path / "shared.txt"
+    path.write_text("read in the worker")
+    r, w = os.pipe()
+    a, b = socket.socketpair()
+    _compat_tasks.SHARED = open(path)  # noqa: SIM115 - closed below
+    try:
+        with Pool(2, start_method="fork") as pool:
+            pool.submit(os.getpid).result(WAIT)  # both workers forked by now (or soon)
+            seen = pool.submit(open_fds).result(WAIT)
+            # the program's regular file is still there: a task may read it
+            assert pool.submit(read_shared).result(WAIT) == "read in the worker"
+            assert str(path) in seen
+            # its pipe and socket are not held: closed here, their other ends see the end
+            os.close(w)
+            w = -1
+            b.close()
+            assert _both_ready(r, a)
+            assert os.read(r, 1) == b"" and a.recv(1) == b""
+    finally:
+        _compat_tasks.SHARED.close()
+        _compat_tasks.SHARED = None
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+        a.close()
+        b.close()
+
+
+def _both_ready(r: int, a: socket.socket) -> bool:
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        if len(select.select([r, a], [], [], 0.1)[0]) == 2:
+            return True
+    return False
+
+
+def test_a_replacement_worker_forked_later_holds_no_pipe_opened_meanwhile(engine):
+    # a replacement worker is forked from the pool's own thread, after this thread opened
+    # the pipe: it does not hold it either
+    with Pool(1, start_method="fork", max_tasks_per_worker=1) as pool:
+        first = pool.submit(os.getpid).result(WAIT)
         r, w = os.pipe()
         try:
-            seen = pool.submit(open_fds).result(WAIT)
+            assert pool.submit(os.getpid).result(WAIT) != first  # a new worker
+            os.close(w)
+            w = -1
+            ready, _, _ = select.select([r], [], [], WAIT)
+            assert ready == [r] and os.read(r, 1) == b""
         finally:
             os.close(r)
-            os.close(w)
-        assert str(path) not in seen
-        f.write("still mine")  # the parent's own descriptor is untouched
-    assert path.read_text() == "still mine"
-    # opened after the workers started, by another thread: a replacement worker (forked
-    # from the pool's thread) does not hold it either
-    with Pool(1, start_method="fork", max_tasks_per_worker=1) as pool:
-        pool.submit(os.getpid).result(WAIT)
-        with open(path) as g:
-            seen = pool.submit(open_fds).result(WAIT)
-            assert str(path) not in seen
-            assert g.read() == "still mine"
+            if w >= 0:
+                os.close(w)
 
 
 def test_cpython_executor_suite_runs_against_pool():

@@ -30,6 +30,7 @@ import os
 import re
 import select
 import signal
+import stat
 import sys
 import threading
 import time
@@ -373,33 +374,35 @@ def _needed_fds(boot: _Boot) -> set[int]:
 
 
 def _close_inherited(keep: set[int]) -> None:
-    """Release every descriptor of a freshly forked worker but those in ``keep``, whichever
-    thread of the parent opened them (another thread's ``subprocess.Popen`` exec-error pipe
-    among them: held here, that Popen would wait for this worker to end). Each is replaced by
-    /dev/null rather than closed, so that a Python object the worker inherited (a logging
-    handler's file) never writes into a descriptor the worker opens later with the same
-    number."""
+    """Release the pipes and sockets a freshly forked worker inherited, but those in ``keep``,
+    whichever thread of the parent opened them. Held here, another thread's
+    ``subprocess.Popen`` exec-error pipe would make that Popen wait for this worker to end; a
+    pipe or socket the program closes would not reach end of file, nor a listening port be
+    freed, while a worker lives. Each is replaced by /dev/null rather than closed, so that a
+    Python object the worker inherited never writes into a descriptor the worker opens later
+    with the same number. Regular files, directories and devices stay open (holding them
+    changes nothing another process sees), as a task may read a file the program opened."""
     try:
         fds = [int(name) for name in os.listdir("/proc/self/fd")]
-    except OSError:  # no /proc: close by ranges around the ones kept
-        fd = 0
-        for k in sorted(keep):
-            os.closerange(fd, k)
-            fd = k + 1
-        os.closerange(fd, os.sysconf("SC_OPEN_MAX"))
-        return
-    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:  # no /proc
+        fds = list(range(3, min(os.sysconf("SC_OPEN_MAX"), 65536)))
+    null = -1
     try:
         for fd in fds:
-            if fd in keep or fd == null:
+            if fd in keep:
                 continue
             try:
-                os.fstat(fd)  # (the listing's own descriptor is closed by now)
+                mode = os.fstat(fd).st_mode  # (the listing's own descriptor is closed by now)
             except OSError:
                 continue
+            if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+                continue
+            if null < 0:
+                null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
             os.dup2(null, fd, inheritable=False)
     finally:
-        os.close(null)
+        if null >= 0:
+            os.close(null)
 
 
 def _forget_unfinished_imports() -> None:
