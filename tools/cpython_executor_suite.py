@@ -194,7 +194,7 @@ def load(path: str, stdlib: bool = False) -> types.ModuleType:
         )
         return original(*args, **env)
 
-    mod.assert_python_ok = assert_python_ok
+    mod.assert_python_ok = assert_python_ok  # type: ignore[attr-defined]
     if stdlib:
         return mod
     executor = _executor_class()
@@ -202,7 +202,7 @@ def load(path: str, stdlib: bool = False) -> types.ModuleType:
     proxy = types.ModuleType("concurrent.futures")
     proxy.__dict__.update(concurrent.futures.__dict__)
     proxy.ProcessPoolExecutor = executor  # type: ignore[attr-defined]
-    mod.futures = proxy
+    mod.futures = proxy  # type: ignore[attr-defined]
     for mixin in ("ProcessPoolForkMixin", "ProcessPoolSpawnMixin", "ProcessPoolForkserverMixin"):
         getattr(mod, mixin).executor_type = executor
     return mod

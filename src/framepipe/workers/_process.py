@@ -416,8 +416,8 @@ def _forget_unfinished_imports() -> None:
         spec = getattr(module, "__spec__", None)
         if spec is not None and getattr(spec, "_initializing", False):
             del sys.modules[name]
-    bootstrap._module_locks.clear()
-    bootstrap._blocking_on.clear()
+    bootstrap._module_locks.clear()  # type: ignore[attr-defined]
+    bootstrap._blocking_on.clear()  # type: ignore[attr-defined]
 
 
 class _ForkPopen(_popen_fork.Popen):
