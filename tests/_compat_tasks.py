@@ -101,3 +101,14 @@ def read_shared() -> str:
     assert SHARED is not None
     SHARED.seek(0)
     return SHARED.read()
+
+
+def nap_and_mark(path: str, i: int, seconds: float) -> int:
+    """Sleep, then append ``i`` to the file at ``path`` (one line per run)."""
+    time.sleep(seconds)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, f"{i}\n".encode())
+    finally:
+        os.close(fd)
+    return i

@@ -33,6 +33,7 @@ from _compat_tasks import (
     make_lock,
     make_payload,
     nap,
+    nap_and_mark,
     open_fds,
     read_shared,
     size_of,
@@ -174,22 +175,23 @@ def test_no_reference_kept_to_a_task_callable_arguments_or_results(engine, metho
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_cancel_futures_cancels_exactly_what_no_worker_was_handed(engine, method):
+def test_cancel_futures_cancels_exactly_what_no_worker_was_handed(engine, method, tmp_path):
     for warm in (False, True):
+        ran = tmp_path / f"ran-{warm}.txt"
         pool = Pool(2, start_method=method)
         try:
             if warm:
                 pool.submit(nap, 0).result(WAIT)
-            fs = [pool.submit(nap, 0.05) for _ in range(50)]
-            pool.shutdown(wait=False, cancel_futures=True)
-            handed = [f for f in fs if not f.cancelled()]
-            cf.wait(handed, WAIT)
-            # what a worker had (or, still starting, was sure to run next) ran
-            assert 1 <= len(handed) < 25, len(handed)
-            assert all(f.done() and f.result() == 0.05 for f in handed)
-            # and nothing after a cancelled task was kept
-            first_cancelled = next(i for i, f in enumerate(fs) if f.cancelled())
-            assert all(f.cancelled() for f in fs[first_cancelled:])
+            fs = [pool.submit(nap_and_mark, str(ran), i, 0.2) for i in range(50)]
+            pool.shutdown(wait=True, cancel_futures=True)
+            kept = [i for i, f in enumerate(fs) if not f.cancelled()]
+            # what a worker had (or, still starting, was sure to run next) ran, once each;
+            # nothing cancelled ran
+            assert all(fs[i].result(0) == i for i in kept)
+            runs = sorted(int(line) for line in ran.read_text().split()) if kept else []
+            assert runs == kept
+            assert kept and len(kept) < 50  # some ran, the rest was cancelled
+            assert kept == list(range(len(kept)))  # in the order they came
         finally:
             pool.shutdown(wait=True)
 
