@@ -43,6 +43,7 @@ import signal
 import socket
 import threading
 import time
+import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -56,7 +57,9 @@ from ._mainguard import refuse_during_main_import
 from ._process import ChildContext, WorkerProcess
 from .errors import (
     PoolBroken,
+    TaskPicklingError,
     TaskTimeout,
+    TaskUnpicklingError,
     WorkerCancelled,
     WorkerCrashed,
     WorkerError,
@@ -153,12 +156,14 @@ def _task_name(fn: Any) -> str:
     except (KeyError, TypeError):
         pass
     name = _name_of(fn)
-    try:
-        if len(_names) < 4096:
-            _names[fn] = name
-    except TypeError:
-        pass  # unhashable callable
+    # Kept only for what lives as long as its module anyway: never a bound method (its
+    # instance), a closure or a callable object, which the caller may expect to be freed.
+    if type(fn) in _LASTING and "<locals>" not in name and len(_names) < 4096:
+        _names[fn] = name
     return name
+
+
+_LASTING = frozenset({types.FunctionType, types.BuiltinFunctionType, type})
 
 
 def _name_of(fn: Any) -> str:
@@ -262,21 +267,28 @@ def task_loop(ctx: ChildContext) -> None:
                             if wire.new:
                                 wire.flush()
                         send((RESULT, tid, value))
-                except Exception as exc:  # noqa: BLE001 - an unpicklable result
-                    blob = _byvalue.dumps_result((RESULT, tid, value))  # by value, if it can
+                except (Exception, SystemExit) as exc:  # noqa: BLE001 - an unpicklable result
+                    blob = None
+                    if isinstance(exc, Exception):  # by value, if it can
+                        blob = _byvalue.dumps_result((RESULT, tid, value))
                     if blob is not None:
                         send_bytes(blob)
                     else:
                         if wire is not None:
                             wire.give_back(wire.used)  # the parent never saw these arrays
-                        err = WorkerError(
-                            f"the result of {_task_name(fn)} could not be sent back: "
-                            f"{type(exc).__name__}: {exc}"
-                        )
-                        err.__cause__ = exc
+                        err: BaseException = exc  # a SystemExit in a __reduce__: as itself
+                        if isinstance(exc, Exception):
+                            err = TaskPicklingError(
+                                f"the result of {_task_name(fn)} could not be sent back: "
+                                f"{type(exc).__name__}: {exc}"
+                            )
+                            err.__cause__ = exc
                         send((ERROR, tid, dumps_exception(err)))
             ctx.calls += 1
             ctx.busy += perf() - start
+            # Answered: the call's objects are let go of now, not when the next one comes
+            # (an argument whose __del__ tells its owner, as the stdlib's workers do).
+            msg = fn = args = kwargs = value = None
             if max_rss is not None:
                 rss = _process.current_rss(os.getpid())
                 if rss is not None and rss > max_rss:
@@ -1720,7 +1732,7 @@ class Core:
                 f"read, with no task due: {type(exc).__name__}: {exc}"
             ) from exc
         what = "an item" if task.stream is not None else "the result"
-        err = WorkerError(
+        err = TaskUnpicklingError(
             f"{what} of {task.name} (task {task.tid}) from worker {slot.proc.name!r} could not "
             f"be unpickled in this process: {type(exc).__name__}: {exc}"
         )
@@ -1780,7 +1792,7 @@ class Core:
                         pass  # it failed already (its deadline passed, it was cancelled)
             elif kind == ERROR:
                 self._cancelled.discard(task.tid)
-                task.fail(revive(msg[2]))
+                task.fail(revive(msg[2], executor=self.policy == "pool"))
             else:
                 self._cancelled.discard(task.tid)
                 if task.stream is not None:
@@ -1790,6 +1802,8 @@ class Core:
                         task.future.set_result(None)
             slot.outstanding.popleft()
             slot.done_bytes += task.size
+            task.payload = b""  # answered: its pickled call and function are not kept
+            task.fn = None
             return 1
         elif kind == ITEM:
             task = slot.outstanding[0]
@@ -2207,6 +2221,14 @@ class Core:
                 # not those running already (taken from a worker that died): they run again
                 pending = [t for t in self._pending if not t.running]
                 again = [t for t in self._pending if t.running]
+                if self.policy == "pool":
+                    # Nor the next task of each worker with nothing in hand (still starting,
+                    # or idle): it has it as good as handed, as ProcessPoolExecutor's workers
+                    # have the tasks of its call queue, which fills before they start.
+                    holding = sum(1 for s in self._slots if s.outstanding and not s.dead)
+                    free = max(0, self._n - holding)
+                    again += pending[:free]
+                    del pending[:free]
                 self._pending.clear()
                 self._pending.extend(again)
             else:

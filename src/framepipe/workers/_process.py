@@ -16,17 +16,21 @@ forkserver) with four private channels:
 Child side, :func:`child_main` makes the process a good citizen before running the loop it
 was given: its own process group (Ctrl-C at the terminal reaches the parent only), death with
 its parent (``PR_SET_PDEATHSIG`` and a pidfd watch of the parent, then SIGKILL to its own
-group), no inherited parent-side descriptors after a fork.
+group), no descriptor inherited from the parent after a fork but the ones it needs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import faulthandler
+import multiprocessing.context as _mp_context
+import multiprocessing.popen_fork as _popen_fork
+import multiprocessing.util as _mp_util
 import os
 import re
 import select
 import signal
+import stat
 import sys
 import threading
 import time
@@ -351,6 +355,102 @@ def _rebind_stream(name: str, fd: int) -> None:
             closefd=False,
         ),
     )
+
+
+def _needed_fds(boot: _Boot) -> set[int]:
+    """The descriptors a forked worker keeps: stdin, stdout, stderr, its own channels, and
+    multiprocessing's resource tracker (which a child that makes a semaphore writes to)."""
+    keep = {0, 1, 2}
+    for obj in (boot.conn, boot.health, boot.stack_w, boot.stderr_w, *boot.options.values()):
+        if isinstance(obj, _FdHandle):
+            keep.add(obj.fd)
+        elif hasattr(obj, "_handles"):  # a connection
+            keep.update(fd for fd in obj._handles() if fd >= 0)
+    from multiprocessing import resource_tracker
+
+    tracker_fd = getattr(resource_tracker._resource_tracker, "_fd", None)
+    if isinstance(tracker_fd, int):
+        keep.add(tracker_fd)
+    return keep
+
+
+def _close_inherited(keep: set[int]) -> None:
+    """Release the pipes and sockets a freshly forked worker inherited, but those in ``keep``,
+    whichever thread of the parent opened them. Held here, another thread's
+    ``subprocess.Popen`` exec-error pipe would make that Popen wait for this worker to end; a
+    pipe or socket the program closes would not reach end of file, nor a listening port be
+    freed, while a worker lives. Each is replaced by /dev/null rather than closed, so that a
+    Python object the worker inherited never writes into a descriptor the worker opens later
+    with the same number. Regular files, directories and devices stay open (holding them
+    changes nothing another process sees), as a task may read a file the program opened."""
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc
+        fds = list(range(3, min(os.sysconf("SC_OPEN_MAX"), 65536)))
+    null = -1
+    try:
+        for fd in fds:
+            if fd in keep:
+                continue
+            try:
+                mode = os.fstat(fd).st_mode  # (the listing's own descriptor is closed by now)
+            except OSError:
+                continue
+            if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+                continue
+            if null < 0:
+                null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+            os.dup2(null, fd, inheritable=False)
+    finally:
+        if null >= 0:
+            os.close(null)
+
+
+def _forget_unfinished_imports() -> None:
+    """In a freshly forked worker: drop the modules another thread of the parent was still
+    importing when it forked (half run, their import locks held by a thread that does not
+    exist here: the worker's own import of one would wait forever), so that the worker
+    imports them afresh."""
+    import importlib._bootstrap as bootstrap
+
+    for name, module in list(sys.modules.items()):
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and getattr(spec, "_initializing", False):
+            del sys.modules[name]
+    bootstrap._module_locks.clear()  # type: ignore[attr-defined]
+    bootstrap._blocking_on.clear()  # type: ignore[attr-defined]
+
+
+class _ForkPopen(_popen_fork.Popen):
+    """multiprocessing's fork start, the child releasing the descriptors it does not need
+    (see :func:`_close_inherited`) before anything else runs in it."""
+
+    def _launch(self, process_obj: Any) -> None:
+        code = 1
+        parent_r, child_w = os.pipe()
+        child_r, parent_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                os.close(parent_r)
+                os.close(parent_w)
+                _forget_unfinished_imports()
+                _close_inherited(_needed_fds(process_obj._args[0]) | {child_r, child_w})
+                code = process_obj._bootstrap(parent_sentinel=child_r)
+            finally:
+                os._exit(code)
+        else:
+            os.close(child_w)
+            os.close(child_r)
+            close = _mp_util.close_fds  # type: ignore[attr-defined]
+            self.finalizer = _mp_util.Finalize(self, close, (parent_r, parent_w))
+            self.sentinel = parent_r
+
+
+class _ForkProcess(_mp_context.ForkProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _ForkPopen(process_obj)
 
 
 def child_main(boot: _Boot) -> None:
@@ -687,7 +787,8 @@ class WorkerProcess:
             options=self._options,
         )
         try:
-            self.process = self._ctx.Process(
+            fork = self._ctx.get_start_method() == "fork"
+            self.process = (_ForkProcess if fork else self._ctx.Process)(
                 target=child_main, args=(boot,), name=self.name, daemon=False
             )
             with _main_without_pseudo_file():

@@ -2,8 +2,11 @@
 
 Each is a :class:`framepipe.FramepipeError` and, where one exists, the stdlib class that code
 using ``concurrent.futures`` already catches: :class:`TaskTimeout` is a ``TimeoutError``,
-:class:`WorkerCancelled` a ``concurrent.futures.CancelledError``, :class:`PoolBroken` a
-``concurrent.futures.BrokenExecutor``.
+:class:`WorkerCancelled` a ``concurrent.futures.CancelledError``, :class:`PoolBroken` and
+:class:`WorkerCrashed` a ``concurrent.futures.process.BrokenProcessPool`` (a
+``BrokenExecutor``), :class:`TaskPicklingError` a ``pickle.PicklingError`` (and a
+``TypeError``), :class:`TaskUnpicklingError` a ``BrokenProcessPool``, and :class:`TaskExit`
+(a pool's task that called ``sys.exit``) a ``SystemExit``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import pickle
 import re
 import sys
 import threading
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from ..errors import FramepipeError, signal_name
@@ -29,6 +33,9 @@ __all__ = [
     "PoolBroken",
     "WorkerStartError",
     "MainGuardError",
+    "TaskPicklingError",
+    "TaskUnpicklingError",
+    "TaskExit",
     "format_bytes",
 ]
 
@@ -190,8 +197,10 @@ def start_error(owner: str, crash: WorkerCrashed) -> WorkerStartError:
     return err
 
 
-class WorkerCrashed(WorkerError):
-    """A worker process died while callers were waiting on it.
+class WorkerCrashed(WorkerError, BrokenProcessPool):
+    """A worker process died while callers were waiting on it. Also a
+    ``concurrent.futures.process.BrokenProcessPool``, what code written for
+    ``ProcessPoolExecutor`` catches when a worker dies (a framepipe pool goes on).
 
     Attributes: ``worker`` (its name), ``pid``, ``exitcode`` (negative for a signal, as
     ``subprocess.Popen`` reports it; None when unknown), ``signal_name``, ``core_dumped``,
@@ -350,10 +359,11 @@ class WorkerCancelled(WorkerError, concurrent.futures.CancelledError):
     inside the running call, and to every caller whose call was running or queued."""
 
 
-class PoolBroken(WorkerError, concurrent.futures.BrokenExecutor):
+class PoolBroken(WorkerError, BrokenProcessPool):
     """The pool gave up: its workers crashed more than ``max_restarts`` times within
     ``restart_window`` seconds, or their initializer failed. ``crashes`` lists the last
-    :class:`WorkerCrashed` errors (newest last)."""
+    :class:`WorkerCrashed` errors (newest last). A ``BrokenProcessPool`` (and so a
+    ``concurrent.futures.BrokenExecutor``)."""
 
     def __init__(self, message: str, crashes: list[BaseException] | None = None) -> None:
         self.reason = message
@@ -367,6 +377,32 @@ class PoolBroken(WorkerError, concurrent.futures.BrokenExecutor):
 
     def __reduce__(self) -> Any:
         return (type(self), (self.reason, self.crashes))
+
+
+class TaskPicklingError(WorkerError, TypeError, pickle.PicklingError):
+    """A task's function or arguments (in this process), or its result (in the worker), could
+    not be pickled: a ``pickle.PicklingError`` as ``ProcessPoolExecutor`` raises, and a
+    ``TypeError``. The pickling error is ``__cause__``; only that task fails."""
+
+
+class TaskUnpicklingError(WorkerError, BrokenProcessPool, pickle.UnpicklingError):
+    """A task's function or arguments could not be unpickled in the worker, or its result in
+    this process (the error is ``__cause__``). Only that task fails and the pool goes on; a
+    ``BrokenProcessPool`` all the same, what ``ProcessPoolExecutor`` raises then."""
+
+
+class TaskExit(WorkerError, SystemExit):
+    """A pool's task raised ``SystemExit`` (``sys.exit()``): re-raised in the caller as a
+    ``SystemExit`` with the same ``code``, as ``ProcessPoolExecutor`` does, and also a
+    :class:`WorkerError` (an ``Exception``), so that ``except Exception`` catches it too. The
+    worker goes on. The task's own exception is ``__cause__``."""
+
+    def __init__(self, message: str, code: Any = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self), self.code))
 
 
 def _rebuild(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -393,7 +429,7 @@ def unpicklable_error(
     exc: BaseException,
     args: tuple[Any, ...] = (),
     kwargs: dict[str, Any] | None = None,
-) -> TypeError:
+) -> TaskPicklingError:
     """The error of a call of ``fn`` (named ``name``) that cannot be pickled, by reference nor
     (where cloudpickle is installed) by value: which part (the function, or which argument,
     by position or keyword, and its type) and what to do."""
@@ -436,7 +472,7 @@ def unpicklable_error(
             f"cannot send {name} and its arguments to a worker process{even} ({why}); "
             "functions must be defined at module level and arguments picklable"
         )
-    err = TypeError(text)
+    err = TaskPicklingError(text)
     err.__cause__ = exc
     return err
 
@@ -468,7 +504,7 @@ def init_error(proc: Any, pid: int, blob: bytes) -> WorkerStartError:
 _MISSING_IN_MAIN = re.compile(r"Can't get attribute '([^']+)' on <module '(__mp_main__|__main__)'")
 
 
-def unloadable_error(tid: int, exc: BaseException) -> WorkerError:
+def unloadable_error(tid: int, exc: BaseException) -> TaskUnpicklingError:
     """The error of a task the worker could not unpickle. A function (or class) of the main
     module that the worker's copy of it does not have, because it is defined under
     ``if __name__ == "__main__":`` (or the program has no file: ``python -c``, ``python -``),
@@ -486,7 +522,7 @@ def unloadable_error(tid: int, exc: BaseException) -> WorkerError:
                 f"{name!r} is defined in a program that has no file (python -c, python -), "
                 "which a spawned worker cannot import"
             )
-        err = WorkerError(
+        err = TaskUnpicklingError(
             f"task {tid}: the worker cannot find {name!r}: {why}; define it at the top level "
             'of a module file (above the `if __name__ == "__main__":` block), use '
             'start_method="fork", or install cloudpickle to send it by value: pip install '
@@ -494,7 +530,7 @@ def unloadable_error(tid: int, exc: BaseException) -> WorkerError:
         )
         err.__suppress_context__ = True
         return err
-    err = WorkerError(
+    err = TaskUnpicklingError(
         f"task {tid} could not be unpickled in the worker: {type(exc).__name__}: {exc} "
         "(the function, its arguments and what they refer to must be importable in the "
         "worker)"
@@ -503,11 +539,12 @@ def unloadable_error(tid: int, exc: BaseException) -> WorkerError:
     return err
 
 
-def revive(blob: bytes, what: str = "the task") -> BaseException:
+def revive(blob: bytes, what: str = "the task", executor: bool = False) -> BaseException:
     """The exception a worker sent (``dumps_exception``), to raise in the caller. A
     SystemExit, KeyboardInterrupt or GeneratorExit raised by a task comes as a
     :class:`WorkerError` whose cause it is: never re-raised as itself in the caller, where it
-    would end the program or look like a Ctrl-C.
+    would end the program or look like a Ctrl-C; for a pool (``executor``), a SystemExit
+    comes as a :class:`TaskExit`, a SystemExit as ``ProcessPoolExecutor`` re-raises it.
 
     Its traceback shows once: as the worker's text (the :class:`~framepipe.RemoteTraceback`
     ending its cause chain, which names the process), without the frames grafted onto the
@@ -515,6 +552,10 @@ def revive(blob: bytes, what: str = "the task") -> BaseException:
     exception's own line, which the caller's traceback ends with)."""
     exc = loads_exception(blob)
     _show_once(exc)
+    if executor and isinstance(exc, SystemExit):
+        err: WorkerError = TaskExit(f"{what} raised SystemExit({exc.code!r})", exc.code)
+        err.__cause__ = exc
+        return err
     if not isinstance(exc, Exception):
         err = WorkerError(f"{what} raised {type(exc).__name__}({exc})")
         err.__cause__ = exc

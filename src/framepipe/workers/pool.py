@@ -246,7 +246,7 @@ class Pool(concurrent.futures.Executor):
         else:
             out = _lazy(self._core, run, items, buffersize, deadline)
         if chunksize > 1:
-            out = itertools.chain.from_iterable(out)
+            out = _chain_lists(out)
         return _progress.track(out, progress, total, self._core.name)
 
     def imap(
@@ -355,6 +355,20 @@ def _run_chunk(fn: Callable[..., Any], chunk: list[tuple[Any, ...]]) -> list[Any
     return [fn(*args) for args in chunk]
 
 
+def _take(values: list[Any], i: int) -> Any:
+    value = values[i]
+    values[i] = None
+    return value
+
+
+def _chain_lists(lists: Iterator[list[Any]]) -> Iterator[Any]:
+    """The items of each list in turn, each let go of once handed out."""
+    for chunk in lists:
+        chunk.reverse()
+        while chunk:
+            yield chunk.pop()
+
+
 def _ordered(results: D.MapResults, n: int, deadline: float | None) -> Iterator[Any]:
     """The results of a map in order; closing the iterator early cancels what has not
     started."""
@@ -372,11 +386,12 @@ def _ordered(results: D.MapResults, n: int, deadline: float | None) -> Iterator[
                 results.wait(i, remaining)
             else:
                 results.wait(i, None)
-            value = values[i]
-            values[i] = None  # handed out once: let it go
-            if type(value) is failure:
-                raise value.exc
-            yield value
+            if type(values[i]) is failure:
+                exc = values[i].exc
+                values[i] = None
+                raise exc
+            # handed out once and never held here: dropped by the caller, it is freed
+            yield _take(values, i)
     finally:
         results.cancelled = True
 
@@ -415,12 +430,14 @@ def _lazy(
                     break
                 blocks.append(core.submit_many(fn, chunk, core.task_timeout))
                 unyielded += len(chunk)
+                del chunk  # the items' objects: not held here while they run
             if not blocks:
                 return
             results = blocks.popleft()
-            for value in _ordered(results, len(results.values), deadline):
+            ordered = _ordered(results, len(results.values), deadline)
+            for _ in range(len(results.values)):
                 unyielded -= 1
-                yield value
+                yield next(ordered)  # (not held here while the caller has it)
     finally:
         for results in blocks:
             results.cancelled = True  # (the block being read cancels itself)
@@ -429,21 +446,22 @@ def _lazy(
 def _unordered(
     pool: Pool, fn: Callable[..., Any], items: Iterator[Any], buffersize: int
 ) -> Iterator[Any]:
+    """Results as they come; no item, future or result is held here once handed out."""
     done: queue.SimpleQueue[concurrent.futures.Future[Any]] = queue.SimpleQueue()
     running: set[concurrent.futures.Future[Any]] = set()
+
+    def launch(x: Any) -> None:
+        fut = pool.submit(fn, x)
+        running.add(fut)
+        fut.add_done_callback(done.put)
+
     try:
-        for x in itertools.islice(items, buffersize):
-            fut = pool.submit(fn, x)
-            running.add(fut)
-            fut.add_done_callback(done.put)
+        collections.deque(map(launch, itertools.islice(items, buffersize)), maxlen=0)
         while running:
-            fut = done.get()
-            running.discard(fut)
-            for x in itertools.islice(items, 1):
-                nxt = pool.submit(fn, x)
-                running.add(nxt)
-                nxt.add_done_callback(done.put)
-            yield fut.result()
+            finished = [done.get()]  # popped as it is yielded: not held here meanwhile
+            running.discard(finished[0])
+            collections.deque(map(launch, itertools.islice(items, 1)), maxlen=0)
+            yield finished.pop().result()
     finally:
         for fut in running:
             fut.cancel()
