@@ -12,6 +12,8 @@ import threading
 
 import pytest
 
+import framepipe
+
 pytest.importorskip("cloudpickle")
 
 import _byvalue_children as kids  # noqa: E402
@@ -21,7 +23,8 @@ from framepipe.workers.group import WorkerGroup  # noqa: E402
 
 WAIT = 60  # a hang guard only
 METHODS = ["fork", "spawn", "forkserver"]
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+# the directory that holds the framepipe under test (installed, or src/ in a checkout)
+SRC = os.path.dirname(os.path.dirname(os.path.abspath(framepipe.__file__)))
 
 
 @pytest.fixture(autouse=True)

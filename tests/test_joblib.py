@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+import framepipe
+
 joblib = pytest.importorskip("joblib")
 
 import framepipe.joblib as fj  # noqa: E402
@@ -17,7 +19,8 @@ from framepipe.workers import WorkerCrashed  # noqa: E402
 
 WAIT = 60  # a hang guard only
 HERE = os.path.dirname(os.path.abspath(__file__))
-SRC = os.path.join(os.path.dirname(HERE), "src")
+# the directory that holds the framepipe under test (installed, or src/ in a checkout)
+SRC = os.path.dirname(os.path.dirname(os.path.abspath(framepipe.__file__)))
 
 
 @pytest.fixture(autouse=True)

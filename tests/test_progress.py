@@ -16,11 +16,13 @@ import time
 
 import pytest
 
+import framepipe
 from framepipe.workers import DataLoader, Pool
 from framepipe.workers._progress import Progress
 
 WAIT = 60  # a hang guard only
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+# the directory that holds the framepipe under test (installed, or src/ in a checkout)
+SRC = os.path.dirname(os.path.dirname(os.path.abspath(framepipe.__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -22,7 +22,10 @@ from dataclasses import dataclass
 import psutil
 import pytest
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+import framepipe
+
+# the directory that holds the framepipe under test (installed, or src/ in a checkout)
+SRC = os.path.dirname(os.path.dirname(os.path.abspath(framepipe.__file__)))
 TAG = "FRAMEPIPE_RUN_TEST_TAG"
 AGENT_TIMEOUT = 90.0
 

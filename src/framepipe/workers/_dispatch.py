@@ -947,11 +947,12 @@ class Core:
         )
         try:
             payload = pickle.dumps(msg, protocol=5)
-        except Exception as exc:  # noqa: BLE001 - by value, else raised here, naming what
-            try:  # could not be sent
+        except Exception as exc:  # noqa: BLE001 - by value, else the future fails, naming
+            try:  # what could not be sent (as concurrent.futures: at result(), not submit())
                 payload = _byvalue.dumps(self, msg, fn, exc)
-            except Exception as exc2:  # noqa: BLE001
-                raise _unpicklable(fn, exc, args, kwargs) from exc2
+            except Exception:  # noqa: BLE001
+                future.set_exception(_unpicklable(fn, exc, args, kwargs))
+                return Task(tid, future, name, b"", timeout, stream)
         task = Task(tid, future, name, payload, timeout, stream)
         with self._submit_lock:  # never held by the manager: submitting never waits for it
             self._check_open()  # again: it may have been shut down meanwhile
