@@ -55,17 +55,24 @@ def test_tiny_tasks_then_short_ones_are_spread_over_every_worker(engine, n):
             assert max(per_worker.values()) <= 60, per_worker
 
 
+def _long_then_short(pool: Pool, seconds: float, n: int) -> tuple[int, list]:
+    """After bursts of tiny tasks, one task of ``seconds`` and ``n`` short ones behind it:
+    (the long one's worker, the short ones' results). Asserts that every short one ended
+    before the long one: the other worker ran them meanwhile."""
+    _warm(pool, 2)
+    for _ in range(3):
+        assert [f.result(WAIT) for f in [pool.submit(identity, i) for i in range(500)]]
+    long = pool.submit(nap, seconds)
+    short = [pool.submit(nap, 0.001) for _ in range(n)]
+    long_pid, _, long_end = long.result(WAIT)
+    results = [f.result(WAIT) for f in short]
+    assert all(end < long_end for _, _, end in results)
+    return long_pid, results
+
+
 def test_one_long_task_does_not_hold_the_short_ones_queued_behind_it(engine):
     with Pool(2, start_method="fork") as pool:
-        _warm(pool, 2)
-        for _ in range(3):
-            assert [f.result(WAIT) for f in [pool.submit(identity, i) for i in range(500)]]
-        long = pool.submit(nap, 2.0)
-        short = [pool.submit(nap, 0.001) for _ in range(200)]
-        long_pid, _, long_end = long.result(WAIT)
-        results = [f.result(WAIT) for f in short]
-        # the other worker ran the short ones while the long one ran: all ended before it
-        assert all(end < long_end for _, _, end in results)
+        long_pid, results = _long_then_short(pool, 2.0, 200)
         assert sum(pid != long_pid for pid, _, _ in results) >= 150
 
 
@@ -210,12 +217,5 @@ def test_taking_tasks_over_without_epoll(engine, monkeypatch):
     monkeypatch.setattr(D, "_EPOLL", None)
     monkeypatch.setattr(D, "LEND", False)
     with Pool(2, start_method="fork") as pool:
-        _warm(pool, 2)
-        for _ in range(3):
-            assert [f.result(WAIT) for f in [pool.submit(identity, i) for i in range(500)]]
-        long = pool.submit(nap, 1.0)
-        short = [pool.submit(nap, 0.001) for _ in range(100)]
-        long_pid, _, long_end = long.result(WAIT)
-        results = [f.result(WAIT) for f in short]
-        assert all(end < long_end for _, _, end in results)
+        _long_then_short(pool, 1.0, 100)
         assert pool.broken is None
