@@ -49,7 +49,9 @@ def mypy_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[tuple
     if importlib.util.find_spec("mypy") is None:
         pytest.skip(f"mypy is not importable by {sys.executable}: pip install mypy to run this")
     # framepipe as its users get it: its types used, its own modules' findings not reported
-    env = dict(os.environ, MYPYPATH=str(PACKAGE.parent))
+    env = dict(os.environ)
+    if PACKAGE.parent.name not in ("site-packages", "dist-packages"):
+        env["MYPYPATH"] = str(PACKAGE.parent)  # a checkout's src/ (mypy finds an installed one)
     result = subprocess.run(
         [
             sys.executable,
