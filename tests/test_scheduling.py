@@ -82,13 +82,13 @@ def test_short_tasks_then_a_long_one_among_them(engine):
     with Pool(3, start_method="fork") as pool:
         _warm(pool, 3)
         durations = [0.0005] * 1000
-        durations[100] = 1.0
+        durations[100] = 3.0  # far longer than the 900 behind it take on two workers
         futures = [pool.submit(nap, d) for d in durations]
         results = [f.result(WAIT) for f in futures]
         long_pid, _, long_end = results[100]
         later = results[101:]
         # tasks submitted after the long one did not wait for it
-        assert sum(end < long_end for _, _, end in later) >= 850
+        assert sum(end < long_end for _, _, end in later) >= 800
         assert sum(pid != long_pid for pid, _, _ in later) >= 600
 
 
