@@ -109,6 +109,9 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
         {
             "workers.errors": {"errors", "remote"},
             "workers._launch": set(),
+            "workers._options": set(),
+            "workers._atexit": set(),
+            "workers._lifecycle": set(),
             "workers._mainguard": {"workers.errors"},
             "workers._pin": set(),
             "workers._byvalue": set(),
@@ -135,7 +138,13 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
                 "workers._shm",
                 "workers.errors",
             },
-            "workers.worker": {"_lazy", "workers._dispatch", "workers._process", "workers.errors"},
+            "workers.worker": {
+                "_lazy",
+                "workers._dispatch",
+                "workers._options",
+                "workers._process",
+                "workers.errors",
+            },
             "workers.pool": {
                 "_lazy",
                 "workers._byvalue",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import multiprocessing
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, ParamSpec, TypeVar, overload
@@ -12,25 +11,13 @@ from typing import Any, ParamSpec, TypeVar, overload
 from .._lazy import asyncio  # imported on first use (see _lazy)
 from . import _dispatch as D
 from . import _process
+from ._options import get_context
 from .errors import TaskTimeout
 
 __all__ = ["Worker", "Stream", "get_context"]
 
 T = TypeVar("T")
 P = ParamSpec("P")
-
-
-def get_context(start_method: str | None) -> Any:
-    """The ``multiprocessing`` context for ``start_method`` (None: spawn), with a clear error
-    for a method this platform does not have."""
-    method = start_method or "spawn"
-    try:
-        return multiprocessing.get_context(method)
-    except ValueError:
-        raise ValueError(
-            f"unknown start_method {method!r}; this platform has "
-            f"{multiprocessing.get_all_start_methods()}"
-        ) from None
 
 
 def _check_timeout(name: str, value: float | None) -> float | None:

@@ -1,0 +1,72 @@
+"""One at-exit hook for every supervisor of worker processes.
+
+Each supervisor (a pool's or actor's core, a loader's workers, a worker group) registers here
+when it starts and unregisters when it is closed. At interpreter exit the hook runs in two
+rounds: first every owner's ``finish_at_exit()`` (a pool finishes the tasks it was given, as
+``concurrent.futures`` does), then every owner's ``stop_at_exit()`` (its processes are stopped
+and reaped), so no worker process outlives the program. A Ctrl-C during the first round skips to
+the second.
+
+The hook is registered on import of this module, after ``multiprocessing.util``'s own: atexit
+runs hooks last-in first-out, so ours runs first. multiprocessing's would join every
+non-daemonic child and wait forever for a worker still running.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing.util  # noqa: F401 - imported first so that our hook runs before its own
+import threading
+import weakref
+from typing import Protocol
+
+__all__ = ["Owner", "register", "unregister"]
+
+
+class Owner(Protocol):
+    """What the hook calls on each registered supervisor."""
+
+    def finish_at_exit(self) -> None: ...
+
+    def stop_at_exit(self) -> None: ...
+
+
+_lock = threading.Lock()
+# weak: a supervisor the program dropped is stopped by its own finalizer, not kept alive here
+_owners: weakref.WeakValueDictionary[int, Owner] = weakref.WeakValueDictionary()
+_order = 0
+
+
+def register(owner: Owner) -> None:
+    """Stop ``owner``'s processes at exit unless it is unregistered first."""
+    global _order
+    with _lock:
+        _order += 1
+        _owners[_order] = owner
+
+
+def unregister(owner: Owner) -> None:
+    """``owner`` has stopped its processes itself; the hook leaves it alone."""
+    with _lock:
+        for key, value in list(_owners.items()):
+            if value is owner:
+                del _owners[key]
+
+
+def _registered() -> list[Owner]:
+    with _lock:
+        return [o for _, o in sorted(_owners.items())]
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    owners = _registered()
+    try:
+        for owner in owners:
+            owner.finish_at_exit()
+    except BaseException:  # noqa: BLE001 - a Ctrl-C: what is left is stopped below
+        pass
+    for owner in reversed(owners):  # the newest first, as each would have been closed
+        with contextlib.suppress(Exception):
+            owner.stop_at_exit()
