@@ -12,33 +12,12 @@ import hashlib
 import os
 import signal
 import struct
-import sys
 import time
+
+from _helpers import header, payload, wait_until, write_all
 
 WAIT = 60.0  # upper bound on any wait in a child; a healthy run never comes close
 MIB = 1 << 20
-
-
-def header(length: int, check: bytes = b"\x00\x00") -> bytes:
-    """A data frame's header, written by hand: check bytes, native u64 length, check bytes."""
-    return check + struct.pack("Q", length) + check
-
-
-def payload(n: int, seed: int = 0) -> bytes:
-    """``n`` reproducible bytes, different for different ``n`` and ``seed``, cheap to make."""
-    block = hashlib.sha256(f"{n}:{seed}".encode()).digest()
-    reps = n // len(block) + 1
-    return (block * reps)[:n]
-
-
-def impl_name(core) -> str:
-    """The name ``framepipe._impl.load`` takes for a core module."""
-    return core.ENGINE
-
-
-def subprocess_env() -> dict[str, str]:
-    """The environment for a ``python -c`` child that must import framepipe like we do."""
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
 
 
 def die(how: tuple[str, int]) -> None:
@@ -158,15 +137,6 @@ def running(method: str, target, *args):
     return manager()
 
 
-def wait_until(predicate, what: str, timeout: float = WAIT) -> None:
-    """Poll ``predicate`` until it is true; fail the test after ``timeout`` seconds."""
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"gave up after {timeout} s waiting for {what}")
-        time.sleep(0.005)
-
-
 def proc_stat(pid: int, field: int) -> str | None:
     """Field ``field`` of /proc/<pid>/stat counted from 3 (the state), None when it is gone."""
     try:
@@ -204,13 +174,6 @@ def unread(fd: int) -> int:
     buf = array.array("i", [0])
     fcntl.ioctl(fd, termios.FIONREAD, buf, True)
     return buf[0]
-
-
-def write_all(fd: int, data: bytes) -> None:
-    """Write all of ``data`` to ``fd`` (a blocking pipe), however many writes it takes."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def write_in_thread(fd: int, data: bytes):

@@ -4,16 +4,124 @@ directory on sys.path)."""
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
+import select
+import struct
 import threading
 import time
+import traceback
+
+import psutil
 
 TIMEOUT = 30.0  # a hang guard only: a correct core never waits this long
+LEN = struct.Struct("Q")  # a frame's length field: native u64
+CHECK = b"\x00\x00"  # a data frame's check bytes
 
 # fcntl's command to resize a pipe. Python has named it since 3.10 on Linux; the fallback is
 # Linux's own number (F_LINUX_SPECIFIC_BASE + 7, from <linux/fcntl.h>), for a build of Python
 # whose fcntl module lacks the name. The tests that resize pipes run on Linux only.
 F_SETPIPE_SZ: int = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+
+
+def header(length: int, check: bytes = CHECK, second: bytes | None = None) -> bytes:
+    """A data frame's header, written by hand: check bytes, native u64 length, check bytes
+    (``second`` when given, to write a header whose two checks differ)."""
+    return check + LEN.pack(length) + (check if second is None else second)
+
+
+def frame(data: bytes, check: bytes = CHECK) -> bytes:
+    """A whole data frame, written by hand: its header, then ``data``."""
+    return header(len(data), check) + data
+
+
+def payload(n: int, seed: int = 0) -> bytes:
+    """``n`` reproducible bytes, different for different ``n`` and ``seed``, cheap to make."""
+    block = hashlib.sha256(f"{n}:{seed}".encode()).digest()
+    return (block * (n // len(block) + 1))[:n]
+
+
+def read_exactly(fd: int, n: int, timeout: float = TIMEOUT) -> bytes:
+    """Read exactly ``n`` bytes from ``fd``; fail if ``timeout`` seconds pass with nothing to
+    read or the end of the file comes first."""
+    out = bytearray()
+    while len(out) < n:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        assert ready, f"only {len(out)} of {n} bytes arrived"
+        chunk = os.read(fd, min(n - len(out), 1 << 20))
+        assert chunk, f"end of file after {len(out)} of {n} bytes"
+        out += chunk
+    return bytes(out)
+
+
+def nothing_left(fd: int) -> bool:
+    """Whether ``fd`` has nothing to read right now."""
+    ready, _, _ = select.select([fd], [], [], 0)
+    return not ready
+
+
+def frame_names(exc: BaseException) -> list[str]:
+    """The function names of ``exc``'s traceback, outermost first."""
+    return [f.name for f in traceback.extract_tb(exc.__traceback__)]
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a running process: neither gone nor a zombie."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_dead(pids, within: float = 5.0) -> list[int]:
+    """Wait up to ``within`` seconds for every process of ``pids`` (None entries skipped) to
+    end (to be gone or a zombie); return those still running, empty as soon as none is."""
+    end = time.monotonic() + within
+    while True:
+        left = [p for p in pids if p is not None and alive(p)]
+        if not left or time.monotonic() > end:
+            return left
+        time.sleep(0.02)
+
+
+def gone(pid: int, within: float = 5.0) -> bool:
+    """Whether process ``pid`` ends (is gone or a zombie) within ``within`` seconds."""
+    return not wait_dead([pid], within)
+
+
+def eventually(predicate, timeout: float = 10.0) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds have passed; its last value."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return bool(predicate())
+
+
+def wait_until(predicate, what: str, timeout: float = 60.0) -> None:
+    """Poll ``predicate`` until it is true; fail the test after ``timeout`` seconds."""
+    if not eventually(predicate, timeout):
+        raise AssertionError(f"gave up after {timeout} s waiting for {what}")
+
+
+def pipe_works(r: int, w: int) -> None:
+    """Check that bytes written to fd ``w`` come out of fd ``r``: the pair is open and is the
+    same pipe (a test's own, not closed or taken by someone else)."""
+    os.write(w, b"still a pipe")
+    assert os.read(r, 100) == b"still a pipe"
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a ``python`` subprocess that imports what this process imports: the
+    framepipe this process runs and the test modules come first on its PYTHONPATH. ``extra``
+    variables are added."""
+    import framepipe
+
+    src = os.path.dirname(os.path.dirname(os.path.abspath(framepipe.__file__)))
+    tests = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(filter(None, [src, tests, os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, **extra)
 
 
 def write_all(fd: int, data: bytes) -> None:

@@ -21,16 +21,14 @@ from _fault_children import (
     MIB,
     WAIT,
     echo,
-    header,
     kill_and_wait_dead,
-    payload,
     running,
     send_then_die,
     small_then_big,
     unread,
-    write_all,
     write_in_thread,
 )
+from _helpers import header, payload, write_all
 
 from framepipe import ReadTimeout, WriterDied
 from framepipe.watch import dead_status_word

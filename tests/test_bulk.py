@@ -7,7 +7,6 @@ them (pytest puts the tests directory on ``sys.path``).
 from __future__ import annotations
 
 import gc
-import hashlib
 import multiprocessing
 import os
 import pickle
@@ -16,11 +15,11 @@ import signal
 import socket
 import stat
 import struct
-import threading
 
 import numpy as np
 import pytest
 from _fault_children import kill_and_wait_dead
+from _helpers import LEN, Background, nothing_left, payload, read_exactly
 
 from framepipe import FrameError, ReadTimeout, WriterDied
 from framepipe._wire import FRAME_RECORD_MAX, RECORD_MAX, pad_frame
@@ -28,52 +27,13 @@ from framepipe.errors import MessageTooLong
 
 WAIT = 60.0  # upper bound on any blocking wait; a healthy run never comes close
 MIB = 1 << 20
-LEN = struct.Struct("Q")
+
 BULK = b"\x06\x06"
 METHODS = ["fork", "spawn", "forkserver"]
 
 
-def payload(n: int, seed: int = 0) -> bytes:
-    block = hashlib.sha256(f"{n}:{seed}".encode()).digest()
-    return (block * (n // len(block) + 1))[:n]
-
-
 def bulk_header(n: int) -> bytes:
     return BULK + LEN.pack(n) + BULK
-
-
-def read_exactly(fd: int, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        r, _, _ = select.select([fd], [], [], WAIT)
-        assert r, f"nothing to read after {WAIT} s"
-        chunk = os.read(fd, n - len(out))
-        assert chunk, "unexpected end of file"
-        out += chunk
-    return bytes(out)
-
-
-def nothing_left(fd: int) -> bool:
-    return not select.select([fd], [], [], 0)[0]
-
-
-class Background(threading.Thread):
-    def __init__(self, fn, *args):
-        super().__init__(daemon=True)
-        self.fn, self.args, self.error = fn, args, None
-        self.start()
-
-    def run(self):
-        try:
-            self.fn(*self.args)
-        except BaseException as exc:
-            self.error = exc
-
-    def finish(self):
-        self.join(WAIT)
-        assert not self.is_alive()
-        if self.error is not None:
-            raise self.error
 
 
 def pair(impl, duplex):
@@ -209,7 +169,7 @@ def test_send_bytes_recv_bytes(impl, duplex, n):
         for d in data:
             got = r.recv_bytes(timeout=WAIT)
             assert type(got) is bytes and got == d
-        sender.finish()
+        sender.join()
 
 
 @pytest.mark.parametrize("n", [MIB, 16 * MIB], ids=["1MiB", "16MiB"])
@@ -221,12 +181,12 @@ def test_recv_bytes_into(impl, n):
         buf = bytearray(n + 10)
         assert r.recv_bytes_into(buf, 7, timeout=WAIT) == n
         assert buf[7 : 7 + n] == data
-        sender.finish()
+        sender.join()
         sender = Background(w.send_bytes, data)
         with pytest.raises(Exception) as info:  # too small: BufferTooShort carries the message
             r.recv_bytes_into(bytearray(n - 1), timeout=WAIT)
         assert info.value.args[0] == data
-        sender.finish()
+        sender.join()
 
 
 def test_send_objects_from_a_thread(impl):
@@ -241,7 +201,7 @@ def test_send_objects_from_a_thread(impl):
         ]
         sender = Background(lambda: [w.send(o) for o in objs])
         got = [r.recv(timeout=WAIT) for _ in objs]
-        sender.finish()
+        sender.join()
         assert np.array_equal(got[0], arr) and got[0].flags.writeable
         assert type(got[1]) is bytes and got[1] == objs[1]
         assert type(got[2]) is bytearray and got[2] == objs[2]
@@ -256,7 +216,7 @@ def test_recv_bytes_of_an_object_with_bulk_buffers(impl):
         arr = np.arange(MIB, dtype=np.int32)
         sender = Background(w.send, arr)
         assert np.array_equal(pickle.loads(r.recv_bytes(timeout=WAIT)), arr)
-        sender.finish()
+        sender.join()
 
 
 def test_message_too_long_discards_a_bulk_payload(impl):
@@ -266,7 +226,7 @@ def test_message_too_long_discards_a_bulk_payload(impl):
         with pytest.raises(MessageTooLong):
             r.recv_bytes(1000, timeout=WAIT)
         assert r.recv_bytes(timeout=WAIT) == b"next"
-        sender.finish()
+        sender.join()
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -339,7 +299,7 @@ def test_timeout_in_the_middle_of_a_bulk_payload_then_resume(impl, into):
             assert buf == data
         else:
             assert conn.recv_bytes(timeout=WAIT) == data
-        sender.finish()
+        sender.join()
         os.write(pw, b"\x00\x00" + LEN.pack(2) + b"\x00\x00ok")
         assert conn.recv_bytes(timeout=WAIT) == b"ok"
         os.close(pw)
@@ -457,7 +417,7 @@ def test_four_threads_interleaving_small_and_large_frames(impl):
             assert msg[12:] == payload(sizes[j], tid)
             seen[tid].append((i, j))
         for s in senders:
-            s.finish()
+            s.join()
         want = [(i, j) for i in range(rounds) for j in range(len(sizes))]
         assert all(seen[t] == want for t in range(4))
 

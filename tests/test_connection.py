@@ -8,22 +8,15 @@ import multiprocessing
 import os
 import pickle
 import re
-import struct
 import threading
 import time
 from array import array
 
 import numpy as np
 import pytest
-from _helpers import F_SETPIPE_SZ, TIMEOUT, Background, write_all
+from _helpers import F_SETPIPE_SZ, LEN, TIMEOUT, Background, frame, write_all
 
 import framepipe
-
-LEN = struct.Struct("Q")
-
-
-def frame(payload: bytes, check: bytes = b"\x00\x00") -> bytes:
-    return check + LEN.pack(len(payload)) + check + payload
 
 
 def outcome(fn):

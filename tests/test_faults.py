@@ -26,23 +26,18 @@ from _fault_children import (
     block_until_killed,
     do_nothing,
     echo,
-    header,
-    impl_name,
     kill_and_wait_dead,
-    payload,
     proc_stat,
     proc_state,
     running,
     send_then_die,
     small_then_big,
     stop_mid_frame,
-    subprocess_env,
     unread,
-    wait_until,
     wire,
-    write_all,
     write_in_thread,
 )
+from _helpers import child_env, header, payload, wait_until, write_all
 
 import framepipe.connection as fpc
 from framepipe import ReadTimeout, WriterDied
@@ -763,13 +758,13 @@ def test_popen_is_never_reaped_by_the_reader(impl, how):
             sys.executable,
             "-c",
             POPEN_WRITER,
-            impl_name(impl),
+            impl.ENGINE,
             str(w.fileno()),
             how[0],
             str(int(how[1])),
         ],
         pass_fds=[w.fileno()],
-        env=subprocess_env(),
+        env=child_env(),
     )
     try:
         w.close()

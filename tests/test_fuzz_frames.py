@@ -24,7 +24,6 @@ import contextlib
 import os
 import pickle
 import signal
-import struct
 import sys
 import time
 import tracemalloc
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 
 import psutil
 import pytest
+from _helpers import LEN, Background, header
 from hypothesis import HealthCheck, example, given, reject, settings
 from hypothesis import strategies as st
 
@@ -48,7 +48,6 @@ from framepipe import (  # noqa: F401 - imported before memory is traced
 )
 from framepipe import _wire as F
 
-LEN = struct.Struct("Q")
 SHORT = 0.02  # the timeout of reads that need bytes the test has not written
 MARGIN = 2.0  # a read may overrun its deadline by scheduling delays, never by this much
 HANG = 20  # seconds after which a read without a timeout counts as hung
@@ -89,10 +88,6 @@ def hang_guard(seconds: int):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
-
-
-def header(length: int, check: bytes = b"\x00\x00", second: bytes | None = None) -> bytes:
-    return check + LEN.pack(length) + (check if second is None else second)
 
 
 class Hung(Exception):
@@ -493,7 +488,6 @@ def error_graphs(draw):
 def read_error_frame(core, payload: bytes):
     """What ``recv`` raises for ``payload`` as an error frame: (class name, text)."""
     import _hostile as H
-    from _helpers import Background
 
     r, w = os.pipe()
     conn = core.Connection(r, writable=False)

@@ -8,8 +8,8 @@ import os
 import sys
 import time
 
-import psutil
 import pytest
+from _helpers import wait_dead
 
 from framepipe.workers import GroupFailed, Std, WorkerGroup
 
@@ -43,16 +43,6 @@ class _Labelled(WorkerGroup):
         return f"node7:rank{rank + 10}"
 
 
-def _gone(pids: list[int | None]) -> bool:
-    for pid in pids:
-        try:
-            if pid is not None and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                return False
-        except psutil.NoSuchProcess:
-            pass
-    return True
-
-
 def test_quiet_for_tells_a_silent_rank_from_a_chatty_one(tmp_path):
     group = _Labelled([sys.executable, "-u", "-c", CHATTY_AND_QUIET], 2, log_dir=tmp_path)
     try:
@@ -69,7 +59,7 @@ def test_quiet_for_tells_a_silent_rank_from_a_chatty_one(tmp_path):
         pids = list(group.pids.values())
     finally:
         group.close(grace=5.0)
-    assert _gone(pids)
+    assert not wait_dead(pids)
     # paths, plans and labels from the subclass
     assert (tmp_path / "r0" / "out.txt").read_text().startswith("hello from 0\ntick 0\n")
     assert (tmp_path / "r1" / "out.txt").read_text() == "hello from 1\n"

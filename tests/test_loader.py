@@ -22,9 +22,8 @@ import time
 import types
 
 import pytest
-from _helpers import Background
+from _helpers import Background, gone
 
-from framepipe import _impl
 from framepipe.workers import (
     DataLoader,
     TaskTimeout,
@@ -45,28 +44,6 @@ MiB = 1024 * 1024
 @pytest.fixture(autouse=True)
 def _reaped(no_leftover_loader_workers):
     yield
-
-
-@pytest.fixture
-def engine(impl, monkeypatch):
-    """Loaders built in this test run on the ``impl`` core (c or py)."""
-    monkeypatch.setattr(_impl, "core", impl)
-    return impl
-
-
-def gone(pid: int, within: float = 5.0) -> bool:
-    """Whether ``pid`` is no longer a running process (gone or a zombie) within ``within`` s."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            return True
-        if state in (b"Z", b"X"):
-            return True
-        time.sleep(0.01)
-    return False
 
 
 # -- datasets (module level: spawned workers import them) --------------------------------------

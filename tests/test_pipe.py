@@ -4,23 +4,17 @@ from __future__ import annotations
 
 import gc
 import os
-import struct
 import subprocess
 import sys
 import time
 
 import pytest
-from _helpers import TIMEOUT, Background
+from _helpers import TIMEOUT, Background, frame, pipe_works
 from _helpers import reuse_fd as _reuse
 
 import framepipe
 
-LEN = struct.Struct("Q")
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def frame(payload: bytes) -> bytes:
-    return b"\x00\x00" + LEN.pack(len(payload)) + b"\x00\x00" + payload
 
 
 def fd_is_open(fd: int) -> bool:
@@ -252,8 +246,7 @@ def test_given_handles_are_used_and_not_closed(impl):
         p.close()
         del p
         assert fd_is_open(r) and fd_is_open(w)
-        os.write(w, b"ok")
-        assert os.read(r, 2) == b"ok"
+        pipe_works(r, w)
     finally:
         os.close(r)
         os.close(w)
@@ -297,8 +290,7 @@ def test_close_closes_owned_fds_exactly_once(impl, fd_count):
         del p
         gc.collect()
         for fd, other in ((r, w1), (w, w2)):
-            os.write(other, b"alive")
-            assert os.read(fd, 5) == b"alive"
+            pipe_works(fd, other)
     finally:
         for fd in (r, w, w1, w2):
             os.close(fd)

@@ -12,6 +12,7 @@ import threading
 
 import numpy as np
 import pytest
+from _helpers import child_env
 
 import framepipe
 
@@ -30,17 +31,6 @@ SRC = os.path.dirname(os.path.dirname(os.path.abspath(framepipe.__file__)))
 METHODS = [
     m for m in ("fork", "spawn", "forkserver") if m in multiprocessing.get_all_start_methods()
 ]
-
-
-def impl_name(impl) -> str:
-    return impl.ENGINE
-
-
-def child_env() -> dict[str, str]:
-    """The environment of a subprocess child: it imports this checkout's framepipe."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([SRC, HERE, env.get("PYTHONPATH", "")])
-    return env
 
 
 def stop_process(proc) -> None:
@@ -149,7 +139,7 @@ def test_connection_used_by_a_subprocess_child(impl, transport):
     argv = [
         sys.executable,
         os.path.join(HERE, "_children.py"),
-        impl_name(impl),
+        impl.ENGINE,
         "serve",
         *map(str, child_fds),
     ]
@@ -186,7 +176,7 @@ def test_one_way_connection_used_by_a_subprocess_child(impl):
     argv = [
         sys.executable,
         os.path.join(HERE, "_children.py"),
-        impl_name(impl),
+        impl.ENGINE,
         "frames",
         str(fd),
         ",".join(map(str, sizes)),
@@ -264,7 +254,7 @@ def test_writing_to_a_child_that_exited_raises_broken_pipe(impl):
     argv = [
         sys.executable,
         os.path.join(HERE, "_children.py"),
-        impl_name(impl),
+        impl.ENGINE,
         "read-one",
         str(fd),
     ]
@@ -289,7 +279,7 @@ def test_child_writing_to_a_closed_reader_gets_broken_pipe_not_sigpipe(impl):
     argv = [
         sys.executable,
         os.path.join(HERE, "_children.py"),
-        impl_name(impl),
+        impl.ENGINE,
         "write-until-broken",
         str(fd),
     ]

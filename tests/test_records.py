@@ -9,36 +9,25 @@ on ``fileno()`` sees every frame still unread. Both cores."""
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing
 import os
 import pickle
 import select
 import socket
-import struct
 import threading
 import time
 
 import pytest
+from _helpers import frame, payload
 
 from framepipe import FrameError
 from framepipe._wire import RECORD_MAX
 from framepipe.errors import MessageTooLong
 
 WAIT = 60.0
-LEN = struct.Struct("Q")
 HEAD = RECORD_MAX - 12  # the payload that fits one record with its header
 SIZES = [0, 1, HEAD - 1, HEAD, HEAD + 1, RECORD_MAX, 2 * RECORD_MAX - 12, 2 * RECORD_MAX - 11]
 BIG = [1 << 20, (16 << 20) + 3]
-
-
-def payload(n: int, seed: int = 0) -> bytes:
-    block = hashlib.sha256(f"{n}:{seed}".encode()).digest()
-    return (block * (n // len(block) + 1))[:n]
-
-
-def frame(data: bytes) -> bytes:
-    return b"\0\0" + LEN.pack(len(data)) + b"\0\0" + data
 
 
 def seqpacket_pair() -> tuple[socket.socket, socket.socket]:

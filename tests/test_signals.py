@@ -21,17 +21,12 @@ from _fault_children import (
     WAIT,
     LineReader,
     flood,
-    header,
-    impl_name,
-    payload,
     proc_state,
     running,
-    subprocess_env,
     unread,
-    wait_until,
-    write_all,
     write_in_thread,
 )
+from _helpers import child_env, header, payload, wait_until, write_all
 
 from framepipe import ReadTimeout
 
@@ -192,10 +187,10 @@ def test_sigint_interrupts_a_blocked_read_in_another_process(impl, where, inheri
     split = 0 if where == "boundary" else len(frame) // 2
     rfd, wfd = os.pipe()
     proc = subprocess.Popen(
-        [sys.executable, "-c", READER, impl_name(impl), str(rfd)],
+        [sys.executable, "-c", READER, impl.ENGINE, str(rfd)],
         pass_fds=[rfd],
         stdout=subprocess.PIPE,
-        env=subprocess_env(),
+        env=child_env(),
         preexec_fn=_ignore_sigint if inherited == "ignored" else None,
     )
     os.close(rfd)

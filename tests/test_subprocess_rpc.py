@@ -17,7 +17,7 @@ import textwrap
 import time
 
 import pytest
-from _helpers import TIMEOUT
+from _helpers import TIMEOUT, alive, gone
 
 import framepipe.compat as compat
 from framepipe import ReadTimeout, WriterDied
@@ -255,26 +255,15 @@ def test_a_dead_parent_ends_the_worker_loop(impl, tmp_path, when):
         child = int(parent.stdout.readline())
         parent.kill()
         parent.wait(TIMEOUT)
-        end = time.monotonic() + TIMEOUT
-        while time.monotonic() < end and _alive(child):
-            time.sleep(0.02)
-        assert not _alive(child)
+        assert gone(child, TIMEOUT)
         assert "Traceback" not in errors.read_text(), errors.read_text()
     finally:
         if parent.poll() is None:
             parent.kill()
         parent.wait(TIMEOUT)
         parent.stdout.close()
-        if child is not None and _alive(child):
+        if child is not None and alive(child):
             os.kill(child, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def test_owned_fds_close_through_close_fds_once_and_given_fds_stay_open(impl):

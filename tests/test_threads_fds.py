@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from _helpers import TIMEOUT, Background
+from _helpers import TIMEOUT, Background, pipe_works
 from _helpers import reuse_fd as _reuse
 
 TAG = struct.Struct("<III")  # thread, sequence number, payload size
@@ -374,11 +374,6 @@ def test_dropped_connections_are_closed_when_collected(impl, fd_count):
     assert fd_count() == before
 
 
-def _alive(r: int, w: int) -> None:
-    os.write(w, b"still mine")
-    assert os.read(r, 100) == b"still mine"
-
-
 def test_closing_twice_never_closes_an_fd_twice(impl):
     r, w = os.pipe()
     conn = impl.Connection(r, writable=False)
@@ -390,7 +385,7 @@ def test_closing_twice_never_closes_an_fd_twice(impl):
         conn.__exit__(None, None, None)
         del conn
         gc.collect()
-        _alive(fd, nw)
+        pipe_works(fd, nw)
     finally:
         os.close(fd)
         os.close(nw)
@@ -410,8 +405,8 @@ def test_closing_a_pipe_pair_twice_never_closes_an_fd_twice(impl):
             b.close()
             del a, b
             gc.collect()
-            _alive(ra, wa)
-            _alive(rb, wb)
+            pipe_works(ra, wa)
+            pipe_works(rb, wb)
         finally:
             for fd in (ra, wa, rb, wb):
                 os.close(fd)
@@ -426,7 +421,7 @@ def test_closed_connection_is_not_closed_again_when_collected(impl):
         fd, nw = _reuse(w)
         try:
             del conn  # the last reference: collected here
-            _alive(fd, nw)
+            pipe_works(fd, nw)
         finally:
             os.close(fd)
             os.close(nw)
@@ -518,8 +513,7 @@ def test_the_private_read_description_closes_with_the_connection(impl, closefd):
         conn.close()
         assert _fds_of_pipe(wfd) == (1 if closefd else 2)
         if not closefd:  # the borrowed fd is still open and still works
-            os.write(wfd, b"raw")
-            assert os.read(rfd, 10) == b"raw"
+            pipe_works(rfd, wfd)
     finally:
         if not closefd:
             os.close(rfd)

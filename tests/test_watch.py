@@ -119,7 +119,7 @@ def children() -> Any:
         c.cleanup()
 
 
-def wait_dead(lv: Liveness) -> None:
+def wait_seen_dead(lv: Liveness) -> None:
     deadline = time.monotonic() + WAIT
     while not lv.poll_dead():
         if time.monotonic() > deadline:
@@ -217,7 +217,7 @@ def test_death_status_then_owner_still_reaps(
         assert lv.status() == (None, False)
         assert lv.oom_killed() is None
         c.go()
-        wait_dead(lv)
+        wait_seen_dead(lv)
         assert lv.status() == (expected, False)
         if c.is_our_child():
             assert still_waitable(c.pid), "the watch must not reap the writer"
@@ -272,7 +272,7 @@ def test_sigsegv_core_dump_as_the_kernel_reports(
     try:
         assert not lv.poll_dead()
         os.close(w)
-        wait_dead(lv)
+        wait_seen_dead(lv)
         exitcode, core_dumped = lv.status()
         assert still_waitable(pid)
         _, raw = os.waitpid(pid, 0)
@@ -303,7 +303,7 @@ def test_native_traceback_from_the_guard(tmp_path: Any) -> None:
         with open(path, "w") as f:
             f.write('Fatal Python error: Segmentation fault\n  File "x.py", line 1 in f\n')
         os.kill(p.pid, signal.SIGSEGV)
-        wait_dead(lv)
+        wait_seen_dead(lv)
         err = lv.error()
         assert err.native_traceback is not None and "Segmentation fault" in err.native_traceback
         assert "Segmentation fault" in str(err)
@@ -346,7 +346,7 @@ def test_grandchild_zombie_status_is_read(use_pidfd: bool) -> None:
     try:
         assert not lv.poll_dead()
         os.kill(gpid, signal.SIGKILL)
-        wait_dead(lv)
+        wait_seen_dead(lv)
         assert lv.status() == (-signal.SIGKILL, False)
         assert lv.error().signal_name == "SIGKILL"
     finally:
@@ -431,7 +431,7 @@ def test_close_is_idempotent_and_keeps_status() -> None:
     lv = Liveness(pid)
     fd = lv.fd
     os.kill(pid, signal.SIGKILL)
-    wait_dead(lv)
+    wait_seen_dead(lv)
     assert lv.status() == (-signal.SIGKILL, False)
     lv.close()
     lv.close()
@@ -453,8 +453,8 @@ def test_oom_killed_false_for_other_deaths(children: Callable[..., Child]) -> No
     with Liveness(killed.obj) as a, Liveness(exited.obj) as b:
         killed.go()
         exited.go()
-        wait_dead(a)
-        wait_dead(b)
+        wait_seen_dead(a)
+        wait_seen_dead(b)
         assert a.oom_killed() is (None if a.oom_before is None else False)
         assert b.oom_killed() is False
         assert a.error().oom_killed == a.oom_killed()
@@ -499,7 +499,7 @@ def test_oom_kill_is_recognised(tmp_path: Any) -> None:
         with Liveness(p) as lv:
             assert lv.oom_before == 0
             p.stdin.close()  # type: ignore[union-attr]
-            wait_dead(lv)
+            wait_seen_dead(lv)
             assert lv.status() == (-signal.SIGKILL, False)
             assert lv.oom_killed() is True
             err = lv.error()
@@ -597,7 +597,7 @@ def test_watcher_fires_for_an_already_dead_writer() -> None:
     pid = fork_sleeper()
     os.kill(pid, signal.SIGKILL)
     with Liveness(pid) as lv:
-        wait_dead(lv)
+        wait_seen_dead(lv)
         s = Seen()
         watcher().register(lv, s)
         assert s.event.wait(WAIT)

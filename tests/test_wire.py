@@ -10,13 +10,19 @@ from __future__ import annotations
 import os
 import pickle
 import random
-import select
 import signal
 import socket
 import struct
 
 import pytest
-from _helpers import TIMEOUT, Background, write_all
+from _helpers import (
+    TIMEOUT,
+    Background,
+    frame,
+    nothing_left,
+    read_exactly,
+    write_all,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,28 +32,8 @@ LEN = struct.Struct("Q")
 CHECK = b"\x00\x00"
 
 
-def frame(payload: bytes) -> bytes:
-    return CHECK + LEN.pack(len(payload)) + CHECK + payload
-
-
 def payload_of(n: int) -> bytes:
     return random.Random(n).randbytes(n)
-
-
-def read_exactly(fd: int, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        ready, _, _ = select.select([fd], [], [], TIMEOUT)
-        assert ready, f"only {len(out)} of {n} bytes arrived"
-        chunk = os.read(fd, min(n - len(out), 1 << 20))
-        assert chunk, f"end of file after {len(out)} of {n} bytes"
-        out += chunk
-    return bytes(out)
-
-
-def nothing_left(fd: int) -> bool:
-    ready, _, _ = select.select([fd], [], [], 0)
-    return not ready
 
 
 class RawWriter(int):

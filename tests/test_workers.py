@@ -14,6 +14,7 @@ import time
 
 import psutil
 import pytest
+from _helpers import alive, eventually, gone, wait_dead
 from _worker_tasks import (
     TwoArgError,
     add,
@@ -60,22 +61,6 @@ WAIT = 60  # a hang guard only
 @pytest.fixture(autouse=True)
 def _clean(no_leftover_processes):
     yield
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def _wait_until(predicate, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 # -- Worker ------------------------------------------------------------------------------------
@@ -135,7 +120,7 @@ def test_worker_stream_items_backpressure_and_early_close(engine, tmp_path):
         produced = int(progress.read_text())
         assert produced <= 3 + 4, produced
         stream.close()
-        assert _wait_until(closed.exists), "the generator was not closed in the worker"
+        assert eventually(closed.exists), "the generator was not closed in the worker"
         assert int(progress.read_text()) < 1000
         assert w.call(add, 1, 2) == 3  # the worker goes on after the stream stopped
 
@@ -150,7 +135,7 @@ def test_worker_stream_errors_and_item_timeout(engine):
         with pytest.raises(TaskTimeout) as info:
             next(stream)
         assert info.value.stack and "yield_then_hang" in info.value.stack
-        assert _wait_until(lambda: _gone(pid))
+        assert gone(pid, 10.0)
         assert w.call(add, 2, 2) == 4  # a new process took over
         assert w.pid != pid
         with pytest.raises(ValueError):
@@ -214,7 +199,7 @@ def test_worker_call_timeout_takes_the_stack_then_replaces_the_worker(engine):
         assert 0.5 <= elapsed < 5.0
         assert "hang_in_sleep_loop" in info.value.stack
         assert info.value.pid == pid and info.value.task_name.endswith("hang_in_sleep_loop")
-        assert _wait_until(lambda: _gone(pid))
+        assert gone(pid, 10.0)
         assert w.call(getpid) != pid
         assert w.stats["restarts"] == 1
         with pytest.raises(ValueError):
@@ -268,7 +253,7 @@ def test_worker_calls_made_after_the_crash_was_processed_fail_until_a_caller_see
         w.call(set_global, "loaded")
         first = w.pid
         dying = w.submit(kill_self_if, 3, {3})
-        assert _wait_until(dying.done, WAIT)  # done() hands nobody the crash
+        assert eventually(dying.done, WAIT)  # done() hands nobody the crash
         later = [w.submit(get_global) for _ in range(20)]
         assert all(f.done() for f in later)  # failed at once, never queued
         crash = dying.exception(WAIT)
@@ -301,7 +286,7 @@ def test_worker_an_idle_crash_fails_no_call(engine):
         first = w.pid
         os.kill(first, signal.SIGKILL)
         # until the death is processed (a call sent before would be held by the dead process)
-        assert _wait_until(lambda: all(s.dead for s in w._core.slots() if s.proc.pid == first))
+        assert eventually(lambda: all(s.dead for s in w._core.slots() if s.proc.pid == first))
         assert w.call(get_global) is None and w.pid != first
 
 
@@ -357,7 +342,7 @@ def test_worker_after_close_and_async_endings(engine):
         asyncio.run(cancelled_inside())
     # ended by a cancellation, the block stops the worker at once, not after its 60 s call
     assert time.monotonic() - seen["at"] < 30
-    assert _wait_until(lambda: _gone(seen["pid"]))
+    assert gone(seen["pid"], 10.0)
 
 
 def test_worker_native_crash_and_exit_codes(engine):
@@ -384,11 +369,11 @@ def test_worker_close_reaps_and_closes_every_fd(engine, fd_count):
     assert w.alive and w.exitcode is None
     w.close()
     assert not w.alive and w.exitcode == 0
-    assert _gone(pid)
+    assert gone(pid, 0)
     with pytest.raises(psutil.NoSuchProcess):
         psutil.Process(pid).status()  # reaped: not even a zombie
     assert fd_count() == before
-    assert _wait_until(lambda: threading.active_count() <= threads)
+    assert eventually(lambda: threading.active_count() <= threads)
     with pytest.raises(RuntimeError, match="shut down"):
         w.call(add, 1, 1)
 
@@ -400,7 +385,7 @@ def test_worker_close_escalates_to_sigkill(engine):
     start = time.monotonic()
     w.close(timeout=0.3)
     assert time.monotonic() - start < 10
-    assert _gone(pid)
+    assert gone(pid, 0)
 
 
 def test_worker_initializer_env_cwd(engine, tmp_path):
@@ -460,7 +445,7 @@ def test_worker_asyncio_api(engine):
             return w.pid
 
     pid = asyncio.run(main())
-    assert _wait_until(lambda: pid is None or _gone(pid))
+    assert pid is None or gone(pid, 10.0)
 
 
 # -- Pool --------------------------------------------------------------------------------------
@@ -476,7 +461,7 @@ def test_pool_asyncio_api(engine):
             return pool.pids
 
     pids = asyncio.run(main())
-    assert _wait_until(lambda: all(_gone(p) for p in pids))
+    assert not wait_dead(pids, 10.0)
 
 
 def test_pool_is_an_executor(engine):
@@ -605,7 +590,7 @@ def test_pool_crash_fails_one_task_and_the_queue_goes_on(engine):
         assert info.value.task_name.endswith("kill_self_if")
         assert [f.result(WAIT) for f in others] == [2 * i for i in range(1, 200)]
         assert len(pool.crashes) == 1
-        assert _wait_until(lambda: len(pool.pids) == 2)
+        assert eventually(lambda: len(pool.pids) == 2)
 
 
 def test_pool_restart_budget_turns_a_crash_loop_into_pool_broken(engine):
@@ -614,7 +599,7 @@ def test_pool_restart_budget_turns_a_crash_loop_into_pool_broken(engine):
         for _ in range(3):
             errors.append(pool.submit(kill_self_if, 1, {1}).exception(WAIT))
         assert all(isinstance(e, WorkerCrashed) for e in errors)
-        assert _wait_until(lambda: pool.broken is not None)
+        assert eventually(lambda: pool.broken is not None)
         assert isinstance(pool.broken, PoolBroken)
         assert "max_restarts=2" in str(pool.broken) and "SIGKILL" in str(pool.broken)
         with pytest.raises(PoolBroken):
@@ -624,7 +609,7 @@ def test_pool_restart_budget_turns_a_crash_loop_into_pool_broken(engine):
 def test_pool_task_timeout_ladder(engine):
     with Pool(2, start_method="fork", task_timeout=0.5, kill_grace=0.2) as pool:
         assert pool.submit(getpid).result(WAIT)
-        assert _wait_until(lambda: len(pool.pids) == 2)
+        assert eventually(lambda: len(pool.pids) == 2)
         pids = set(pool.pids)
         start = time.monotonic()
         hung = pool.submit(hang_in_sleep_loop)
@@ -636,7 +621,7 @@ def test_pool_task_timeout_ladder(engine):
         assert "hang_in_sleep_loop" in info.value.stack
         assert info.value.pid in pids
         assert [f.result(WAIT) for f in quick] == [2 * i for i in range(50)]
-        assert _wait_until(lambda: _gone(info.value.pid))
+        assert gone(info.value.pid, 10.0)
         assert pool.crashes == []  # a timeout is not a crash
 
 
@@ -761,7 +746,7 @@ def test_a_broken_pool_shuts_down(engine, tmp_path):
 
     pool = Pool(2, start_method="fork", max_restarts=0)
     try:
-        assert _wait_until(lambda: sum(s.ready for s in pool._core.slots()) == 2)
+        assert eventually(lambda: sum(s.ready for s in pool._core.slots()) == 2)
         blocker = pool.submit(wait_for_file, str(tmp_path / "never"), 30)  # worker A
         dying = pool.submit(sleep_then_die, 0.3)  # worker B, which breaks the pool
         behind = pool.submit(add, 1, 1)  # queued on A behind its blocker
@@ -831,7 +816,7 @@ def _spy_lends(pool):
 
 def test_many_callers_reading_their_own_answers_while_one_waits_long(engine):
     with Pool(2, start_method="fork") as pool:
-        assert _wait_until(lambda: sum(s.ready for s in pool._core.slots()) == 2)
+        assert eventually(lambda: sum(s.ready for s in pool._core.slots()) == 2)
         lends = _spy_lends(pool)
         long = pool.submit(sleep_for, 1.5)
         got = {}
@@ -845,7 +830,7 @@ def test_many_callers_reading_their_own_answers_while_one_waits_long(engine):
         threads = [threading.Thread(target=long_waiter)]
         threads[0].start()
         # it reads its worker's channel while the others come and go
-        assert _wait_until(lambda: any(me == threads[0].ident for me, _ in lends))
+        assert eventually(lambda: any(me == threads[0].ident for me, _ in lends))
         threads += [threading.Thread(target=caller, args=(k * 1000,)) for k in range(6)]
         for t in threads[1:]:
             t.start()
@@ -904,7 +889,7 @@ def test_cancel_while_a_caller_reads_the_channel(engine):
 
         t = threading.Thread(target=wait_for_queued)
         t.start()
-        assert _wait_until(lambda: any(me == t.ident for me, _ in lends))
+        assert eventually(lambda: any(me == t.ident for me, _ in lends))
         assert w.cancel() == 2
         t.join(WAIT)
         assert isinstance(outcome["queued"], WorkerCancelled)
@@ -927,10 +912,10 @@ def test_the_deadline_ladder_releases_a_reading_caller_at_the_deadline(engine):
         assert lends, "the caller did not read the channel itself"
         # It ignores SIGTERM and its SIGKILL is a minute away: the caller was let go at the
         # deadline (its reader was poked), not by the worker's death.
-        assert not _gone(info.value.pid)
+        assert alive(info.value.pid)
     finally:
         pool.terminate()
-    assert _wait_until(lambda: _gone(info.value.pid))
+    assert gone(info.value.pid, 10.0)
 
 
 def test_a_result_timeout_while_reading_gives_the_channel_back(engine):
@@ -955,7 +940,7 @@ def test_done_callbacks_run_in_the_manager_thread_not_in_a_reading_caller(engine
         second = pool.submit(add, 2, 2)
         assert second.result(WAIT) == 4  # this thread read both answers
         assert lends and first.done()
-        assert _wait_until(lambda: ran) and ran[0].startswith("framepipe-")
+        assert eventually(lambda: ran) and ran[0].startswith("framepipe-")
     # a callback that shuts the pool down while the caller holds the channel: no hang
     pool = Pool(1, start_method="fork")
     assert pool.submit(add, 1, 1).result(WAIT) == 2
@@ -1047,7 +1032,7 @@ def test_a_caller_interrupted_while_reading_stops_that_worker_only(engine):
         for f in (fut, queued):  # no answer of that worker can be trusted: both fail, said so
             exc = f.exception(WAIT)
             assert isinstance(exc, WorkerError) and "interrupted by KeyboardInterrupt" in str(exc)
-        assert _wait_until(lambda: _gone(first))
+        assert gone(first, 10.0)
         assert [pool.submit(square, i).result(WAIT) for i in range(20)] == [
             i * i for i in range(20)
         ]

@@ -15,6 +15,7 @@ import time
 
 import psutil
 import pytest
+from _helpers import alive, wait_dead
 from _worker_tasks import add, allocate_until_killed, join_cgroup, kill_self_if
 
 from framepipe.workers import Pool, WorkerCrashed
@@ -27,13 +28,6 @@ WAIT = 120  # a hang guard only
 @pytest.fixture(autouse=True)
 def _clean(no_leftover_processes):
     yield
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
@@ -80,13 +74,6 @@ def _parent(*args: str):
             os.killpg(parent.pid, signal.SIGKILL)
 
 
-def _none_alive(pids: list[int] | set[int], within: float = 2.0) -> bool:
-    end = time.monotonic() + within
-    while time.monotonic() < end and any(_alive(p) for p in pids):
-        time.sleep(0.02)
-    return not any(_alive(p) for p in pids)
-
-
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -101,10 +88,10 @@ def test_a_sigkilled_parent_leaves_no_worker(method):
     five worker processes is alive."""
     with _parent("hold", method) as parent:
         pids = json.loads(parent.stdout.readline())
-        assert len(pids) == 5 and all(_alive(p) for p in pids)
+        assert len(pids) == 5 and all(alive(p) for p in pids)
         parent.kill()
         parent.wait(WAIT)
-        assert _none_alive(pids), "workers outlived their SIGKILLed parent"
+        assert not wait_dead(pids, 2.0), "workers outlived their SIGKILLed parent"
 
 
 @pytest.mark.parametrize("mode", ["exit", "exit-nowait"])
@@ -118,7 +105,7 @@ def test_tasks_submitted_and_not_waited_for_finish_before_the_program_exits(mode
         assert parent.returncode == 0 and err == b"" and out == b"", err.decode()
         lines = path.read_text().split()
         assert sorted(int(v) for v in lines[::2]) == list(range(6))
-        assert _none_alive({int(p) for p in lines[1::2]})
+        assert not wait_dead({int(p) for p in lines[1::2]}, 2.0)
 
 
 def test_ctrl_c_stops_every_worker_with_one_traceback():
@@ -131,7 +118,7 @@ def test_ctrl_c_stops_every_worker_with_one_traceback():
         assert parent.returncode != 0
         assert text.count("Traceback (most recent call last)") == 1, text
         assert text.count("KeyboardInterrupt") == 1, text
-        assert _none_alive(pids)
+        assert not wait_dead(pids, 2.0)
 
 
 def _event_fds() -> int:

@@ -16,9 +16,9 @@ import time
 
 import psutil
 import pytest
+from _helpers import alive, child_env, wait_dead
 
 import framepipe
-from framepipe import _impl
 from framepipe.workers import GroupFailed, GroupResult, Std, WorkerError, WorkerGroup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,29 +34,6 @@ METHODS = [
 ]
 
 
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([SRC, HERE, env.get("PYTHONPATH", "")])
-    return env
-
-
-def dead(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def wait_dead(pids, timeout: float) -> list[int]:
-    """The pids still alive after ``timeout`` seconds."""
-    end = time.monotonic() + timeout
-    while True:
-        alive = [p for p in pids if not dead(p)]
-        if not alive or time.monotonic() > end:
-            return alive
-        time.sleep(0.02)
-
-
 def failure_of(group: WorkerGroup) -> GroupFailed:
     """Start ``group`` if it is not running yet and return the GroupFailed its wait raises."""
     if not group.pids:
@@ -70,13 +47,6 @@ def no_zombie_children() -> list[psutil.Process]:
     return [
         c for c in psutil.Process().children(recursive=True) if c.status() == psutil.STATUS_ZOMBIE
     ]
-
-
-@pytest.fixture
-def engine(impl, monkeypatch):
-    """Make this test's channels use ``impl`` (the c or py engine)."""
-    monkeypatch.setattr(_impl, "core", impl)
-    return impl
 
 
 @pytest.fixture
@@ -537,7 +507,7 @@ def test_parent_sigkilled_leaves_no_worker_alive(parents):
     proc.kill()
     proc.wait(TIMEOUT)
     time.sleep(2.0)
-    assert [p.pid for p in below if not dead(p.pid)] == []
+    assert [p.pid for p in below if alive(p.pid)] == []
 
 
 def _run_groups(tmp_path) -> list[int]:
@@ -569,7 +539,7 @@ def test_no_zombie_and_no_fd_left(engine, fd_count, tmp_path):
     assert fd_count() == before
     assert {c.pid for c in psutil.Process().children()} <= children  # reaped, every one
     assert not no_zombie_children()
-    assert not [p for p in pids if psutil.pid_exists(p) and not dead(p)]
+    assert not [p for p in pids if psutil.pid_exists(p) and alive(p)]
     assert not [t for t in threading.enumerate() if t.name.startswith("framepipe-group")]
 
 
