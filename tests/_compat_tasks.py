@@ -7,6 +7,9 @@ import os
 import threading
 import time
 
+from _worker_tasks import exit_hard  # noqa: F401 - a task of test_pool_compat too
+from _worker_tasks import sleep_for as nap  # noqa: F401 - likewise
+
 
 class Payload:
     """A weakly referenceable object, to tell when the parent has let go of it."""
@@ -34,17 +37,8 @@ def exit_with(code: int) -> None:
     raise SystemExit(code)
 
 
-def exit_hard(code: int) -> None:
-    os._exit(code)
-
-
 def fail_init() -> None:
     raise ValueError("the initializer failed")
-
-
-def nap(seconds: float) -> float:
-    time.sleep(seconds)
-    return seconds
 
 
 def fail_to_load() -> None:

@@ -114,29 +114,6 @@ def flood(conn, total: int, sizes, interval: float) -> None:
 # -- helpers for the parent side (they run in the test process) --------------------------------
 
 
-def running(method: str, target, *args):
-    """Context manager: a started ``multiprocessing`` Process; on exit it is killed if still
-    alive (SIGKILL also ends a stopped process) and joined."""
-    import contextlib
-    import multiprocessing
-
-    @contextlib.contextmanager
-    def manager():
-        proc = multiprocessing.get_context(method).Process(target=target, args=args, daemon=True)
-        proc.start()
-        try:
-            yield proc
-        finally:
-            if proc.exitcode is None:
-                try:
-                    proc.kill()
-                except (OSError, ValueError):
-                    pass
-            proc.join(WAIT)
-
-    return manager()
-
-
 def proc_stat(pid: int, field: int) -> str | None:
     """Field ``field`` of /proc/<pid>/stat counted from 3 (the state), None when it is gone."""
     try:

@@ -3,6 +3,7 @@ directory on sys.path)."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -71,6 +72,33 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@contextlib.contextmanager
+def started(proc):
+    """Start the process object ``proc`` (multiprocessing's or framepipe's); on the way out,
+    failures included, kill it if it is still running (SIGKILL also ends a stopped process)
+    and join it."""
+    proc.start()
+    try:
+        yield proc
+    finally:
+        if proc.exitcode is None:
+            try:
+                proc.kill()
+            except (OSError, ValueError):
+                pass
+        proc.join(60.0)
+
+
+def running(method: str, target, *args):
+    """Context manager: ``target(*args)`` in a started daemon ``multiprocessing`` process of
+    start method ``method``, killed if still running and joined on the way out."""
+    import multiprocessing
+
+    return started(
+        multiprocessing.get_context(method).Process(target=target, args=args, daemon=True)
+    )
 
 
 def wait_dead(pids, within: float = 5.0) -> list[int]:

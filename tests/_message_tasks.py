@@ -6,6 +6,8 @@ import os
 import sys
 import time
 
+from _worker_tasks import identity  # noqa: F401 - a task of test_messages too
+
 
 def abort_now() -> None:
     os.abort()
@@ -14,10 +16,6 @@ def abort_now() -> None:
 def hang() -> None:
     while True:
         time.sleep(0.05)
-
-
-def identity(x: object) -> object:
-    return x
 
 
 def exit_after_saying(text: str) -> None:

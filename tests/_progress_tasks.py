@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import os
-import time
+
+from _worker_tasks import sleep_for  # noqa: F401 - a task of test_progress too
 
 
 def exit_at_4(i: int) -> int:
     if i == 4:
         os._exit(3)
     return i
-
-
-def sleep_for(seconds: float) -> float:
-    time.sleep(seconds)
-    return seconds

@@ -22,13 +22,12 @@ from _fault_children import (
     WAIT,
     echo,
     kill_and_wait_dead,
-    running,
     send_then_die,
     small_then_big,
     unread,
     write_in_thread,
 )
-from _helpers import header, payload, write_all
+from _helpers import header, payload, running, write_all
 
 from framepipe import ReadTimeout, WriterDied
 from framepipe.watch import dead_status_word

@@ -19,7 +19,7 @@ import struct
 import numpy as np
 import pytest
 from _fault_children import kill_and_wait_dead
-from _helpers import LEN, Background, nothing_left, payload, read_exactly
+from _helpers import LEN, Background, nothing_left, payload, read_exactly, running
 
 from framepipe import FrameError, ReadTimeout, WriterDied
 from framepipe._wire import FRAME_RECORD_MAX, RECORD_MAX, pad_frame
@@ -232,9 +232,7 @@ def test_message_too_long_discards_a_bulk_payload(impl):
 @pytest.mark.parametrize("method", METHODS)
 def test_child_sends_through_a_bulk_pipe(impl, method):
     r, w = pair(impl, False)
-    proc = multiprocessing.get_context(method).Process(target=child_sends, args=(w,))
-    proc.start()
-    try:
+    with r, running(method, child_sends, w) as proc:
         w.close()
         assert r.recv_bytes(timeout=WAIT) == payload(MIB, 1)
         assert np.array_equal(r.recv(timeout=WAIT), np.arange(MIB, dtype=np.int64))
@@ -245,18 +243,14 @@ def test_child_sends_through_a_bulk_pipe(impl, method):
         assert r.recv_bytes(timeout=WAIT) == b"done"
         with pytest.raises(EOFError):
             r.recv_bytes(timeout=WAIT)
-    finally:
         proc.join(WAIT)
-        r.close()
-    assert proc.exitcode == 0
+        assert proc.exitcode == 0
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_child_echoes_through_a_duplex_bulk_pipe(impl, method):
     a, b = pair(impl, True)
-    proc = multiprocessing.get_context(method).Process(target=child_echoes, args=(b,))
-    proc.start()
-    try:
+    with a, running(method, child_echoes, b) as proc:
         b.close()
         objs = [payload(16 * MIB), np.arange(2 * MIB, dtype=np.float64), b"tiny"]
         for obj in objs:
@@ -267,10 +261,8 @@ def test_child_echoes_through_a_duplex_bulk_pipe(impl, method):
             else:
                 assert got == obj
         a.send(None)
-    finally:
         proc.join(WAIT)
-        a.close()
-    assert proc.exitcode == 0
+        assert proc.exitcode == 0
 
 
 # -- timeouts, deaths, protocol errors ---------------------------------------------------------

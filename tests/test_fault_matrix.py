@@ -28,7 +28,7 @@ import time
 import psutil
 import pytest
 from _fault_children import WAIT
-from _helpers import F_SETPIPE_SZ, Background, payload, pipe_works, reuse_fd
+from _helpers import F_SETPIPE_SZ, Background, payload, pipe_works, reuse_fd, write_all
 
 import framepipe
 import framepipe.watch
@@ -767,7 +767,7 @@ def test_a_large_frame_arriving_in_pieces_between_timeouts_is_intact(impl, duple
         wfd = w._handles()[1]
         cuts = [0, 7, 20, 70_000, MIB, 3 * MIB + 1, len(frame)]
         for a, b in zip(cuts[:-2], cuts[1:-1]):
-            writer = Background(_write_all, wfd, frame[a:b])  # a piece over the pipe's size
+            writer = Background(write_all, wfd, frame[a:b])  # a piece over the pipe's size
             while True:  # is read while it is written
                 done = not writer.thread.is_alive()
                 with pytest.raises(ReadTimeout) as info:
@@ -776,7 +776,7 @@ def test_a_large_frame_arriving_in_pieces_between_timeouts_is_intact(impl, duple
                 if done:
                     break
             writer.join()
-        writer = Background(_write_all, wfd, frame[cuts[-2] :])
+        writer = Background(write_all, wfd, frame[cuts[-2] :])
         got = r.recv_bytes(timeout=WAIT)
         writer.join()
         assert len(got) == len(data) and got == data
@@ -786,12 +786,6 @@ def test_a_large_frame_arriving_in_pieces_between_timeouts_is_intact(impl, duple
         r.close()
         w.close()
     assert len(kept) >= len(cuts) - 2
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 # -- hostile error frames: imports, depth, width, chains -------------------------------------
@@ -835,7 +829,7 @@ def test_hostile_error_frames_import_nothing_and_degrade(impl, tmp_path, monkeyp
     r, w = impl.pipe(False)
     try:
         data = H.error_frame(make[probe]())
-        writer = Background(lambda: (_write_all(w._handles()[1], data), w.send_bytes(b"after")))
+        writer = Background(lambda: (write_all(w._handles()[1], data), w.send_bytes(b"after")))
 
         def read():
             try:

@@ -29,7 +29,6 @@ from _fault_children import (
     kill_and_wait_dead,
     proc_stat,
     proc_state,
-    running,
     send_then_die,
     small_then_big,
     stop_mid_frame,
@@ -37,7 +36,7 @@ from _fault_children import (
     wire,
     write_in_thread,
 )
-from _helpers import child_env, header, payload, wait_until, write_all
+from _helpers import child_env, header, payload, running, wait_until, write_all
 
 import framepipe.connection as fpc
 from framepipe import ReadTimeout, WriterDied

@@ -3,8 +3,8 @@ parent that reads from it (both cores, fork and spawn children)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-import multiprocessing
 import os
 import shutil
 import signal
@@ -13,6 +13,7 @@ import sys
 
 import pytest
 from _fault_children import TwoArgError, guarded_crash, guarded_raise
+from _helpers import running
 
 import framepipe
 from framepipe import RemoteTraceback, WriterDied, _faults, _impl
@@ -30,14 +31,24 @@ CRASHES = [
 ]
 
 
+@contextlib.contextmanager
+def guarded_child(impl, method: str, target):
+    """(parent's end, process): ``target`` runs in a ``method`` child with the other end of a
+    duplex pipe, which the parent watches; the child is killed and joined on the way out."""
+    parent, child = impl.pipe(True)
+    try:
+        with running(method, target, child) as proc:
+            child.close()
+            parent.watch(proc)
+            yield parent, proc
+    finally:
+        child.close()
+        parent.close()
+
+
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_segfault_reaches_the_parent_with_the_native_traceback(impl, method):
-    parent, child = impl.pipe(True)
-    proc = multiprocessing.get_context(method).Process(target=guarded_crash, args=(child,))
-    proc.start()
-    try:
-        child.close()
-        parent.watch(proc)
+    with guarded_child(impl, method, guarded_crash) as (parent, proc):
         assert parent.recv_bytes(timeout=WAIT) == b"before the crash"
         with pytest.raises(WriterDied) as info:
             parent.recv_bytes(timeout=WAIT)
@@ -55,21 +66,11 @@ def test_segfault_reaches_the_parent_with_the_native_traceback(impl, method):
         assert str(err).startswith(f"crasher {proc.pid} was killed by signal SIGSEGV")
         proc.join(WAIT)
         assert proc.exitcode == -signal.SIGSEGV  # never reaped by framepipe
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(WAIT)
-        parent.close()
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_guarded_exception_is_raised_by_recv(impl, method):
-    parent, child = impl.pipe(True)
-    proc = multiprocessing.get_context(method).Process(target=guarded_raise, args=(child,))
-    proc.start()
-    try:
-        child.close()
-        parent.watch(proc)
+    with guarded_child(impl, method, guarded_raise) as (parent, proc):
         with pytest.raises(TwoArgError) as info:
             parent.recv(timeout=WAIT)
         err = info.value
@@ -87,11 +88,6 @@ def test_guarded_exception_is_raised_by_recv(impl, method):
         with pytest.raises(WriterDied) as died:
             parent.recv(timeout=WAIT)
         assert died.value.exitcode == 1
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(WAIT)
-        parent.close()
 
 
 # --- the dump in the crashing child's own stderr ---------------------------------------------

@@ -3,6 +3,7 @@ subprocess with pass_fds; and writes to a pipe whose reader is gone."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import socket
@@ -12,9 +13,7 @@ import threading
 
 import numpy as np
 import pytest
-from _helpers import child_env
-
-import framepipe
+from _helpers import child_env, running
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The children import _children by name: pytest's default import mode already puts tests/ on
@@ -26,27 +25,34 @@ import _children  # noqa: E402 - needs the sys.path entry above
 from _children import pattern  # noqa: E402
 
 TIMEOUT = 60.0  # a hang guard only
-SRC = os.path.dirname(os.path.dirname(os.path.abspath(framepipe.__file__)))
 
 METHODS = [
     m for m in ("fork", "spawn", "forkserver") if m in multiprocessing.get_all_start_methods()
 ]
 
 
-def stop_process(proc) -> None:
-    """Join a multiprocessing child, killing it if it is still there."""
-    proc.join(TIMEOUT)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(TIMEOUT)
-
-
-def stop_popen(proc: subprocess.Popen) -> None:
+@contextlib.contextmanager
+def script_child(impl, role: str, *args, pass_fds, **popen_kwargs):
+    """``python _children.py ENGINE role args...`` as a subprocess that is handed the fds
+    ``pass_fds``; killed and waited for on the way out, failures included."""
+    argv = [sys.executable, os.path.join(HERE, "_children.py"), impl.ENGINE, role, *map(str, args)]
+    proc = subprocess.Popen(argv, pass_fds=pass_fds, env=child_env(), **popen_kwargs)
     try:
-        proc.wait(TIMEOUT)
-    except subprocess.TimeoutExpired:
+        yield proc
+    finally:
         proc.kill()
         proc.wait(TIMEOUT)
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
+
+
+def frames_then_eof(reader, sizes) -> None:
+    """``reader`` gets ``pattern(n)`` for each n of ``sizes``, then the end of the file."""
+    for n in sizes:
+        assert reader.recv_bytes(timeout=TIMEOUT) == pattern(n)
+    with pytest.raises(EOFError):
+        reader.recv_bytes(timeout=TIMEOUT)
 
 
 def test_children_module_is_importable_by_spawned_children():
@@ -57,11 +63,8 @@ def test_children_module_is_importable_by_spawned_children():
 
 @pytest.mark.parametrize("method", METHODS)
 def test_connection_passed_to_a_process(impl, method):
-    ctx = multiprocessing.get_context(method)
     parent, child = impl.pipe(duplex=True)
-    proc = ctx.Process(target=_children.serve, args=(child,))
-    try:
-        proc.start()
+    with parent, child, running(method, _children.serve, child) as proc:
         child.close()  # the child holds its own copy now
 
         parent.send("module")
@@ -94,35 +97,19 @@ def test_connection_passed_to_a_process(impl, method):
         parent.send(None)  # the child returns and closes its end
         with pytest.raises(EOFError):
             parent.recv(timeout=TIMEOUT)
-        stop_process(proc)
+        proc.join(TIMEOUT)
         assert proc.exitcode == 0
-    finally:
-        child.close()
-        parent.close()
-        if proc.pid is not None:
-            stop_process(proc)
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_one_way_connection_passed_to_a_process(impl, method):
-    ctx = multiprocessing.get_context(method)
     reader, writer = impl.pipe(duplex=False)
     sizes = [5, 0, 65_537, 2 << 20, 1]
-    proc = ctx.Process(target=_children.send_frames_and_exit, args=(writer, sizes))
-    try:
-        proc.start()
+    with reader, writer, running(method, _children.send_frames_and_exit, writer, sizes) as proc:
         writer.close()
-        for n in sizes:
-            assert reader.recv_bytes(timeout=TIMEOUT) == pattern(n)
-        with pytest.raises(EOFError):
-            reader.recv_bytes(timeout=TIMEOUT)
-        stop_process(proc)
+        frames_then_eof(reader, sizes)
+        proc.join(TIMEOUT)
         assert proc.exitcode == 0
-    finally:
-        writer.close()
-        reader.close()
-        if proc.pid is not None:
-            stop_process(proc)
 
 
 @pytest.mark.parametrize("transport", ["two-pipes", "socketpair"])
@@ -136,65 +123,42 @@ def test_connection_used_by_a_subprocess_child(impl, transport):
         r2, w2 = os.pipe()
         parent = impl.Connection(r1, write_handle=w2)
         child_fds = [r2, w1]
-    argv = [
-        sys.executable,
-        os.path.join(HERE, "_children.py"),
-        impl.ENGINE,
-        "serve",
-        *map(str, child_fds),
-    ]
-    proc = subprocess.Popen(argv, pass_fds=child_fds, env=child_env())
     try:
-        for fd in child_fds:
-            os.close(fd)
-        child_fds = []
-        parent.send("module")
-        assert parent.recv(timeout=TIMEOUT) == impl.ENGINE
-        parent.send(("bytes", 1 << 20))
-        assert parent.recv_bytes(timeout=TIMEOUT) == pattern(1 << 20)
-        parent.send({"k": [1, 2]})
-        assert parent.recv(timeout=TIMEOUT) == {"k": [1, 2]}
-        parent.send(("array", 200_000))
-        assert parent.recv(timeout=TIMEOUT).tobytes() == pattern(200_000)
-        parent.send(None)
-        with pytest.raises(EOFError):
-            parent.recv(timeout=TIMEOUT)
-        stop_popen(proc)
-        assert proc.returncode == 0
+        with script_child(impl, "serve", *child_fds, pass_fds=child_fds) as proc:
+            for fd in child_fds:
+                os.close(fd)
+            child_fds = []
+            talk_to_a_script_child(impl, parent)
+            assert proc.wait(TIMEOUT) == 0
     finally:
         for fd in child_fds:
             os.close(fd)
         parent.close()
-        proc.kill()
-        stop_popen(proc)
+
+
+def talk_to_a_script_child(impl, parent) -> None:
+    parent.send("module")
+    assert parent.recv(timeout=TIMEOUT) == impl.ENGINE
+    parent.send(("bytes", 1 << 20))
+    assert parent.recv_bytes(timeout=TIMEOUT) == pattern(1 << 20)
+    parent.send({"k": [1, 2]})
+    assert parent.recv(timeout=TIMEOUT) == {"k": [1, 2]}
+    parent.send(("array", 200_000))
+    assert parent.recv(timeout=TIMEOUT).tobytes() == pattern(200_000)
+    parent.send(None)
+    with pytest.raises(EOFError):
+        parent.recv(timeout=TIMEOUT)
 
 
 def test_one_way_connection_used_by_a_subprocess_child(impl):
     reader, writer = impl.pipe(duplex=False)
     sizes = [3, 0, 100_000, 4 << 20]
     fd = writer.fileno()
-    argv = [
-        sys.executable,
-        os.path.join(HERE, "_children.py"),
-        impl.ENGINE,
-        "frames",
-        str(fd),
-        ",".join(map(str, sizes)),
-    ]
-    proc = subprocess.Popen(argv, pass_fds=[fd], env=child_env())
-    try:
+    child = script_child(impl, "frames", fd, ",".join(map(str, sizes)), pass_fds=[fd])
+    with reader, writer, child as proc:
         writer.close()
-        for n in sizes:
-            assert reader.recv_bytes(timeout=TIMEOUT) == pattern(n)
-        with pytest.raises(EOFError):
-            reader.recv_bytes(timeout=TIMEOUT)
-        stop_popen(proc)
-        assert proc.returncode == 0
-    finally:
-        writer.close()
-        reader.close()
-        proc.kill()
-        stop_popen(proc)
+        frames_then_eof(reader, sizes)
+        assert proc.wait(TIMEOUT) == 0
 
 
 # --- a reader that is gone ------------------------------------------------------------------------
@@ -251,49 +215,24 @@ def test_large_write_blocked_when_the_reader_closes_raises_broken_pipe(impl):
 def test_writing_to_a_child_that_exited_raises_broken_pipe(impl):
     reader, writer = impl.pipe(duplex=False)
     fd = reader.fileno()
-    argv = [
-        sys.executable,
-        os.path.join(HERE, "_children.py"),
-        impl.ENGINE,
-        "read-one",
-        str(fd),
-    ]
-    proc = subprocess.Popen(argv, pass_fds=[fd], env=child_env(), stdout=subprocess.PIPE)
-    try:
+    child = script_child(impl, "read-one", fd, pass_fds=[fd], stdout=subprocess.PIPE)
+    with reader, writer, child as proc:
         reader.close()  # the child holds the only read end
         writer.send_bytes(b"one message")
         out, _ = proc.communicate(timeout=TIMEOUT)
         assert proc.returncode == 0 and out.split() == [b"11"]
         with pytest.raises(BrokenPipeError):
             writer.send_bytes(b"nobody reads this")
-    finally:
-        writer.close()
-        reader.close()
-        proc.kill()
-        stop_popen(proc)
 
 
 def test_child_writing_to_a_closed_reader_gets_broken_pipe_not_sigpipe(impl):
     reader, writer = impl.pipe(duplex=False)
     fd = writer.fileno()
-    argv = [
-        sys.executable,
-        os.path.join(HERE, "_children.py"),
-        impl.ENGINE,
-        "write-until-broken",
-        str(fd),
-    ]
-    proc = subprocess.Popen(
-        argv, pass_fds=[fd], env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE
-    )
-    try:
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE}
+    child = script_child(impl, "write-until-broken", fd, pass_fds=[fd], **pipes)
+    with reader, writer, child as proc:
         writer.close()
         reader.close()  # no reader is left anywhere
         out, _ = proc.communicate(b"go\n", timeout=TIMEOUT)
         assert proc.returncode == 0, f"child ended with {proc.returncode}: {out!r}"
         assert out.split()[0] == b"BrokenPipeError"
-    finally:
-        writer.close()
-        reader.close()
-        proc.kill()
-        stop_popen(proc)

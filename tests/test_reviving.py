@@ -15,7 +15,7 @@ import uuid
 from typing import Any
 
 import pytest
-from _helpers import TIMEOUT, Background
+from _helpers import TIMEOUT, Background, write_all
 from _hostile import (
     Package,
     chain,
@@ -54,7 +54,7 @@ def read_error(impl, payload: bytes, **options):
             setattr(r, name, value)
 
         def write() -> None:  # a large payload fills the pipe: written while it is read
-            _write_all(w._handles()[1], error_frame(payload))
+            write_all(w._handles()[1], error_frame(payload))
             w.send_bytes(b"after")
 
         def read():
@@ -72,12 +72,6 @@ def read_error(impl, payload: bytes, **options):
     finally:
         r.close()
         w.close()
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 @pytest.fixture

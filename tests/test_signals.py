@@ -22,11 +22,10 @@ from _fault_children import (
     LineReader,
     flood,
     proc_state,
-    running,
     unread,
     write_in_thread,
 )
-from _helpers import child_env, header, payload, wait_until, write_all
+from _helpers import child_env, header, payload, running, wait_until, write_all
 
 from framepipe import ReadTimeout
 

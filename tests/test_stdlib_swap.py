@@ -3,7 +3,6 @@ authentication, fds per pipe, and lifecycle edges (fork while blocked, shutdown)
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import multiprocessing
 import multiprocessing.connection
@@ -18,24 +17,12 @@ import time
 from multiprocessing import AuthenticationError, reduction
 
 import pytest
-from _helpers import TIMEOUT, Background
+from _helpers import TIMEOUT, Background, started
 
 from framepipe import ReadTimeout, WriterDied
 from framepipe import connection as fpc
 
 NAN = float("nan")
-
-
-@contextlib.contextmanager
-def running(proc):
-    """Start ``proc``; on the way out (failures included) make sure it is gone."""
-    proc.start()
-    try:
-        yield proc
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(TIMEOUT)
 
 
 @pytest.fixture
@@ -207,7 +194,7 @@ def test_send_handle_and_recv_handle_over_a_duplex_pipe(impl, tmp_path, method):
     path.write_bytes(b"passed by handle")
     a, b = impl.pipe(True)
     ctx = multiprocessing.get_context(method)
-    with a, running(ctx.Process(target=_send_a_handle, args=(b, str(path)))) as proc:
+    with a, started(ctx.Process(target=_send_a_handle, args=(b, str(path)))) as proc:
         b.close()
         fd = reduction.recv_handle(a)
         with open(fd, "rb") as f:
@@ -435,7 +422,7 @@ def test_fork_while_blocked_in_recv_with_timeout_multiprocessing(impl):
         ctx = multiprocessing.get_context("fork")
         go = ctx.Event()
         try:
-            with running(ctx.Process(target=_child_reads_after, args=(r, go))) as proc:
+            with started(ctx.Process(target=_child_reads_after, args=(r, go))) as proc:
                 w.send_bytes(b"for the parent's thread")
                 t.join(TIMEOUT)
                 assert not t.is_alive()
