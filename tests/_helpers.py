@@ -9,6 +9,8 @@ import hashlib
 import os
 import select
 import struct
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -150,6 +152,23 @@ def child_env(**extra: str) -> dict[str, str]:
     tests = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join(filter(None, [src, tests, os.environ.get("PYTHONPATH")]))
     return dict(os.environ, PYTHONPATH=path, **extra)
+
+
+def run_python(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120.0, **run_kwargs
+) -> subprocess.CompletedProcess[str]:
+    """``python ARGS...`` with this interpreter, its output captured as text, its exit code not
+    checked; in the environment ``env`` (by default ``child_env()``). ``run_kwargs`` go to
+    subprocess.run (``cwd``, ``input``)."""
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env() if env is None else env,
+        check=False,
+        **run_kwargs,
+    )
 
 
 def write_all(fd: int, data: bytes) -> None:

@@ -12,11 +12,11 @@ import json
 import os
 import platform
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _helpers import child_env, run_python
 
 import framepipe
 from framepipe.bench import cli, core, rows, table
@@ -49,24 +49,15 @@ def run_bench(
     """``python -m framepipe bench ARGS``. Each module in ``hide`` fails to import in that
     process (a module of that name that raises ImportError comes first on the path), as it
     does where it is not installed."""
-    env = dict(os.environ, COLUMNS=str(WIDTH))  # the width the tests read reports at
-    paths = [str(Path(framepipe.__file__).resolve().parent.parent)]
+    env = child_env(COLUMNS=str(WIDTH))  # the width the tests read reports at
     if hide:
         assert tmp is not None
         shadow = tmp / "not-installed"
         shadow.mkdir(exist_ok=True)
         for name in hide:
             (shadow / f"{name}.py").write_text(f'raise ImportError("No module named {name}")\n')
-        paths.insert(0, str(shadow))
-    env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [env.get("PYTHONPATH")])])
-    return subprocess.run(
-        [sys.executable, "-m", "framepipe", "bench", *args],
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD,
-        env=env,
-        check=False,
-    )
+        env["PYTHONPATH"] = os.pathsep.join([str(shadow), env["PYTHONPATH"]])
+    return run_python("-m", "framepipe", "bench", *args, timeout=HANG_GUARD, env=env)
 
 
 def assert_fits(text: str) -> None:
@@ -487,16 +478,7 @@ def test_loader_report_shape_in_process(
 
 
 def test_python_m_framepipe_bench_is_the_same_command() -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(Path(framepipe.__file__).resolve().parent.parent)
-    proc = subprocess.run(
-        [sys.executable, "-m", "framepipe.bench", "--list"],
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD,
-        env=env,
-        check=False,
-    )
+    proc = run_python("-m", "framepipe.bench", "--list", timeout=HANG_GUARD)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == run_bench("--list").stdout
 

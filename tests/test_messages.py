@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _helpers import child_env, run_python
 from _message_tasks import (
     abort_now,
     exit_after_saying,
@@ -48,14 +49,10 @@ from framepipe.workers.errors import tidy_dump
 
 WAIT = 60  # a hang guard only
 RUN = 120  # a program's hang guard
-SRC = str(Path(framepipe.__file__).resolve().parent.parent)
-TESTS = str(Path(__file__).resolve().parent)
 TRACEBACK = "Traceback (most recent call last):"
 
 
-@pytest.fixture(autouse=True)
-def _clean(no_leftover_processes):
-    yield
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
 def run_program(
@@ -64,26 +61,16 @@ def run_program(
     """Run ``code`` as a user would: ``file`` (python prog.py), ``stdin`` (python - < prog)
     or ``c`` (python -c CODE); in ``tmp_path``, framepipe from this checkout."""
     code = textwrap.dedent(code)
-    full = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, TESTS]))
-    full.update(env or {})
+    full = child_env(**(env or {}))
     if how == "file":
         path = tmp_path / "prog.py"
         path.write_text(code)
-        argv, stdin = [sys.executable, str(path)], None
+        argv, stdin = [str(path)], None
     elif how == "stdin":
-        argv, stdin = [sys.executable, "-"], code
+        argv, stdin = ["-"], code
     else:
-        argv, stdin = [sys.executable, "-c", code], None
-    return subprocess.run(
-        argv,
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=RUN,
-        cwd=tmp_path,
-        env=full,
-        check=False,
-    )
+        argv, stdin = ["-c", code], None
+    return run_python(*argv, input=stdin, timeout=RUN, cwd=tmp_path, env=full)
 
 
 def exception_line(stderr: str, name: str) -> str:
@@ -127,22 +114,21 @@ def test_workers_started_at_import_get_their_own_error_naming_the_fix(tmp_path, 
     assert len(out.stderr.split(TRACEBACK)[0].splitlines()) <= 12, out.stderr
 
 
-def test_a_worker_started_at_import_fails_its_call_saying_why(tmp_path):
-    code = """
+# Each way of starting workers at import (no main guard): the program's code, the error it
+# ends with, and what the error's first line says.
+STARTED_AT_IMPORT = {
+    "worker": (
+        """
         from framepipe.workers import Worker
 
         with Worker() as w:
             print(w.call(abs, -2))
-    """
-    out = run_program(code, "file", tmp_path)
-    assert out.returncode == 1
-    first = exception_line(out.stderr, "WorkerCrashed")
-    assert "exited with code 121 while starting: the main module starts workers" in first
-    assert '`if __name__ == "__main__":`' in first
-
-
-def test_a_dataloader_iterated_at_import_gets_the_same_error(tmp_path):
-    code = """
+        """,
+        "WorkerCrashed",
+        "exited with code 121 while starting: the main module starts workers",
+    ),
+    "dataloader": (
+        """
         from framepipe.workers import DataLoader
 
         class Items:
@@ -154,16 +140,12 @@ def test_a_dataloader_iterated_at_import_gets_the_same_error(tmp_path):
 
         for batch in DataLoader(Items(), batch_size=4, num_workers=1, start_method="spawn"):
             print(batch)
-    """
-    out = run_program(code, "file", tmp_path)
-    assert out.returncode == 1
-    first = exception_line(out.stderr, "MainGuardError")
-    assert "worker 'DataLoader-worker-0' died while starting: the main module" in first
-    assert '`if __name__ == "__main__":`' in first
-
-
-def test_a_worker_group_started_at_import_says_the_same(tmp_path):
-    code = """
+        """,
+        "MainGuardError",
+        "worker 'DataLoader-worker-0' died while starting: the main module",
+    ),
+    "group": (
+        """
         from framepipe.workers import WorkerGroup
 
         def rank_main(x):
@@ -172,11 +154,20 @@ def test_a_worker_group_started_at_import_says_the_same(tmp_path):
         group = WorkerGroup(rank_main, 2, args=(1,))
         group.start()
         group.wait(60)
-    """
+        """,
+        "GroupFailed",
+        "exited with code 121 while starting: the main module starts workers",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", STARTED_AT_IMPORT)
+def test_workers_started_at_import_fail_saying_why(tmp_path, kind):
+    code, error, says = STARTED_AT_IMPORT[kind]
     out = run_program(code, "file", tmp_path)
     assert out.returncode == 1
-    first = exception_line(out.stderr, "GroupFailed")
-    assert "exited with code 121 while starting: the main module starts workers" in first
+    first = exception_line(out.stderr, error)
+    assert says in first
     assert '`if __name__ == "__main__":`' in first
 
 
@@ -523,14 +514,8 @@ def test_a_worker_dying_before_ready_says_while_starting(engine):
 
 
 def test_python_m_framepipe_version():
-    out = subprocess.run(
-        [sys.executable, "-m", "framepipe", "--version"],
-        capture_output=True,
-        text=True,
-        timeout=RUN,
-        env=dict(os.environ, PYTHONPATH=SRC),
-        check=True,
-    )
+    out = run_python("-m", "framepipe", "--version", timeout=RUN)
+    assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"framepipe {framepipe.__version__} (")
     assert f"{framepipe.implementation} engine" in out.stdout
 
@@ -558,18 +543,10 @@ def test_output_width_follows_the_terminal_and_defaults_to_100(monkeypatch):
 @pytest.mark.parametrize("columns", [None, "70"])
 def test_the_demo_fits_the_width_and_writes_whole_lines(tmp_path, columns):
     env = {"COLUMNS": columns} if columns else {}
-    full = dict(os.environ, PYTHONPATH=SRC, **env)
+    full = child_env(**env)
     if columns is None:
         full.pop("COLUMNS", None)
-    out = subprocess.run(
-        [sys.executable, "-m", "framepipe", "demo"],
-        capture_output=True,
-        text=True,
-        timeout=RUN,
-        env=full,
-        cwd=tmp_path,
-        check=False,
-    )
+    out = run_python("-m", "framepipe", "demo", timeout=RUN, env=full, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     width = int(columns or 100)
     long = [line for line in out.stdout.splitlines() if len(line) > width]

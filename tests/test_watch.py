@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from _fault_children import die
+from _helpers import run_python
 
 from framepipe.errors import WriterDied
 from framepipe.watch import (
@@ -784,15 +785,7 @@ def test_watcher_stops_at_interpreter_exit() -> None:
         "assert ev.wait(60)\n"
         "os.waitpid(pid, 0)\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=WAIT,
-    )
+    out = run_python("-c", code, timeout=WAIT)
     assert out.returncode == 0, out.stderr
     assert "running at the end: False" in out.stdout
     assert out.stderr == ""

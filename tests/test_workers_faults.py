@@ -25,9 +25,7 @@ HERE = os.path.dirname(__file__)
 WAIT = 120  # a hang guard only
 
 
-@pytest.fixture(autouse=True)
-def _clean(no_leftover_processes):
-    yield
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
