@@ -103,6 +103,26 @@ def running(method: str, target, *args):
     )
 
 
+def run_guarded(method: str, target, *args) -> tuple[bytes, object, object, int]:
+    """Run ``target(writer, metrics, stop, *args)`` in a ``method`` child (a worker under a
+    guard that fails): ``writer`` is the end of a one-way pipe, ``metrics`` a queue and
+    ``stop`` an event, all of that start method's context. Once the child has exited with
+    code 1 (it re-raised), return (the first message on the pipe, as bytes, ``metrics``,
+    ``stop``, the child's pid)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context(method)
+    reader, writer = ctx.Pipe(duplex=False)
+    metrics, stop = ctx.Queue(), ctx.Event()
+    with reader, started(ctx.Process(target=target, args=(writer, metrics, stop, *args))) as proc:
+        writer.close()
+        assert reader.poll(120), "the child sent nothing"
+        message = reader.recv_bytes()
+        proc.join(120)
+        assert proc.exitcode == 1  # the exception was re-raised
+    return message, metrics, stop, proc.pid
+
+
 def wait_dead(pids, within: float = 5.0) -> list[int]:
     """Wait up to ``within`` seconds for every process of ``pids`` (None entries skipped) to
     end (to be gone or a zombie); return those still running, empty as soon as none is."""

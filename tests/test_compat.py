@@ -12,10 +12,10 @@ import subprocess
 import sys
 import textwrap
 import threading
-import traceback
 from typing import Any
 
 import pytest
+from _helpers import frame_names, run_guarded
 
 from framepipe.compat import (
     ChildTraceException,
@@ -45,10 +45,6 @@ def chain_end(exc: BaseException) -> BaseException:
     while exc.__cause__ is not None:
         exc = exc.__cause__
     return exc
-
-
-def frame_names(exc: BaseException) -> list[str]:
-    return [frame.name for frame in traceback.extract_tb(exc.__traceback__)]
 
 
 # --- SerializedException, as the reference worker loop uses it ------------------------------
@@ -148,18 +144,9 @@ def collector(conn: Any, metrics: Any, stop: Any, stderr_path: str) -> None:
 
 @pytest.mark.parametrize("method", CONTEXTS)
 def test_collector_guard_sends_a_wrapper(method: str, tmp_path: Any) -> None:
-    ctx = multiprocessing.get_context(method)
-    reader, writer = ctx.Pipe(duplex=False)
-    metrics, stop = ctx.Queue(), ctx.Event()
     stderr_path = tmp_path / "stderr.txt"
-    process = ctx.Process(target=collector, args=(writer, metrics, stop, str(stderr_path)))
-    process.start()
-    writer.close()
-    assert reader.poll(120)
-    wrapper = reader.recv()
-    process.join(120)
-    assert process.exitcode == 1
-
+    message, metrics, stop, _ = run_guarded(method, collector, str(stderr_path))
+    wrapper = pickle.loads(message)
     assert isinstance(wrapper, ExceptionWrapper)
     assert wrapper.where == "in collector"
     assert wrapper.exc_type is BatchError

@@ -421,11 +421,17 @@ def chaos(draw):
     return chunks, [(h, m if h == "recv_bytes" else None, n) for h, m, n in ops]
 
 
-def test_both_cores_agree_on_any_bytes(fuzz):
+@pytest.fixture
+def both_cores():
+    """(the c core, the python core); the test is skipped where the c core is not built."""
     try:
-        c, py = _impl.load("c"), _impl.load("python")
+        return _impl.load("c"), _impl.load("python")
     except ImportError as exc:
         pytest.skip(f"needs both cores: {exc}")
+
+
+def test_both_cores_agree_on_any_bytes(fuzz, both_cores):
+    c, py = both_cores
 
     @given(case=chaos())
     def prop(case):
@@ -514,11 +520,8 @@ def read_error_frame(core, payload: bytes):
     return outcome
 
 
-def test_error_frames_never_import_hang_or_escape_and_both_cores_agree(fuzz):
-    try:
-        c, py = _impl.load("c"), _impl.load("python")
-    except ImportError as exc:
-        pytest.skip(f"needs both cores: {exc}")
+def test_error_frames_never_import_hang_or_escape_and_both_cores_agree(fuzz, both_cores):
+    c, py = both_cores
     import email  # noqa: F401 - imported: only their __main__ modules are not
     import unittest  # noqa: F401
 

@@ -21,6 +21,7 @@ import traceback
 from typing import Any
 
 import pytest
+from _helpers import frame_names, run_guarded
 
 from framepipe._liveness import start_time
 from framepipe.errors import WriterDied
@@ -58,24 +59,14 @@ def guarded_worker(conn: Any, metrics: Any, stop: Any, error_file: str, stderr_p
 
 @pytest.mark.parametrize("method", CONTEXTS)
 def test_guard_runs_every_step_in_a_child(method: str, tmp_path: Any) -> None:
-    ctx = multiprocessing.get_context(method)
-    reader, writer = ctx.Pipe(duplex=False)
-    metrics, stop = ctx.Queue(), ctx.Event()
     error_file, stderr_path = tmp_path / "error.json", tmp_path / "stderr.txt"
-    process = ctx.Process(
-        target=guarded_worker,
-        args=(writer, metrics, stop, str(error_file), str(stderr_path)),
+    message, metrics, stop, pid = run_guarded(
+        method, guarded_worker, str(error_file), str(stderr_path)
     )
-    process.start()
-    writer.close()
-    assert reader.poll(120)
-    exc = loads_exception(reader.recv_bytes())
-    process.join(120)
-    assert process.exitcode == 1  # the exception was re-raised
-
+    exc = loads_exception(message)
     assert type(exc) is ShardError and exc.shard == 3
-    assert "load_shard" in [f.name for f in traceback.extract_tb(exc.__traceback__)]
-    assert f"Traceback from loader process {process.pid} (" in str(exc.__cause__)
+    assert "load_shard" in frame_names(exc)
+    assert f"Traceback from loader process {pid} (" in str(exc.__cause__)
 
     item = metrics.get(timeout=60)
     assert set(item) == {"error"}
@@ -83,7 +74,7 @@ def test_guard_runs_every_step_in_a_child(method: str, tmp_path: Any) -> None:
     assert stop.is_set()
 
     banner = stderr_path.read_text()
-    assert "[LOADER CRASH]" in banner and f"pid {process.pid}" in banner
+    assert "[LOADER CRASH]" in banner and f"pid {pid}" in banner
     assert "load_shard" in banner
 
     data = json.loads(error_file.read_text())
@@ -92,7 +83,7 @@ def test_guard_runs_every_step_in_a_child(method: str, tmp_path: Any) -> None:
     assert "load_shard" in message["extraInfo"]["py_callstack"]
     assert int(message["extraInfo"]["timestamp"]) <= int(time.time())
     extra = data["framepipe"]
-    assert extra["pid"] == process.pid
+    assert extra["pid"] == pid
     assert extra["host"] == socket.gethostname()
     assert extra["label"] == "loader"
     assert extra["exit_reason"] == "exception"

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from _helpers import frame_names
 
 from framepipe.guard import guard
 from framepipe.remote import (
@@ -222,10 +223,6 @@ def revived(child: dict[str, Any], name: str) -> BaseException:
     return loads_exception(child["payloads"][name])
 
 
-def frame_names(exc: BaseException) -> list[str]:
-    return [frame.name for frame in traceback.extract_tb(exc.__traceback__)]
-
-
 def remote_trace(exc: BaseException) -> RemoteTraceback:
     seen = set()
     while id(exc) not in seen:
@@ -241,32 +238,36 @@ def remote_trace(exc: BaseException) -> RemoteTraceback:
 # --- the cases ------------------------------------------------------------------------------
 
 
-def test_two_required_args(child: dict[str, Any]) -> None:
-    exc = revived(child, "two_args")
-    assert type(exc) is TwoArgsError
-    assert isinstance(exc, ValueError)
-    assert exc.args == ("/data/shard-3: error 7",)
-    assert (exc.path, exc.code) == ("/data/shard-3", 7)
-    assert "raise_two_args" in frame_names(exc)
+# A custom exception of the child's, its base, the args and the attributes it comes back with.
+REVIVED = {
+    "two_args": (
+        TwoArgsError,
+        ValueError,
+        ("/data/shard-3: error 7",),
+        {"path": "/data/shard-3", "code": 7},
+    ),
+    "kw_only": (KwOnlyError, RuntimeError, ("gave up after 5 retries",), {"retries": 5}),
+    "locked": (LockedError, LookupError, ("resource busy",), {"count": 2}),
+}
 
 
-def test_keyword_only_args(child: dict[str, Any]) -> None:
-    exc = revived(child, "kw_only")
-    assert type(exc) is KwOnlyError
-    assert isinstance(exc, RuntimeError)
-    assert exc.args == ("gave up after 5 retries",)
-    assert exc.retries == 5
-    assert "raise_kw_only" in frame_names(exc)
+@pytest.mark.parametrize("name", REVIVED)
+def test_custom_exceptions_keep_their_class_args_and_attributes(
+    child: dict[str, Any], name: str
+) -> None:
+    # two required args, keyword-only args, and an attribute that cannot be pickled
+    cls, base, args, attrs = REVIVED[name]
+    exc = revived(child, name)
+    assert type(exc) is cls
+    assert isinstance(exc, base)
+    assert exc.args == args
+    assert {k: getattr(exc, k) for k in attrs} == attrs
+    assert f"raise_{name}" in frame_names(exc)
 
 
 def test_unpicklable_attribute_becomes_its_repr(child: dict[str, Any]) -> None:
     exc = revived(child, "locked")
-    assert type(exc) is LockedError
-    assert isinstance(exc, LookupError)
-    assert exc.args == ("resource busy",)
-    assert exc.count == 2
     assert isinstance(exc.lock, str) and exc.lock.startswith("<unlocked _thread.lock")
-    assert "raise_locked" in frame_names(exc)
 
 
 def test_cause_and_context_are_kept(child: dict[str, Any]) -> None:

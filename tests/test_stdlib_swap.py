@@ -17,7 +17,7 @@ import time
 from multiprocessing import AuthenticationError, reduction
 
 import pytest
-from _helpers import TIMEOUT, Background, started
+from _helpers import TIMEOUT, Background, running, started
 
 from framepipe import ReadTimeout, WriterDied
 from framepipe import connection as fpc
@@ -207,14 +207,14 @@ def test_send_handle_and_recv_handle_over_a_duplex_pipe(impl, tmp_path, method):
 # -- Listener and Client --------------------------------------------------------------------
 
 
-def _addresses(tmp_path):
-    return [("unix", str(tmp_path / "sock")), ("tcp", ("127.0.0.1", 0))]
+@pytest.fixture(params=["unix", "tcp"])
+def address(request, tmp_path):
+    """A Listener address of each family: a Unix socket path, a TCP port of localhost."""
+    return str(tmp_path / "sock") if request.param == "unix" else ("127.0.0.1", 0)
 
 
-@pytest.mark.parametrize("family", ["unix", "tcp"])
-def test_listener_and_client_with_the_right_key(impl, tmp_path, family, monkeypatch):
-    monkeypatch.setattr(fpc._impl, "core", impl)
-    address = dict(_addresses(tmp_path))[family]
+def test_listener_and_client_with_the_right_key(engine, address):
+    impl = engine
     with fpc.Listener(address, authkey=b"secret") as listener:
         client = Background(fpc.Client, listener.address, None, b"secret")
         with listener.accept() as server:
@@ -232,10 +232,7 @@ def test_listener_and_client_with_the_right_key(impl, tmp_path, family, monkeypa
                     server.recv(timeout=TIMEOUT)
 
 
-@pytest.mark.parametrize("family", ["unix", "tcp"])
-def test_a_wrong_key_fails_both_ends(impl, tmp_path, family, monkeypatch):
-    monkeypatch.setattr(fpc._impl, "core", impl)
-    address = dict(_addresses(tmp_path))[family]
+def test_a_wrong_key_fails_both_ends(engine, address):
     with fpc.Listener(address, authkey=b"secret") as listener:
         client = Background(fpc.Client, listener.address, None, b"wrong")
         with pytest.raises(AuthenticationError, match="digest received was wrong"):
@@ -251,10 +248,7 @@ def test_a_wrong_key_fails_both_ends(impl, tmp_path, family, monkeypatch):
         b"\0\0" + struct.pack("Q", 1 << 40) + b"\0\0",
     ],
 )
-def test_garbage_or_a_huge_length_before_authenticating_is_refused_unread(
-    impl, tmp_path, junk, monkeypatch
-):
-    monkeypatch.setattr(fpc._impl, "core", impl)
+def test_garbage_or_a_huge_length_before_authenticating_is_refused_unread(engine, tmp_path, junk):
     with fpc.Listener(str(tmp_path / "sock"), authkey=b"secret") as listener:
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(listener.address)
@@ -280,27 +274,19 @@ def _write_after(conn, delay):
     time.sleep(30)
 
 
-def test_watch_and_async_reads_on_a_socket_connection(impl, tmp_path, monkeypatch):
+def test_watch_and_async_reads_on_a_socket_connection(engine, tmp_path):
     import asyncio
 
-    monkeypatch.setattr(fpc._impl, "core", impl)
     with fpc.Listener(str(tmp_path / "sock")) as listener:
         client = Background(fpc.Client, listener.address)
         with listener.accept() as server, client.join() as conn:
-            proc = multiprocessing.get_context("fork").Process(
-                target=_write_after, args=(conn, 0.1)
-            )
-            try:
-                proc.start()
+            with running("fork", _write_after, conn, 0.1) as proc:
                 server.watch(proc)
                 assert asyncio.run(server.recv_bytes_async(timeout=TIMEOUT)) == b"late"
                 proc.kill()
                 conn.close()
                 with pytest.raises(WriterDied):
                     server.recv_bytes(timeout=TIMEOUT)
-            finally:
-                proc.kill()
-                proc.join(TIMEOUT)
 
 
 # -- lifecycle edges ---------------------------------------------------------------------------

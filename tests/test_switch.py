@@ -268,19 +268,6 @@ def _same_signature(actual: inspect.Signature, declared: inspect.Signature, what
     assert got == want, f"{what}: {actual} where _core.pyi declares {declared}"
 
 
-@pytest.fixture(scope="module", params=["c", "python"], ids=["c", "py"])
-def engine_core(request):
-    try:
-        return _impl.load(request.param)
-    except ImportError as exc:
-        if REQUIRE:
-            pytest.fail(
-                f"FRAMEPIPE_REQUIRE_EXTENSIONS is set but the {request.param} engine "
-                f"does not import: {exc}"
-            )
-        pytest.skip(f"the {request.param} engine is not built")
-
-
 def test_the_stub_declares_the_interface():
     # The parity checks below are only as good as the stub they read.
     methods = {n for n, (what, _) in ENGINE_MEMBERS.items() if what == "method"}
@@ -289,23 +276,23 @@ def test_the_stub_declares_the_interface():
     assert set(HOOKS) == {"_message", "_dead_sentinel"}
 
 
-def test_engine_names_itself(engine_core):
-    module = sys.modules[engine_core.Engine.__module__]
-    assert module.ENGINE == engine_core.Engine.ENGINE == engine_core.ENGINE
-    assert engine_core.ENGINE in ("c", "python")
+def test_engine_names_itself(impl):
+    module = sys.modules[impl.Engine.__module__]
+    assert module.ENGINE == impl.Engine.ENGINE == impl.ENGINE
+    assert impl.ENGINE in ("c", "python")
     assert module.__all__ == ["ENGINE", "Engine"]
 
 
 @pytest.mark.parametrize(
     "member", sorted(n for n, (w, _) in ENGINE_MEMBERS.items() if w == "method")
 )
-def test_engine_methods_match_the_stub(engine_core, member):
-    fn = getattr(engine_core.Engine, member, None)
-    assert fn is not None, f"the {engine_core.ENGINE} engine has no {member}"
+def test_engine_methods_match_the_stub(impl, member):
+    fn = getattr(impl.Engine, member, None)
+    assert fn is not None, f"the {impl.ENGINE} engine has no {member}"
     try:
         actual = inspect.signature(fn)
     except ValueError as exc:
-        pytest.fail(f"{engine_core.ENGINE} engine's {member} has no signature: {exc}")
+        pytest.fail(f"{impl.ENGINE} engine's {member} has no signature: {exc}")
     params = list(actual.parameters.values())
     assert params[0].name == "self"
     _same_signature(
@@ -323,13 +310,13 @@ def _stub_signature_without_self(member: str) -> inspect.Signature:
     return sig.replace(parameters=params[1:])
 
 
-def test_engine_properties_and_attributes_match_the_stub(engine_core):
-    r, w = engine_core.pipe(False)
+def test_engine_properties_and_attributes_match_the_stub(impl):
+    r, w = impl.pipe(False)
     try:
         for name, (what, _) in ENGINE_MEMBERS.items():
             if what == "property":
-                assert isinstance(inspect.getattr_static(engine_core.Engine, name), property) or (
-                    inspect.isdatadescriptor(getattr(engine_core.Engine, name))
+                assert isinstance(inspect.getattr_static(impl.Engine, name), property) or (
+                    inspect.isdatadescriptor(getattr(impl.Engine, name))
                 ), f"Engine.{name}"
             if what in ("property", "attribute"):
                 for conn in (r, w):
@@ -359,15 +346,15 @@ ENGINE_CALLS = sorted(
 
 
 @pytest.mark.parametrize("name", ENGINE_CALLS)
-def test_the_connection_holds_the_engines_calls_with_their_docs(engine_core, name):
+def test_the_connection_holds_the_engines_calls_with_their_docs(impl, name):
     # Each engine's Connection (a class written in the source) holds the engine's own method,
     # no wrapper, documented by the declaration on ConnectionBase, whose body never runs.
     from framepipe._connection import ConnectionBase
 
-    conn_cls = engine_core.Connection
+    conn_cls = impl.Connection
     assert conn_cls.__name__ == "Connection" and conn_cls.__module__ == "framepipe.connection"
-    assert conn_cls.__bases__ == (ConnectionBase, engine_core.Engine)
-    assert conn_cls.__dict__[name] is getattr(engine_core.Engine, name)
+    assert conn_cls.__bases__ == (ConnectionBase, impl.Engine)
+    assert conn_cls.__dict__[name] is getattr(impl.Engine, name)
     declared = ConnectionBase.__dict__[name]
     assert declared.__doc__ and len(declared.__doc__) > 40
     assert getattr(conn_cls, name).__doc__ == declared.__doc__
@@ -377,7 +364,7 @@ def test_the_connection_holds_the_engines_calls_with_their_docs(engine_core, nam
         _stub_signature_without_self(name),
         f"ConnectionBase.{name}",
     )
-    r, w = engine_core.pipe()
+    r, w = impl.pipe()
     try:
         assert type(r) is conn_cls and getattr(r, name).__doc__ == declared.__doc__
     finally:
@@ -385,15 +372,15 @@ def test_the_connection_holds_the_engines_calls_with_their_docs(engine_core, nam
         w.close()
 
 
-def test_every_public_call_of_the_engine_is_declared_on_the_connection(engine_core):
-    shown = {n for n in dir(engine_core.Engine) if not n.startswith("_") and n != "ENGINE"}
+def test_every_public_call_of_the_engine_is_declared_on_the_connection(impl):
+    shown = {n for n in dir(impl.Engine) if not n.startswith("_") and n != "ENGINE"}
     assert shown == set(ENGINE_CALLS)
 
 
 @pytest.mark.parametrize("hook", sorted(HOOKS))
-def test_the_connection_provides_the_hooks(engine_core, hook):
-    fn = getattr(engine_core.Connection, hook)
-    assert fn is not getattr(engine_core.Engine, hook, None)
+def test_the_connection_provides_the_hooks(impl, hook):
+    fn = getattr(impl.Connection, hook)
+    assert fn is not getattr(impl.Engine, hook, None)
     sig = inspect.signature(fn)
     declared = HOOKS[hook][1]
     assert declared is not None
@@ -483,12 +470,12 @@ def test_method_signatures_match(ccore, pycore, cls, method):
     _assert_same_signature(getattr(py_cls, method), getattr(c_cls, method), f"{cls}.{method}")
 
 
-def test_every_public_method_is_documented(engine_core):
+def test_every_public_method_is_documented(impl):
     # The engines' own public methods have no docstrings: the Connection gives them theirs.
-    for name in _methods(engine_core.Connection)[:-2]:
-        doc = inspect.getdoc(getattr(engine_core.Connection, name))
+    for name in _methods(impl.Connection)[:-2]:
+        doc = inspect.getdoc(getattr(impl.Connection, name))
         assert doc and len(doc) > 20, f"Connection.{name} has no docstring"
-    assert inspect.getdoc(engine_core.Connection).startswith("A framed, bidirectional")
+    assert inspect.getdoc(impl.Connection).startswith("A framed, bidirectional")
 
 
 def test_properties_match(ccore, pycore):

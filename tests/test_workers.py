@@ -14,7 +14,7 @@ import time
 
 import psutil
 import pytest
-from _helpers import alive, eventually, gone, wait_dead
+from _helpers import Background, alive, eventually, gone, wait_dead
 from _worker_tasks import (
     TwoArgError,
     add,
@@ -851,20 +851,12 @@ def test_a_worker_dying_while_its_callers_read_its_channel(engine):
         lends = _spy_lends(pool)
         victim = pool.submit(sleep_then_die, 0.3)
         behind = pool.submit(add, 2, 3)  # queued behind it on the same worker
-        outcome = {}
-
-        def wait_for_victim():
-            try:
-                victim.result(WAIT)
-            except BaseException as exc:  # noqa: BLE001 - the test looks at it
-                outcome["victim"] = exc
-
-        t = threading.Thread(target=wait_for_victim)
-        t.start()
+        waiting = Background(victim.result, WAIT)
         assert behind.result(WAIT) == 5  # read the death, then its answer from the new worker
-        t.join(WAIT)
-        err = outcome["victim"]
-        assert isinstance(err, WorkerCrashed) and err.signal_name == "SIGKILL"
+        with pytest.raises(WorkerCrashed) as info:
+            waiting.join()
+        err = info.value
+        assert err.signal_name == "SIGKILL"
         assert err.pid == first and err.task_name.endswith("sleep_then_die")
         assert any(index == 0 for _, index in lends)  # a caller read the dying worker
         assert pool.submit(getpid).result(WAIT) != first
@@ -877,20 +869,11 @@ def test_cancel_while_a_caller_reads_the_channel(engine):
         lends = _spy_lends(w)
         running = w.submit(sleep_for, 30)
         queued = w.submit(add, 1, 2)
-        outcome = {}
-
-        def wait_for_queued():
-            try:
-                queued.result(WAIT)
-            except BaseException as exc:  # noqa: BLE001 - the test looks at it
-                outcome["queued"] = exc
-
-        t = threading.Thread(target=wait_for_queued)
-        t.start()
-        assert eventually(lambda: any(me == t.ident for me, _ in lends))
+        waiting = Background(queued.result, WAIT)
+        assert eventually(lambda: any(me == waiting.thread.ident for me, _ in lends))
         assert w.cancel() == 2
-        t.join(WAIT)
-        assert isinstance(outcome["queued"], WorkerCancelled)
+        with pytest.raises(WorkerCancelled):
+            waiting.join()
         with pytest.raises(WorkerCancelled):
             running.result(WAIT)
         assert w.call(add, 2, 2) == 4  # the same process goes on
