@@ -77,6 +77,23 @@ def alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
+def fork(child) -> int:
+    """Fork; return the child's pid. The child runs ``child()`` and never returns into the
+    test: it ends with ``os._exit`` of what ``child()`` returned (0 for None), or of 70 when
+    it raised (its traceback printed to stderr)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 70
+        try:
+            code = child() or 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    return pid
+
+
+@contextlib.contextmanager
 def started(proc):
     """Start the process object ``proc`` (multiprocessing's or framepipe's); on the way out,
     failures included, kill it if it is still running (SIGKILL also ends a stopped process)

@@ -28,7 +28,7 @@ import time
 import psutil
 import pytest
 from _fault_children import WAIT
-from _helpers import F_SETPIPE_SZ, Background, payload, pipe_works, reuse_fd, write_all
+from _helpers import F_SETPIPE_SZ, Background, fork, payload, pipe_works, reuse_fd, write_all
 
 import framepipe
 import framepipe.watch
@@ -328,12 +328,7 @@ def test_a_forked_child_closing_its_copy_does_not_wake_the_parents_reader(impl):
         assert reading.join() == b"one"
         reading = Background(lambda: r.recv_bytes(timeout=WAIT))
         time.sleep(0.1)
-        pid = os.fork()
-        if pid == 0:
-            try:
-                r.close()
-            finally:
-                os._exit(0)
+        pid = fork(r.close)
         assert os.waitpid(pid, 0)[1] == 0
         time.sleep(0.1)
         assert reading.thread.is_alive(), "the child's close() woke the parent's read"

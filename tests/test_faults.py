@@ -13,7 +13,6 @@ import os
 import pickle
 import select
 import signal
-import struct
 import subprocess
 import sys
 import threading
@@ -655,33 +654,6 @@ def test_recycled_pid_does_not_revive_a_dead_writer(impl, use_pidfd):
 
 
 # -- 10. sentinels written by hand --------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "exitcode, name",
-    [
-        (0, None),
-        (3, None),
-        (-signal.SIGKILL, "SIGKILL"),
-        (-signal.SIGTERM, "SIGTERM"),
-        (None, None),
-    ],
-)
-def test_dead_sentinel_at_a_frame_boundary(impl, exitcode, name):
-    # The status word the watcher would write for this exit code, written by hand.
-    status = dead_status_word(exitcode)
-    r, w = impl.pipe(False)
-    try:
-        write_all(w.fileno(), header(2) + b"hi" + b"\x02\x02" + struct.pack("Q", status))
-        assert r.recv_bytes(timeout=WAIT) == b"hi"
-        with pytest.raises(WriterDied) as info:
-            r.recv_bytes(timeout=WAIT)
-        assert type(info.value) is WriterDied
-        assert info.value.exitcode == exitcode
-        assert info.value.signal_name == name
-    finally:
-        r.close()
-        w.close()
 
 
 @pytest.mark.parametrize("how", ["recv_bytes", "recv", "recv_bytes_into"])

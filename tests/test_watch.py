@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from _fault_children import die
-from _helpers import run_python
+from _helpers import fork, run_python
 
 from framepipe.errors import WriterDied
 from framepipe.watch import (
@@ -140,13 +140,7 @@ def still_waitable(pid: int) -> bool:
 
 
 def fork_sleeper() -> int:
-    pid = os.fork()
-    if pid == 0:
-        try:
-            time.sleep(WAIT)
-        finally:
-            os._exit(0)
-    return pid
+    return fork(lambda: time.sleep(WAIT))
 
 
 def kill_and_reap(pid: int) -> int:
@@ -257,17 +251,17 @@ def test_sigsegv_core_dump_as_the_kernel_reports(
     if allow_core and hard == 0:
         pytest.skip("core dumps are forbidden by the hard RLIMIT_CORE")
     r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(w)
-            os.chdir(tmp_path)
-            resource.setrlimit(resource.RLIMIT_CORE, (hard if allow_core else 0, hard))
-            faulthandler.disable()
-            os.read(r, 1)
-            ctypes.string_at(0)  # a real invalid read
-        finally:
-            os._exit(97)
+
+    def crash() -> int:
+        os.close(w)
+        os.chdir(tmp_path)
+        resource.setrlimit(resource.RLIMIT_CORE, (hard if allow_core else 0, hard))
+        faulthandler.disable()
+        os.read(r, 1)
+        ctypes.string_at(0)  # a real invalid read
+        return 97  # not reached
+
+    pid = fork(crash)
     os.close(r)
     lv = Liveness(pid, use_pidfd=use_pidfd)
     try:
@@ -326,19 +320,18 @@ def test_grandchild_zombie_status_is_read(use_pidfd: bool) -> None:
     not yet collected."""
     to_mid_r, to_mid_w = os.pipe()
     from_mid_r, from_mid_w = os.pipe()
-    mid = os.fork()
-    if mid == 0:
-        try:
-            os.close(to_mid_w)
-            os.close(from_mid_r)
-            g = subprocess.Popen(
-                [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
-            )
-            os.write(from_mid_w, str(g.pid).encode() + b"\n")
-            os.read(to_mid_r, 1)  # keep the grandchild a zombie until the test is done
-            g.wait()
-        finally:
-            os._exit(0)
+
+    def middle() -> None:
+        os.close(to_mid_w)
+        os.close(from_mid_r)
+        g = subprocess.Popen(
+            [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+        )
+        os.write(from_mid_w, str(g.pid).encode() + b"\n")
+        os.read(to_mid_r, 1)  # keep the grandchild a zombie until the test is done
+        g.wait()
+
+    mid = fork(middle)
     os.close(to_mid_r)
     os.close(from_mid_w)
     gpid = int(os.read(from_mid_r, 64))
@@ -799,12 +792,7 @@ def test_a_forked_copy_of_a_dead_writers_liveness_closes_without_its_lock():
     lv = Liveness(writer.pid)
     lv._mark_dead()
     with lv._fault_lock:  # as a parent thread inside _read_fault at the fork
-        pid = os.fork()
-        if pid == 0:
-            try:
-                lv.close()
-            finally:
-                os._exit(0)
+        pid = fork(lv.close)
     try:
         end = time.monotonic() + 10
         while time.monotonic() < end:

@@ -193,6 +193,7 @@ def test_timeout_sentinel_split_across_writes(raw_to_conn):
         (3, None),
         (137, None),
         (-signal.SIGKILL, "SIGKILL"),
+        (-signal.SIGTERM, "SIGTERM"),
         (-signal.SIGSEGV, "SIGSEGV"),
         (None, None),
     ],
@@ -211,6 +212,7 @@ def test_dead_sentinel_raises_writer_died(raw_to_conn, exitcode, signal_name):
     with pytest.raises(framepipe.WriterDied) as info:
         conn.recv_bytes(timeout=TIMEOUT)
     err = info.value
+    assert type(err) is framepipe.WriterDied  # not a subclass: no fault record was read
     assert isinstance(err, EOFError)
     assert isinstance(err, OSError)
     assert err.exitcode == exitcode
