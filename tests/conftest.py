@@ -26,6 +26,15 @@ def impl(request):
         pytest.skip(f"the {request.param} core is not built: {exc}")
 
 
+@pytest.fixture(params=[False, True], ids=["oneway", "duplex"])
+def pair(request, impl):
+    """``(reader, writer)`` of ``impl.pipe(duplex)``, one-way and duplex; closed after the test."""
+    r, w = impl.pipe(request.param)
+    yield r, w
+    r.close()
+    w.close()
+
+
 def _is_background_fd(fd: str) -> bool:
     """pidfds and epoll fds belong to liveness watches and to the process watcher thread,
     which may close them at any moment (when a watched writer of an earlier test dies)."""

@@ -36,11 +36,6 @@ def bulk_header(n: int) -> bytes:
     return BULK + LEN.pack(n) + BULK
 
 
-def pair(impl, duplex):
-    """(reader, writer) of ``impl.pipe(duplex)``."""
-    return impl.pipe(duplex)
-
-
 def raw_bulk_reader(impl):
     """A reading Connection over a raw os.pipe() plus a raw socketpair for its bulk channel:
     ``(conn, pipe write fd, bulk socket to write)``."""
@@ -82,7 +77,7 @@ def child_blocks_in_a_bulk_payload(conn, n: int) -> None:
 
 
 def test_large_frame_header_in_pipe_payload_on_bulk_fd(impl):
-    r, w = pair(impl, False)
+    r, w = impl.pipe(False)
     with r, w:
         data = payload(MIB)
         w.send_bytes(data)  # fits the socket buffers: no reader needed
@@ -99,7 +94,7 @@ def test_large_frame_header_in_pipe_payload_on_bulk_fd(impl):
 
 
 def test_small_frames_stay_in_the_pipe(impl):
-    r, w = pair(impl, False)
+    r, w = impl.pipe(False)
     with r, w:
         w.send_bytes(payload(1000))
         w.send(payload(100_000))  # an out-of-band buffer under the bulk threshold
@@ -111,7 +106,7 @@ def test_small_frames_stay_in_the_pipe(impl):
 def test_select_and_wait_see_a_bulk_frame(impl):
     import multiprocessing.connection as mpc
 
-    r, w = pair(impl, False)
+    r, w = impl.pipe(False)
     with r, w:
         w.send_bytes(payload(MIB))
         assert mpc.wait([r], 0) == [r]
@@ -137,7 +132,7 @@ def test_a_duplex_pipe_is_one_seqpacket_socketpair_that_carries_frames_in_record
     # Two fds in all, no bulk channel: every frame travels in order on the socket, cut into
     # records: a large frame's first of RECORD_MAX bytes, its others of at most
     # FRAME_RECORD_MAX, and a small frame is one record, header and payload.
-    r, w = pair(impl, True)
+    r, w = impl.pipe(True)
     with r, w:
         assert r._handles()[2:] == (-1, -1)
         assert stat.S_ISSOCK(os.fstat(r.fileno()).st_mode)
@@ -162,7 +157,7 @@ def test_a_duplex_pipe_is_one_seqpacket_socketpair_that_carries_frames_in_record
 @pytest.mark.parametrize("duplex", [False, True], ids=["simplex", "duplex"])
 @pytest.mark.parametrize("n", [MIB, 16 * MIB], ids=["1MiB", "16MiB"])
 def test_send_bytes_recv_bytes(impl, duplex, n):
-    r, w = pair(impl, duplex)
+    r, w = impl.pipe(duplex)
     with r, w:
         data = [payload(n, i) for i in range(3)]
         sender = Background(lambda: [w.send_bytes(d) for d in data])
@@ -174,7 +169,7 @@ def test_send_bytes_recv_bytes(impl, duplex, n):
 
 @pytest.mark.parametrize("n", [MIB, 16 * MIB], ids=["1MiB", "16MiB"])
 def test_recv_bytes_into(impl, n):
-    r, w = pair(impl, True)
+    r, w = impl.pipe(True)
     with r, w:
         data = payload(n)
         sender = Background(w.send_bytes, data)
@@ -190,7 +185,7 @@ def test_recv_bytes_into(impl, n):
 
 
 def test_send_objects_from_a_thread(impl):
-    r, w = pair(impl, False)
+    r, w = impl.pipe(False)
     with r, w:
         arr = np.random.default_rng(0).integers(0, 1 << 30, 4 * MIB, dtype=np.int32)
         objs = [
@@ -211,7 +206,7 @@ def test_send_objects_from_a_thread(impl):
 
 
 def test_recv_bytes_of_an_object_with_bulk_buffers(impl):
-    r, w = pair(impl, False)
+    r, w = impl.pipe(False)
     with r, w:
         arr = np.arange(MIB, dtype=np.int32)
         sender = Background(w.send, arr)
@@ -220,7 +215,7 @@ def test_recv_bytes_of_an_object_with_bulk_buffers(impl):
 
 
 def test_message_too_long_discards_a_bulk_payload(impl):
-    r, w = pair(impl, False)
+    r, w = impl.pipe(False)
     with r, w:
         sender = Background(lambda: (w.send_bytes(payload(3 * MIB)), w.send_bytes(b"next")))
         with pytest.raises(MessageTooLong):
@@ -231,7 +226,7 @@ def test_message_too_long_discards_a_bulk_payload(impl):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_child_sends_through_a_bulk_pipe(impl, method):
-    r, w = pair(impl, False)
+    r, w = impl.pipe(False)
     with r, running(method, child_sends, w) as proc:
         w.close()
         assert r.recv_bytes(timeout=WAIT) == payload(MIB, 1)
@@ -249,7 +244,7 @@ def test_child_sends_through_a_bulk_pipe(impl, method):
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_child_echoes_through_a_duplex_bulk_pipe(impl, method):
-    a, b = pair(impl, True)
+    a, b = impl.pipe(True)
     with a, running(method, child_echoes, b) as proc:
         b.close()
         objs = [payload(16 * MIB), np.arange(2 * MIB, dtype=np.float64), b"tiny"]
@@ -314,7 +309,7 @@ def test_end_of_file_on_the_bulk_fd_mid_payload_is_truncated(impl):
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_writer_killed_in_the_middle_of_a_bulk_payload(impl, method, close_writer):
     n = 64 * MIB
-    r, w = pair(impl, False)
+    r, w = impl.pipe(False)
     proc = multiprocessing.get_context(method).Process(
         target=child_blocks_in_a_bulk_payload, args=(w, n)
     )
@@ -386,7 +381,7 @@ def test_bulk_handle_arguments(impl):
 
 
 def test_four_threads_interleaving_small_and_large_frames(impl):
-    r, w = pair(impl, False)
+    r, w = impl.pipe(False)
     sizes = [10, 400_000, 100, 2 * MIB, 5000, 256 * 1024, 0, MIB + 3]
     rounds = 6
 

@@ -592,14 +592,6 @@ def test_eof_inside_a_frame_is_a_frame_error_naming_the_byte_counts(raw, sent, e
 # --- objects ----------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=[True, False], ids=["duplex", "oneway"])
-def fp_pair(request, impl):
-    r, w = impl.pipe(request.param)
-    yield r, w
-    r.close()
-    w.close()
-
-
 def _roundtrip(pair, obj):
     r, w = pair
     sender = Background(w.send, obj)
@@ -609,20 +601,20 @@ def _roundtrip(pair, obj):
 
 
 @pytest.mark.parametrize("n", [0, 100, 1 << 20, 16 << 20], ids=["0B", "100B", "1MiB", "16MiB"])
-def test_bytes_and_bytearray_round_trip(fp_pair, n):
+def test_bytes_and_bytearray_round_trip(pair, n):
     data = os.urandom(n)
-    got = _roundtrip(fp_pair, data)
+    got = _roundtrip(pair, data)
     assert type(got) is bytes
     assert got == data
-    got = _roundtrip(fp_pair, bytearray(data))
+    got = _roundtrip(pair, bytearray(data))
     assert type(got) is bytearray
     assert got == data
 
 
 @pytest.mark.parametrize("nbytes", [1 << 20, 16 << 20], ids=["1MiB", "16MiB"])
-def test_numpy_arrays_round_trip_writable(fp_pair, nbytes):
+def test_numpy_arrays_round_trip_writable(pair, nbytes):
     arr = np.random.default_rng(nbytes).integers(0, 2**31, nbytes // 4, dtype=np.int32)
-    got = _roundtrip(fp_pair, arr)
+    got = _roundtrip(pair, arr)
     assert isinstance(got, np.ndarray)
     assert got.dtype == arr.dtype and got.shape == arr.shape
     assert np.array_equal(got, arr)
@@ -630,7 +622,7 @@ def test_numpy_arrays_round_trip_writable(fp_pair, nbytes):
     got[0] = -1  # really writable
 
 
-def test_structures_of_arrays_round_trip(fp_pair):
+def test_structures_of_arrays_round_trip(pair):
     obj = {
         "f": np.linspace(0, 1, 300_000).reshape(300, 1000),
         "fortran": np.asfortranarray(np.arange(200_000, dtype=np.int16).reshape(400, 500)),
@@ -638,7 +630,7 @@ def test_structures_of_arrays_round_trip(fp_pair):
         "blob": os.urandom(70_000),
         "list": [np.ones(50_000, dtype=np.uint8), b"tiny", bytearray(90_000)],
     }
-    got = _roundtrip(fp_pair, obj)
+    got = _roundtrip(pair, obj)
     for key in ("f", "fortran", "small"):
         assert np.array_equal(got[key], obj[key])
         assert got[key].dtype == obj[key].dtype
@@ -673,8 +665,8 @@ def test_in_band_pickle_frame_is_read_by_recv(raw, protocol):
     ],
     ids=["small", "bytes-1MiB", "bytearray", "array"],
 )
-def test_recv_bytes_of_an_object_unpickles_to_it(fp_pair, obj):
-    r, w = fp_pair
+def test_recv_bytes_of_an_object_unpickles_to_it(pair, obj):
+    r, w = pair
     sender = Background(w.send, obj)
     data = r.recv_bytes(timeout=TIMEOUT)
     sender.join()
@@ -689,8 +681,8 @@ def test_recv_bytes_of_an_object_unpickles_to_it(fp_pair, obj):
     assert r.recv_bytes(timeout=TIMEOUT) == b"after"
 
 
-def test_recv_bytes_into_of_an_object_unpickles_to_it(fp_pair):
-    r, w = fp_pair
+def test_recv_bytes_into_of_an_object_unpickles_to_it(pair):
+    r, w = pair
     obj = {"a": np.arange(100_000)}
     sender = Background(w.send, obj)
     buf = bytearray(4 << 20)

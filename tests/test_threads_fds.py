@@ -33,14 +33,6 @@ def check(msg: bytes) -> tuple[int, int]:
 SIZES = [12, 100, 4096, 65_537, 200_000, 12, 1 << 20, 70_000]
 
 
-@pytest.fixture(params=[False, True], ids=["oneway", "duplex"])
-def pair(request, impl):
-    r, w = impl.pipe(request.param)
-    yield r, w
-    r.close()
-    w.close()
-
-
 def test_send_bytes_from_four_threads_never_interleaves(pair):
     r, w = pair
     threads, per_thread = 4, 16

@@ -234,16 +234,22 @@ def memory_cgroup():
                 time.sleep(0.05)
 
 
-def test_a_worker_the_oom_killer_takes_is_reported_as_such(engine, memory_cgroup):
-    # Each worker moves itself into the cgroup (as a worker started by a job system would be
-    # in one of its own), then a task grows until the kernel's OOM killer ends it.
-    with Pool(
+def pool_in(cgroup: str, start_method: str) -> Pool:
+    """A one-worker pool whose workers move themselves into ``cgroup`` as they start (as a
+    worker started by a job system would be in one of its own)."""
+    return Pool(
         1,
-        start_method="spawn",
+        start_method=start_method,
         initializer=join_cgroup,
-        initargs=(memory_cgroup,),
+        initargs=(cgroup,),
         max_restarts=None,
-    ) as pool:
+    )
+
+
+def test_a_worker_the_oom_killer_takes_is_reported_as_such(engine, memory_cgroup):
+    # Each worker moves itself into the cgroup, then a task grows until the kernel's OOM
+    # killer ends it.
+    with pool_in(memory_cgroup, "spawn") as pool:
         first = pool.submit(os.getpid).result(WAIT)
         with open(os.path.join(memory_cgroup, "cgroup.procs")) as f:
             assert str(first) in f.read().split()
@@ -266,13 +272,7 @@ def test_a_worker_the_oom_killer_takes_is_reported_as_such(engine, memory_cgroup
 
 
 def test_a_sigkill_by_hand_is_not_called_the_oom_killer(engine, memory_cgroup):
-    with Pool(
-        1,
-        start_method="fork",
-        initializer=join_cgroup,
-        initargs=(memory_cgroup,),
-        max_restarts=None,
-    ) as pool:
+    with pool_in(memory_cgroup, "fork") as pool:
         fut = pool.submit(kill_self_if, 1, {1})
         with pytest.raises(WorkerCrashed) as info:
             fut.result(WAIT)
