@@ -78,6 +78,22 @@ def signal_name(signum: int) -> str:
     return name if name is not None else f"SIG{signum}"
 
 
+def how_it_ended(exitcode: int | None, core_dumped: bool, *, numbered: bool = False) -> str:
+    """How a process ended, for a message: ``exited with code 3``, ``was killed by SIGKILL
+    (core dumped)``, ``died (its exit status could not be read)``. ``numbered`` says the
+    signal's number too: ``was killed by signal SIGSEGV (11), core dumped``."""
+    if exitcode is None:
+        return "died (its exit status could not be read)"
+    if exitcode >= 0:
+        return f"exited with code {exitcode}"
+    name = signal_name(-exitcode)
+    if numbered:
+        dumped = ", core dumped" if core_dumped else ""
+        return f"was killed by signal {name} ({-exitcode}){dumped}"
+    dumped = " (core dumped)" if core_dumped else ""
+    return f"was killed by {name}{dumped}"
+
+
 class WriterDied(FramepipeError, EOFError, OSError):
     """The process writing to this connection died (any exit code, 0 included, or a signal).
 
@@ -173,14 +189,7 @@ class WriterDied(FramepipeError, EOFError, OSError):
     def _message(self) -> str:
         label, oom_killed, native_traceback = self._resolve()
         who = f"{label} {self.pid}" if self.pid is not None else f"the {label}"
-        if self.exitcode is None:
-            how = "died (its exit status could not be read)"
-        elif self.exitcode < 0:
-            how = f"was killed by signal {self.signal_name} ({-self.exitcode})"
-            if self.core_dumped:
-                how += ", core dumped"
-        else:
-            how = f"exited with code {self.exitcode}"
+        how = how_it_ended(self.exitcode, self.core_dumped, numbered=True)
         if self.lost_bytes:
             if self.expected_bytes is not None:
                 when = (

@@ -22,7 +22,7 @@ import threading
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from ..errors import FramepipeError, signal_name
+from ..errors import FramepipeError, how_it_ended, signal_name
 from ..remote import RemoteTraceback, loads_exception
 
 __all__ = [
@@ -259,14 +259,7 @@ class WorkerCrashed(WorkerError, BrokenProcessPool):
 
     def _message(self) -> str:
         who = f"worker {self.worker!r} (pid {self.pid})"
-        if self.exitcode is None:
-            how = "died (its exit status could not be read)"
-        elif self.exitcode < 0:
-            how = f"was killed by {self.signal_name}"
-            if self.core_dumped:
-                how += " (core dumped)"
-        else:
-            how = f"exited with code {self.exitcode}"
+        how = how_it_ended(self.exitcode, self.core_dumped)
         msg = f"{who} {how} {_task_text(self.task_name, self.task_id, self.starting)}"
         if self.starting and self.exitcode == MAIN_GUARD_EXIT:
             msg += (
