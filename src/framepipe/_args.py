@@ -55,21 +55,12 @@ def check_handles(
 ) -> tuple[int, int]:
     """Validate a Connection's fds: ``(read fd, write fd)``, the same fd unless a separate
     ``write_handle`` makes a duplex connection over two pipes."""
-    fd = handle.__index__()
-    if fd < 0:
-        raise ValueError("invalid handle")
+    fd = _fd(handle, "handle")
     if not readable and not writable:
         raise ValueError("at least one of `readable` and `writable` must be True")
     if write_handle is None:
         return fd, fd
-    wfd = write_handle.__index__()
-    if wfd < 0:
-        raise ValueError("invalid write_handle")
-    if not (readable and writable):
-        raise ValueError(
-            "write_handle makes a duplex connection: readable and writable must be True"
-        )
-    return fd, wfd
+    return fd, _write_fd(write_handle, "write_handle", "a duplex connection", readable, writable)
 
 
 def check_bulk_handles(
@@ -83,19 +74,28 @@ def check_bulk_handles(
         if bulk_write_handle is not None:
             raise ValueError("bulk_write_handle needs a bulk_handle to read from")
         return -1, -1
-    bfd = bulk_handle.__index__()
-    if bfd < 0:
-        raise ValueError("invalid bulk_handle")
+    bfd = _fd(bulk_handle, "bulk_handle")
     if bulk_write_handle is None:
         return (bfd if readable else -1), (bfd if writable else -1)
-    bwfd = bulk_write_handle.__index__()
-    if bwfd < 0:
-        raise ValueError("invalid bulk_write_handle")
+    what = "a duplex bulk channel"
+    return bfd, _write_fd(bulk_write_handle, "bulk_write_handle", what, readable, writable)
+
+
+def _fd(handle: Any, name: str) -> int:
+    """The fd number of ``handle`` (an int or an object with ``__index__``), checked."""
+    fd: int = handle.__index__()
+    if fd < 0:
+        raise ValueError(f"invalid {name}")
+    return fd
+
+
+def _write_fd(handle: Any, name: str, makes: str, readable: bool, writable: bool) -> int:
+    """The fd of ``handle``, a separate fd to write, which ``makes`` a duplex channel: only a
+    connection both readable and writable takes one."""
+    fd = _fd(handle, name)
     if not (readable and writable):
-        raise ValueError(
-            "bulk_write_handle makes a duplex bulk channel: readable and writable must be True"
-        )
-    return bfd, bwfd
+        raise ValueError(f"{name} makes {makes}: readable and writable must be True")
+    return fd
 
 
 def check_max_size(max_size: Any) -> None:

@@ -352,30 +352,25 @@ def run(
     }
 
 
+def _at_least(what: str, got: float | None, want: float) -> dict[str, Any]:
+    """A target row: the ratio ``got`` must be at least ``want`` (not met nor failed when
+    ``got`` could not be measured)."""
+    return {
+        "what": what,
+        "target": f">= {want:g}x",
+        "got": got,
+        "met": None if got is None else got >= want,
+    }
+
+
 def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for r in rows:
         if r["loader"] != "framepipe DataLoader" or r["batch"] is not None:
             continue
-        want = TARGETS_VS_TORCH[r["size"]]
-        got = r.get("vs_torch")
-        out.append(
-            {
-                "what": f"{_label(r['size'])}: vs torch",
-                "target": f">= {want:g}x",
-                "got": got,
-                "met": None if got is None else got >= want,
-            }
-        )
-        got = r.get("vs_bare")
-        out.append(
-            {
-                "what": f"{_label(r['size'])}: vs bare transport",
-                "target": f">= {TARGET_VS_BARE:g}x",
-                "got": got,
-                "met": None if got is None else got >= TARGET_VS_BARE,
-            }
-        )
+        label = _label(r["size"])
+        out.append(_at_least(f"{label}: vs torch", r.get("vs_torch"), TARGETS_VS_TORCH[r["size"]]))
+        out.append(_at_least(f"{label}: vs bare transport", r.get("vs_bare"), TARGET_VS_BARE))
     # the prefetch bound: 2 per worker in flight or waiting, plus the item the caller holds
     for r in rows:
         if (

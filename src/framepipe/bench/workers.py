@@ -675,22 +675,13 @@ def _targets(rows: dict[str, dict[str, Any]], bare: float | None = None) -> list
             m = fp["mb16"] / ppe["mb16"]
             add("16 MiB results vs ProcessPoolExecutor", m, "x", ">= 3x", m >= 3)
     c = fp.get("crash", {})
-    if c.get("to_failure") is not None:
-        add(
-            f"crash to the failed future, median of {c.get('crashes', 1)}",
-            c["to_failure"] * 1e3,
-            "ms",
-            "<= 3 ms",
-            c["to_failure"] <= 0.003,
-        )
-    if c.get("to_serving") is not None:
-        add(
-            f"crash to the next task served, median of {c.get('crashes', 1)}",
-            c["to_serving"] * 1e3,
-            "ms",
-            "<= 20 ms",
-            c["to_serving"] <= 0.02,
-        )
+    for key, what, target, limit in (
+        ("to_failure", "crash to the failed future", "<= 3 ms", 0.003),
+        ("to_serving", "crash to the next task served", "<= 20 ms", 0.02),
+    ):
+        if c.get(key) is not None:
+            median = f"{what}, median of {c.get('crashes', 1)}"
+            add(median, c[key] * 1e3, "ms", target, c[key] <= limit)
     if fp.get("timeout_late") is not None:
         add(
             "0.5 s timeout overshoot (median), stack captured",
