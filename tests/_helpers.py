@@ -76,7 +76,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-@contextlib.contextmanager
 def fork(child) -> int:
     """Fork; return the child's pid. The child runs ``child()`` and never returns into the
     test: it ends with ``os._exit`` of what ``child()`` returned (0 for None), or of 70 when
