@@ -6,7 +6,7 @@ import os
 import sys
 import time
 
-from _worker_tasks import identity  # noqa: F401 - a task of test_messages too
+from _worker_tasks import identity  # noqa: F401 - a task of test_error_messages too
 
 
 def abort_now() -> None:

@@ -1,5 +1,5 @@
 # The engine interface, written down once: framepipe._core (compiled) and framepipe._pycore
-# (its twin) both implement Engine exactly so, private names included; tests/test_switch.py
+# (its twin) both implement Engine exactly so, private names included; tests/test_engine_switch.py
 # checks every name and signature below against both. framepipe._connection.ConnectionBase
 # provides the ConnectionHooks the engine calls back, and each engine's Connection
 # (framepipe._connection_c, framepipe._connection_py) derives from it and the engine.
