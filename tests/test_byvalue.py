@@ -27,9 +27,7 @@ METHODS = ["fork", "spawn", "forkserver"]
 SRC = os.path.dirname(os.path.dirname(os.path.abspath(framepipe.__file__)))
 
 
-@pytest.fixture(autouse=True)
-def _clean(no_leftover_processes):
-    yield
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -41,9 +41,7 @@ GUARD = 30.0  # seconds: a batch that takes this long means a hang (TaskTimeout 
 MiB = 1024 * 1024
 
 
-@pytest.fixture(autouse=True)
-def _reaped(no_leftover_loader_workers):
-    yield
+pytestmark = pytest.mark.usefixtures("no_leftover_loader_workers")
 
 
 # -- datasets (module level: spawned workers import them) --------------------------------------

@@ -32,9 +32,7 @@ np = pytest.importorskip("numpy")
 GUARD = 30.0  # seconds: a batch that takes this long means a hang (TaskTimeout fails the test)
 
 
-@pytest.fixture(autouse=True)
-def _reaped(no_leftover_loader_workers):
-    yield
+pytestmark = pytest.mark.usefixtures("no_leftover_loader_workers")
 
 
 # -- datasets (module level: spawned workers import them) --------------------------------------

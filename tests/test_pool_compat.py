@@ -53,9 +53,7 @@ from framepipe.workers import (
 WAIT = 60  # a hang guard only
 
 
-@pytest.fixture(autouse=True)
-def _clean(no_leftover_processes):
-    yield
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
 def _collected(ref: weakref.ref[object]) -> bool:

@@ -26,9 +26,7 @@ SRC = os.path.dirname(os.path.dirname(os.path.abspath(framepipe.__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.fixture(autouse=True)
-def _clean(no_leftover_processes):
-    yield
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
 def _on_a_terminal(code: str, no_tqdm: bool = False) -> tuple[int, str, str]:

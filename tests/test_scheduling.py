@@ -17,9 +17,7 @@ from framepipe.workers import Pool, PoolBroken, WorkerCrashed
 WAIT = 60  # a hang guard only
 
 
-@pytest.fixture(autouse=True)
-def _clean(no_leftover_processes):
-    yield
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
 def _warm(pool: Pool, n: int) -> None:
