@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import multiprocessing
 import os
 import select
 import struct
@@ -18,6 +19,11 @@ import traceback
 import psutil
 
 TIMEOUT = 30.0  # a hang guard only: a correct core never waits this long
+TESTS = os.path.dirname(os.path.abspath(__file__))  # this directory: the test modules
+# the start methods this platform has, in multiprocessing's order of preference on Linux
+START_METHODS = [
+    m for m in ("fork", "spawn", "forkserver") if m in multiprocessing.get_all_start_methods()
+]
 LEN = struct.Struct("Q")  # a frame's length field: native u64
 CHECK = b"\x00\x00"  # a data frame's check bytes
 
@@ -112,8 +118,6 @@ def started(proc):
 def running(method: str, target, *args):
     """Context manager: ``target(*args)`` in a started daemon ``multiprocessing`` process of
     start method ``method``, killed if still running and joined on the way out."""
-    import multiprocessing
-
     return started(
         multiprocessing.get_context(method).Process(target=target, args=args, daemon=True)
     )
@@ -125,8 +129,6 @@ def run_guarded(method: str, target, *args) -> tuple[bytes, object, object, int]
     ``stop`` an event, all of that start method's context. Once the child has exited with
     code 1 (it re-raised), return (the first message on the pipe, as bytes, ``metrics``,
     ``stop``, the child's pid)."""
-    import multiprocessing
-
     ctx = multiprocessing.get_context(method)
     reader, writer = ctx.Pipe(duplex=False)
     metrics, stop = ctx.Queue(), ctx.Event()
@@ -182,12 +184,15 @@ def child_env(**extra: str) -> dict[str, str]:
     """The environment of a ``python`` subprocess that imports what this process imports: the
     framepipe this process runs and the test modules come first on its PYTHONPATH. ``extra``
     variables are added."""
+    path = os.pathsep.join(filter(None, [src_dir(), TESTS, os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, **extra)
+
+
+def src_dir() -> str:
+    """The directory that holds the framepipe under test (installed, or src/ in a checkout)."""
     import framepipe
 
-    src = os.path.dirname(os.path.dirname(os.path.abspath(framepipe.__file__)))
-    tests = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join(filter(None, [src, tests, os.environ.get("PYTHONPATH")]))
-    return dict(os.environ, PYTHONPATH=path, **extra)
+    return os.path.dirname(os.path.dirname(os.path.abspath(framepipe.__file__)))
 
 
 def run_python(

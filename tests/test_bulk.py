@@ -19,7 +19,7 @@ import struct
 import numpy as np
 import pytest
 from _fault_children import kill_and_wait_dead
-from _helpers import LEN, Background, nothing_left, payload, read_exactly, running
+from _helpers import LEN, START_METHODS, Background, nothing_left, payload, read_exactly, running
 
 from framepipe import FrameError, ReadTimeout, WriterDied
 from framepipe._wire import FRAME_RECORD_MAX, RECORD_MAX, pad_frame
@@ -29,7 +29,6 @@ WAIT = 60.0  # upper bound on any blocking wait; a healthy run never comes close
 MIB = 1 << 20
 
 BULK = b"\x06\x06"
-METHODS = ["fork", "spawn", "forkserver"]
 
 
 def bulk_header(n: int) -> bytes:
@@ -224,7 +223,7 @@ def test_message_too_long_discards_a_bulk_payload(impl):
         sender.join()
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", START_METHODS)
 def test_child_sends_through_a_bulk_pipe(impl, method):
     r, w = impl.pipe(False)
     with r, running(method, child_sends, w) as proc:

@@ -11,11 +11,12 @@ import subprocess
 import sys
 
 import pytest
+from _helpers import src_dir
 
 import framepipe
 from framepipe import _impl, _pycore
 
-SRC = os.path.dirname(os.path.dirname(os.path.abspath(framepipe.__file__)))
+SRC = src_dir()
 PACKAGE = os.path.dirname(os.path.abspath(framepipe.__file__))
 REQUIRE = bool(os.environ.get("FRAMEPIPE_REQUIRE_EXTENSIONS"))
 TIMEOUT = 60.0

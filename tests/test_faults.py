@@ -35,7 +35,7 @@ from _fault_children import (
     wire,
     write_in_thread,
 )
-from _helpers import child_env, header, payload, running, wait_until, write_all
+from _helpers import START_METHODS, child_env, header, payload, running, wait_until, write_all
 
 import framepipe.connection as fpc
 from framepipe import ReadTimeout, WriterDied
@@ -44,7 +44,6 @@ from framepipe.watch import Liveness, dead_status_word
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Linux processes and signals")
 
-METHODS = ["fork", "spawn", "forkserver"]
 SHORT = 0.3  # a timeout meant to expire
 NOT_REAPED = os.WEXITED | os.WNOHANG | os.WNOWAIT
 
@@ -222,7 +221,7 @@ def test_poll_false_then_true(impl):
 # -- 2. a writer killed in the middle of a frame --------------------------------------------
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", START_METHODS)
 def test_sigkill_in_the_middle_of_a_16_mib_frame(impl, method):
     r, w = impl.pipe(False)
     with running(method, small_then_big, w, 3, 16 * MIB) as proc:
@@ -251,7 +250,7 @@ def test_sigkill_in_the_middle_of_a_16_mib_frame(impl, method):
     r.close()
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", START_METHODS)
 @pytest.mark.parametrize("how", [("signal", signal.SIGKILL), ("exit", 3)], ids=["sigkill", "exit3"])
 def test_frames_written_before_death_are_delivered_first(impl, method, how):
     sizes = [1, 2000, 30_000]
@@ -340,7 +339,7 @@ def test_stopped_writer_times_out_then_continues(impl, size):
 # -- 4./5. exit 0 without writing, and a parent that still holds the write end -------------
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", START_METHODS)
 @pytest.mark.parametrize("hold", [False, True], ids=["closed", "parent-holds-writer"])
 def test_exit_0_without_writing_is_writer_died(impl, method, hold):
     r, w = impl.pipe(False)
@@ -701,7 +700,7 @@ HOWS = [("exit", 7), ("signal", signal.SIGTERM), ("signal", signal.SIGKILL)]
 HOW_IDS = ["exit7", "sigterm", "sigkill"]
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", START_METHODS)
 @pytest.mark.parametrize("how", HOWS, ids=HOW_IDS)
 def test_process_is_never_reaped_by_the_reader(impl, method, how):
     code = how[1] if how[0] == "exit" else -how[1]

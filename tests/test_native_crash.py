@@ -13,13 +13,13 @@ import sys
 
 import pytest
 from _fault_children import TwoArgError, guarded_crash, guarded_raise
-from _helpers import running
+from _helpers import TESTS, running
 
 import framepipe
 from framepipe import RemoteTraceback, WriterDied, _faults, _impl
 
 WAIT = 60.0
-TESTS = os.path.dirname(os.path.abspath(__file__))
+
 PACKAGE = os.path.dirname(os.path.abspath(framepipe.__file__))
 REQUIRE = bool(os.environ.get("FRAMEPIPE_REQUIRE_EXTENSIONS"))
 CRASHES = [

@@ -4,38 +4,26 @@ subprocess with pass_fds; and writes to a pipe whose reader is gone."""
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import socket
 import subprocess
 import sys
 import threading
 
+import _children
 import numpy as np
 import pytest
-from _helpers import child_env, running
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-# The children import _children by name: pytest's default import mode already puts tests/ on
-# sys.path; make sure of it under any mode, since spawned children inherit this sys.path.
-if HERE not in [os.path.abspath(p) for p in sys.path]:
-    sys.path.insert(0, HERE)
-
-import _children  # noqa: E402 - needs the sys.path entry above
-from _children import pattern  # noqa: E402
+from _children import pattern
+from _helpers import START_METHODS, TESTS, child_env, running
 
 TIMEOUT = 60.0  # a hang guard only
-
-METHODS = [
-    m for m in ("fork", "spawn", "forkserver") if m in multiprocessing.get_all_start_methods()
-]
 
 
 @contextlib.contextmanager
 def script_child(impl, role: str, *args, pass_fds, **popen_kwargs):
     """``python _children.py ENGINE role args...`` as a subprocess that is handed the fds
     ``pass_fds``; killed and waited for on the way out, failures included."""
-    argv = [sys.executable, os.path.join(HERE, "_children.py"), impl.ENGINE, role, *map(str, args)]
+    argv = [sys.executable, os.path.join(TESTS, "_children.py"), impl.ENGINE, role, *map(str, args)]
     proc = subprocess.Popen(argv, pass_fds=pass_fds, env=child_env(), **popen_kwargs)
     try:
         yield proc
@@ -57,11 +45,11 @@ def frames_then_eof(reader, sizes) -> None:
 
 def test_children_module_is_importable_by_spawned_children():
     # The premise of the spawn and forkserver tests below.
-    assert os.path.dirname(os.path.abspath(_children.__file__)) == HERE
-    assert HERE in [os.path.abspath(p) for p in sys.path]
+    assert os.path.dirname(os.path.abspath(_children.__file__)) == TESTS
+    assert TESTS in [os.path.abspath(p) for p in sys.path]
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", START_METHODS)
 def test_connection_passed_to_a_process(impl, method):
     parent, child = impl.pipe(duplex=True)
     with parent, child, running(method, _children.serve, child) as proc:
@@ -101,7 +89,7 @@ def test_connection_passed_to_a_process(impl, method):
         assert proc.exitcode == 0
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", START_METHODS)
 def test_one_way_connection_passed_to_a_process(impl, method):
     reader, writer = impl.pipe(duplex=False)
     sizes = [5, 0, 65_537, 2 << 20, 1]

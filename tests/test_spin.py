@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import subprocess
 import sys
 import time
 
 import pytest
+from _helpers import child_env, run_python
 
-import framepipe
 from framepipe import _spin
 
 TIMEOUT = 60.0  # a hang guard only
-SRC = os.path.dirname(os.path.dirname(os.path.abspath(framepipe.__file__)))
 FORK = multiprocessing.get_context("fork")
 SIZES = [0, 1, 64, 4095, 4096, 20_000, 70_000]  # 20 kB and up: the bulk channel of a pipe
 
@@ -127,19 +125,12 @@ def test_a_reader_waiting_for_a_slow_writer_burns_little_cpu(
 
 
 def _spin_setting(value: str | None) -> float:
-    env = dict(os.environ)
+    env = child_env()
     env.pop("FRAMEPIPE_SPIN_US", None)
     if value is not None:
         env["FRAMEPIPE_SPIN_US"] = value
-    env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
-    out = subprocess.run(
-        [sys.executable, "-c", "from framepipe._spin import SPIN; print(repr(SPIN))"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=True,
-    )
+    out = run_python("-c", "from framepipe._spin import SPIN; print(repr(SPIN))", env=env)
+    assert out.returncode == 0, out.stderr
     return float(out.stdout)
 
 

@@ -15,13 +15,12 @@ import time
 
 import psutil
 import pytest
-from _helpers import alive, wait_dead
+from _helpers import TESTS, alive, child_env, wait_dead
 from _worker_tasks import add, allocate_until_killed, join_cgroup, kill_self_if
 
 from framepipe.workers import Pool, WorkerCrashed
 from framepipe.workers.errors import format_bytes
 
-HERE = os.path.dirname(__file__)
 WAIT = 120  # a hang guard only
 
 
@@ -54,9 +53,9 @@ def test_random_sigkills_fail_exactly_the_killed_tasks(engine, method):
 def _parent(*args: str):
     """``_worker_parent.py args...`` in a session of its own, its stdout and stderr piped; on
     the way out (failures included) it and anything left in its session are killed."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, *sys.path]))
+    env = child_env()
     parent = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "_worker_parent.py"), *args],
+        [sys.executable, os.path.join(TESTS, "_worker_parent.py"), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
