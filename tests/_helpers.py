@@ -9,6 +9,7 @@ import hashlib
 import multiprocessing
 import os
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -96,6 +97,19 @@ def fork(child) -> int:
         finally:
             os._exit(code)
     return pid
+
+
+def exit_code(pid: int, timeout: float = TIMEOUT) -> int:
+    """Reap the child ``pid`` and return its exit code (negative: the signal that killed it);
+    if it has not ended within ``timeout`` seconds, kill it, reap it and fail the test."""
+    end = time.monotonic() + timeout
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > end:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError(f"child {pid} was still running after {timeout:g} s")
+        time.sleep(0.01)
+    return os.waitstatus_to_exitcode(done[1])
 
 
 @contextlib.contextmanager

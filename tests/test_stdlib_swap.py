@@ -17,7 +17,7 @@ import time
 from multiprocessing import AuthenticationError, reduction
 
 import pytest
-from _helpers import TIMEOUT, Background, running, started
+from _helpers import TIMEOUT, Background, exit_code, fork, running, started
 
 from framepipe import ReadTimeout, WriterDied
 from framepipe import connection as fpc
@@ -302,28 +302,23 @@ def test_fork_while_a_thread_is_blocked_in_a_timed_recv(impl):
     with r, w:
         blocked = Background(lambda: r.recv_bytes(timeout=TIMEOUT))
         time.sleep(0.1)  # the thread holds the read lock, waiting
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                os.close(go_w)
-                os.read(go_r, 1)  # the parent's thread has its frame
-                got = r.recv_bytes(timeout=5)
-                w.send_bytes(b"child writes too")
-                code = 0 if got == b"two" else 2
-            except BaseException:
-                code = 3
-            finally:
-                os._exit(code)
+
+        def child() -> int:
+            os.close(go_w)
+            os.read(go_r, 1)  # the parent's thread has its frame
+            got = r.recv_bytes(timeout=5)  # raises on a false timeout or a hang
+            w.send_bytes(b"child writes too")
+            return 0 if got == b"two" else 2
+
+        pid = fork(child)
         os.close(go_r)
         try:
             w.send_bytes(b"one")
             assert blocked.join() == b"one"
             w.send_bytes(b"two")
             os.write(go_w, b"g")
-            _, status = os.waitpid(pid, 0)
-            pid = 0
-            assert os.waitstatus_to_exitcode(status) == 0  # 3: false timeout or a hang
+            code, pid = exit_code(pid), 0
+            assert code == 0
             assert r.recv_bytes(timeout=TIMEOUT) == b"child writes too"
         finally:
             os.close(go_w)
@@ -336,23 +331,18 @@ def _child_closes_while_its_thread_waits(conn, call) -> int:
     """Fork a child in which a thread waits in ``call(conn)`` and the main thread closes
     ``conn`` (the child's copy): returns the child's pid; it exits 0 when its thread was woken
     with OSError, 2 when it was not woken."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
+
+    def child() -> int:
+        waiting = Background(call, conn)
+        time.sleep(0.1)
+        conn.close()
         try:
-            waiting = Background(call, conn)
-            time.sleep(0.1)
-            conn.close()
-            try:
-                waiting.join()
-                code = 2
-            except OSError:
-                code = 0
-        except BaseException:
-            code = 3
-        finally:
-            os._exit(code)
-    return pid
+            waiting.join()
+        except OSError:
+            return 0
+        return 2
+
+    return fork(child)
 
 
 @pytest.mark.parametrize(

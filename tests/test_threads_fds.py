@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from _helpers import TIMEOUT, Background, pipe_works
+from _helpers import TIMEOUT, Background, exit_code, fork, pipe_works
 from _helpers import reuse_fd as _reuse
 
 TAG = struct.Struct("<III")  # thread, sequence number, payload size
@@ -269,26 +269,15 @@ def test_a_forked_child_finishing_an_inherited_async_send_leaves_its_own_lock_al
     r, w = impl.pipe(False)
     try:
         assert w._lock_write_nowait()  # an asyncio send in progress
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                blocked = threading.Thread(target=w.send_bytes, args=(bytes(8 << 20),))
-                blocked.daemon = True
-                blocked.start()  # fills the pipe and waits, holding the child's write lock
-                time.sleep(0.3)
-                w._unlock_write()
-                code = 3 if w._lock_write_nowait() else 0
-            finally:
-                os._exit(code)
-        deadline = time.monotonic() + TIMEOUT
-        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if done[0] == 0:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the child hung")
-        assert os.waitstatus_to_exitcode(done[1]) == 0, "the child's write lock was given back"
+
+        def child() -> int:
+            blocked = threading.Thread(target=w.send_bytes, args=(bytes(8 << 20),), daemon=True)
+            blocked.start()  # fills the pipe and waits, holding the child's write lock
+            time.sleep(0.3)
+            w._unlock_write()
+            return 3 if w._lock_write_nowait() else 0
+
+        assert exit_code(fork(child)) == 0, "the child's write lock was given back"
         w._unlock_write()
     finally:
         r.close()
@@ -472,15 +461,14 @@ def test_timed_reads_never_make_the_inherited_fd_non_blocking(impl):
         assert r.recv_bytes(timeout=TIMEOUT) == b"second"
         r.watch(None)
         assert os.get_blocking(r.fileno())
-        pid = os.fork()
-        if pid == 0:  # a plain blocking os.read of the inherited fd must wait for the frame
-            code = 1
+
+        def child() -> int:  # a plain blocking os.read of the inherited fd waits for the frame
             try:
-                code = 0 if os.read(r.fileno(), 4096)[12:17] == b"hello" else 2
+                return 0 if os.read(r.fileno(), 4096)[12:17] == b"hello" else 2
             except BlockingIOError:
-                code = 3
-            finally:
-                os._exit(code)
+                return 3
+
+        pid = fork(child)
         # Write only once the child sleeps in its read of the empty pipe (or has already
         # failed): a read that found the frame there would prove nothing.
         status = _wait_blocked_in_pipe_read(pid)
@@ -531,15 +519,8 @@ def test_a_forked_child_shares_timed_reads_of_an_inherited_connection(impl):
             r.recv_bytes(timeout=0.01)  # the private description exists before the fork
         for i in range(3):
             w.send_bytes(b"frame %d" % i)
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                code = 0 if r.recv_bytes(timeout=TIMEOUT) == b"frame 0" else 2
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+        pid = fork(lambda: 0 if r.recv_bytes(timeout=TIMEOUT) == b"frame 0" else 2)
+        assert exit_code(pid) == 0
         assert r.recv_bytes(timeout=TIMEOUT) == b"frame 1"
         assert r.recv_bytes(timeout=TIMEOUT) == b"frame 2"
         with pytest.raises(TimeoutError):

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from _fault_children import die
-from _helpers import fork, run_python
+from _helpers import exit_code, fork, run_python
 
 from framepipe.errors import WriterDied
 from framepipe.watch import (
@@ -664,27 +664,23 @@ def test_watcher_portable_path_and_stop(children: Callable[..., Child]) -> None:
 def test_watcher_in_a_forked_child() -> None:
     parent_watcher = watcher()
     assert parent_watcher.running
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            w = watcher()
-            if w is parent_watcher or not w.running or parent_watcher.running:
-                code = 2
-            else:
-                gpid = fork_sleeper()
-                with Liveness(gpid) as lv:
-                    s = Seen()
-                    w.register(lv, s)
-                    os.kill(gpid, signal.SIGKILL)
-                    ok = s.event.wait(WAIT)
-                    code = 0 if ok and s.status == (-signal.SIGKILL, False) else 3
-                    code = code or (0 if s.thread == "framepipe-watcher" else 4)
-                os.waitpid(gpid, 0)
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+
+    def child() -> int:
+        w = watcher()
+        if w is parent_watcher or not w.running or parent_watcher.running:
+            return 2
+        gpid = fork_sleeper()
+        with Liveness(gpid) as lv:
+            s = Seen()
+            w.register(lv, s)
+            os.kill(gpid, signal.SIGKILL)
+            ok = s.event.wait(WAIT)
+            code = 0 if ok and s.status == (-signal.SIGKILL, False) else 3
+            code = code or (0 if s.thread == "framepipe-watcher" else 4)
+        os.waitpid(gpid, 0)
+        return code
+
+    assert exit_code(fork(child), WAIT) == 0
     # The parent's watcher is unaffected.
     assert watcher() is parent_watcher and parent_watcher.running
     other = fork_sleeper()
@@ -731,18 +727,19 @@ def test_fork_while_the_watcher_closes_never_closes_a_reused_number(
         try:
             assert closed[0] in (r, wr) or min(r, wr) < closed[0]
             reused = closed[0] if closed[0] in (r, wr) else None
-            child = os.fork()
-            if child == 0:
-                code = 0
+
+            def child_sees_both() -> int:
                 try:
                     for fd in (r, wr):
                         os.fstat(fd)
                 except OSError:
-                    code = 1
-                os._exit(code)
-            _, status = os.waitpid(child, 0)
+                    return 1
+                return 0
+
+            child = fork(child_sees_both)
+            code = exit_code(child)
             child = -1
-            assert os.waitstatus_to_exitcode(status) == 0, (
+            assert code == 0, (
                 f"the forked child lost fd {reused}, which the parent reused after the "
                 "watcher closed it"
             )
@@ -794,16 +791,7 @@ def test_a_forked_copy_of_a_dead_writers_liveness_closes_without_its_lock():
     with lv._fault_lock:  # as a parent thread inside _read_fault at the fork
         pid = fork(lv.close)
     try:
-        end = time.monotonic() + 10
-        while time.monotonic() < end:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            time.sleep(0.01)
-        else:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the child's close() waited for a lock its parent's thread held")
-        assert os.waitstatus_to_exitcode(status) == 0
+        # a hang: the child's close() waited for a lock its parent's thread held
+        assert exit_code(pid, 10) == 0
     finally:
         lv.close()
