@@ -268,17 +268,21 @@ def test_root_cause_without_error_files_is_the_first_death(engine, groups, first
 def test_command_root_cause_by_error_file(groups, first, tmp_path):
     """Commands that use @framepipe.record find their error file in the environment."""
     script = (
-        "import sys, time, framepipe\n"
+        "import sys, framepipe\n"
         "sys.path.insert(0, sys.argv[1])\n"
         "import _group_children as kids\n"
-        "kids.fail_at(float(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))\n"
+        "path = sys.argv[2] or None\n"
+        "kids.fail_after(path, float(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))\n"
     )
-    t0 = time.time() + 1.0
+    # The first rank raises at once and dies 0.4 s later; the second raises 0.05 s after the
+    # first one's error file appears and dies at once: the error files, not the exits, say
+    # which failed first, whatever the scheduler does.
     second = 1 - first
+    first_file = str(tmp_path / str(first) / "error.json")
     group = groups.make(
         [sys.executable, "-c", script, HERE],
         2,
-        args={first: (t0, first, 0.4), second: (t0 + 0.05, second, 0.0)},
+        args={first: ("", 0.0, first, 0.4), second: (first_file, 0.05, second, 0.0)},
         envs=dict.fromkeys(range(2), {"PYTHONPATH": SRC}),
         log_dir=tmp_path,
     )
