@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .. import connection as _connection
 from ..remote import dumps_exception
@@ -36,13 +36,39 @@ from ._rank import Rank, RankBoot, Std
 from ._stderr import OutputPipe, open_output
 from .errors import WorkerStartError
 
-if TYPE_CHECKING:
-    from .group import WorkerGroup
-
-__all__ = ["Supervisor"]
+__all__ = ["GroupPlan", "Supervisor"]
 
 #: how long the start waits for a command's launcher to report the command's pid
 LAUNCH_TIMEOUT = 60.0
+
+
+class GroupPlan(Protocol):
+    """What the supervisor reads from its :class:`~framepipe.workers.group.WorkerGroup`: the
+    entry point, the per-rank settings, how to stop, and the hooks a subclass may override."""
+
+    is_command: bool
+    entrypoint: Any
+    args: dict[int, tuple[Any, ...]]
+    tee: dict[int, Std]
+    death_sig: int
+    _argv: list[str]
+    _ctx: Any
+    _own_session: bool
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def log_dir(self) -> str | None: ...
+
+    @property
+    def grace(self) -> float: ...
+
+    def _env(self, rank: int) -> dict[str, str]: ...
+
+    def _label(self, rank: int) -> str: ...
+
+    def _stream_plan(self, rank: int, which: Std, path: str | None) -> str: ...
 
 
 class Supervisor:
@@ -51,7 +77,7 @@ class Supervisor:
     ``launched`` is settled once every rank runs its entry point (or ended), ``done`` with the
     group's outcome; ``control`` is the stop."""
 
-    def __init__(self, group: WorkerGroup, ranks: list[Rank]) -> None:
+    def __init__(self, group: GroupPlan, ranks: list[Rank]) -> None:
         self.group = group
         self.ranks = ranks
         self.control = StopControl(group.grace)

@@ -150,11 +150,24 @@ class WorkerGroup:
             return os.path.basename(self._argv[0])
         return str(getattr(entrypoint, "__qualname__", "group"))
 
-    # the options the group shares with every worker class
-    name = property(lambda self: self.options.name, doc="The group's name (for reports).")
-    start_method = property(lambda self: self.options.start_method)
-    log_dir = property(lambda self: self.options.log_dir, doc="Where the logs go, or None.")
-    grace = property(lambda self: self.options.kill_grace, doc="Seconds before SIGKILL.")
+    # -- the options the group shares with every worker class --
+
+    @property
+    def name(self) -> str:
+        return self.options.name
+
+    @property
+    def start_method(self) -> str | None:
+        return self.options.start_method
+
+    @property
+    def log_dir(self) -> str | None:
+        return self.options.log_dir
+
+    @property
+    def grace(self) -> float:
+        """Seconds a stopping rank is given before SIGKILL."""
+        return self.options.kill_grace
 
     def __repr__(self) -> str:
         if self._thread is None:
