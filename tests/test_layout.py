@@ -69,7 +69,8 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
         "exceptions across processes",
         {
             "_unpickle": {"errors"},
-            "remote": {"_unpickle"},
+            "_rebuild": set(),
+            "remote": {"_rebuild", "_unpickle"},
         },
     ),
     (
