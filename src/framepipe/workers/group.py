@@ -107,6 +107,8 @@ class WorkerGroup:
             raise ValueError(f"nprocs must be a positive int, not {nprocs!r}")
         self.is_command = not callable(entrypoint)
         self._argv = self._command_line(entrypoint) if self.is_command else []
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < 1e300:
+            raise ValueError(f"grace must be a finite number of seconds >= 0, not {grace!r}")
         self.options = ProcessOptions(
             name=name or self._default_name(entrypoint),
             start_method=start_method,
