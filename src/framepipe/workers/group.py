@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import math
 import os
 import shutil
 import signal
@@ -107,7 +108,8 @@ class WorkerGroup:
             raise ValueError(f"nprocs must be a positive int, not {nprocs!r}")
         self.is_command = not callable(entrypoint)
         self._argv = self._command_line(entrypoint) if self.is_command else []
-        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < 1e300:
+        finite = isinstance(grace, (int, float)) and not isinstance(grace, bool)
+        if not (finite and grace >= 0 and math.isfinite(grace)):
             raise ValueError(f"grace must be a finite number of seconds >= 0, not {grace!r}")
         self.options = ProcessOptions(
             name=name or self._default_name(entrypoint),
