@@ -223,7 +223,7 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
                 "workers.worker",
             },
             "workers._demo": {"_width", "workers"},
-            "workers.elastic": {"guard", "workers._process", "workers.group"},
+            "workers.elastic": {"guard", "workers._process", "workers._stderr", "workers.group"},
         },
     ),
     (

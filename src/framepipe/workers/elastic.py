@@ -59,7 +59,8 @@ from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
 from ..guard import _write_json
-from ._process import TAIL_LINES, peak_rss
+from ._process import peak_rss
+from ._stderr import TAIL_LINES
 from .group import GroupFailed, GroupResult, RankOutcome, Std, WorkerGroup
 
 __all__ = ["FramepipeAgent", "launch", "main", "build_parser"]

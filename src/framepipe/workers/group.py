@@ -108,8 +108,8 @@ class WorkerGroup:
             raise ValueError(f"nprocs must be a positive int, not {nprocs!r}")
         self.is_command = not callable(entrypoint)
         self._argv = self._command_line(entrypoint) if self.is_command else []
-        finite = isinstance(grace, (int, float)) and not isinstance(grace, bool)
-        if not (finite and grace >= 0 and math.isfinite(grace)):
+        number = isinstance(grace, (int, float)) and not isinstance(grace, bool)
+        if not (number and grace >= 0 and math.isfinite(grace)):
             raise ValueError(f"grace must be a finite number of seconds >= 0, not {grace!r}")
         self.options = ProcessOptions(
             name=name or self._default_name(entrypoint),
