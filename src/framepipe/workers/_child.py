@@ -42,6 +42,7 @@ from typing import Any, ClassVar
 from ._launch import arm_parent_death, set_pdeathsig
 
 __all__ = [
+    "CANCEL_SIGNAL",
     "STACK_SIGNAL",
     "Boot",
     "FdHandle",
@@ -57,6 +58,8 @@ _RT = getattr(signal, "SIGRTMIN", None)
 #: faulthandler dumps every thread's stack to the stack pipe on this signal (queued, so two
 #: sent in a row give two dumps: the second one's start marks the end of the first).
 STACK_SIGNAL: int = _RT + 6 if _RT is not None else signal.SIGUSR2
+#: a task worker's health thread raises WorkerCancelled in its main thread with this signal.
+CANCEL_SIGNAL: int = _RT + 7 if _RT is not None else signal.SIGUSR1
 
 # Parent-side objects alive in this process: a forked worker closes them at once, so it never
 # holds another worker's channel (which would hide that worker's death from a reader).

@@ -42,6 +42,7 @@ from .._spin import allow_spin
 from ..errors import WriterDied
 from ..remote import dumps_exception
 from ._child import (
+    CANCEL_SIGNAL,
     STACK_SIGNAL,
     Boot,
     FdHandle,
@@ -70,10 +71,6 @@ __all__ = [
     "register_parent_side",
     "stack_text",
 ]
-
-_RT = getattr(signal, "SIGRTMIN", None)
-#: the health thread raises WorkerCancelled in the main thread with this signal.
-CANCEL_SIGNAL: int = _RT + 7 if _RT is not None else signal.SIGUSR1
 
 # names the worker loops import from here, defined in the modules that own them
 _FdHandle = FdHandle
