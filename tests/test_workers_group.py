@@ -301,14 +301,17 @@ def test_command_root_cause_by_error_file(groups, first, tmp_path):
         "import sys, time, framepipe\n"
         "sys.path.insert(0, sys.argv[1])\n"
         "import _group_children as kids\n"
-        "kids.fail_at(float(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))\n"
+        "kids.fail_after(sys.argv[2] or None, float(sys.argv[3]), int(sys.argv[4]),"
+        " float(sys.argv[5]))\n"
     )
-    t0 = time.time() + 1.0
+    # the second raises 50 ms after the first one's error file appears, however slowly each
+    # command starts
     second = 1 - first
+    first_file = str(tmp_path / str(first) / "error.json")
     group = groups.make(
         [sys.executable, "-c", script, HERE],
         2,
-        args={first: (t0, first, 0.4), second: (t0 + 0.05, second, 0.0)},
+        args={first: ("", 0.0, first, 0.4), second: (first_file, 0.05, second, 0.0)},
         envs=dict.fromkeys(range(2), {"PYTHONPATH": SRC}),
         log_dir=tmp_path,
     )
