@@ -148,9 +148,9 @@ def main(mode: str) -> None:
             group.wait()
         return
     groups = []
-    if mode in ("wait-fn", "hold"):
+    if mode in ("wait-fn", "hold", "exit"):
         groups.append(WorkerGroup(sleep_forever, 2, start_method="spawn", grace=5.0))
-    if mode in ("wait-cmd", "hold"):
+    if mode in ("wait-cmd", "hold", "exit"):
         groups.append(WorkerGroup(["sh", "-c", "sleep 600"], 2, grace=5.0))
     for group in groups:
         group.start()
@@ -158,6 +158,8 @@ def main(mode: str) -> None:
     print(json.dumps({"ready": pids}), flush=True)
     if mode == "hold":
         time.sleep(600)
+    if mode == "exit":
+        return  # neither waited for nor closed: the interpreter's exit stops them
     groups[0].wait()
 
 

@@ -504,6 +504,17 @@ def test_sigint_to_the_parent_ends_with_one_traceback(parents):
     assert not wait_dead([p.pid for p in below], 5.0)
 
 
+def test_groups_left_running_are_stopped_at_interpreter_exit(parents):
+    # multiprocessing's own exit hook would join a running function rank forever: the shared
+    # at-exit registry stops every group first (the death signal, then SIGKILL)
+    proc, pids = parents.start("exit")  # (it may be stopping them already: pids only)
+    assert len(pids) == 4
+    _, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0, err.decode()
+    assert b"Traceback" not in err
+    assert not wait_dead(pids, 5.0)
+
+
 def test_parent_sigkilled_leaves_no_worker_alive(parents):
     proc, pids = parents.start("hold")
     below = psutil.Process(proc.pid).children(recursive=True)
@@ -579,6 +590,9 @@ def test_arguments_are_checked():
         WorkerGroup(kids.identity, 2, redirects=Std.ALL)
     with pytest.raises(ValueError, match="start_method"):
         WorkerGroup(kids.identity, 2, start_method="teleport")
+    for grace in (-1.0, float("inf"), float("nan"), "30"):
+        with pytest.raises(ValueError, match="grace must be a finite number of seconds >= 0"):
+            WorkerGroup(kids.identity, 2, grace=grace)
     group = WorkerGroup(kids.identity, 1)
     with pytest.raises(RuntimeError, match="start"):
         group.wait()

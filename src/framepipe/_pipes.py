@@ -77,6 +77,43 @@ def _close_all(fds: list[int]) -> None:
             pass
 
 
+def _one_pipe(Connection: type[Any], read_ahead: bool, fds: list[int]) -> tuple[Any, Any]:
+    """``(reader, writer)`` over an ``os.pipe()`` with a bulk channel; ``fds`` holds the
+    descriptors no Connection owns yet."""
+    r, w = os.pipe()
+    fds += (r, w)
+    br, bw = _stream_pair()
+    fds += (br, bw)
+    _pipe_size(w)
+    c1 = Connection(r, writable=False, bulk_handle=br, read_ahead=read_ahead)
+    fds[:] = [w, bw]
+    c2 = Connection(w, readable=False, bulk_handle=bw)
+    return c1, c2
+
+
+def _two_pipes(Connection: type[Any], read_ahead: bool, fds: list[int]) -> tuple[Any, Any]:
+    """A duplex pair made of two one-way pipes, each with its own bulk channel (8 fds);
+    ``fds`` holds the descriptors no Connection owns yet."""
+    r1, w1 = os.pipe()
+    fds += (r1, w1)
+    r2, w2 = os.pipe()
+    fds += (r2, w2)
+    br1, bw1 = _stream_pair()
+    fds += (br1, bw1)
+    br2, bw2 = _stream_pair()
+    fds += (br2, bw2)
+    _pipe_size(w1)
+    _pipe_size(w2)
+    c1 = Connection(
+        r1, write_handle=w2, bulk_handle=br1, bulk_write_handle=bw2, read_ahead=read_ahead
+    )
+    fds[:] = [r2, w1, br2, bw1]
+    c2 = Connection(
+        r2, write_handle=w1, bulk_handle=br2, bulk_write_handle=bw1, read_ahead=read_ahead
+    )
+    return c1, c2
+
+
 def make_pipe(Connection: type[Any]) -> Callable[..., tuple[Any, Any]]:
     """``pipe()`` over ``Connection`` (one engine's class)."""
 
@@ -98,49 +135,18 @@ def make_pipe(Connection: type[Any]) -> Callable[..., tuple[Any, Any]]:
         ``pipes=True`` (duplex only) builds each direction as a one-way pipe with its own bulk
         channel instead: 8 fds and ``fileno()`` a pipe (so no ``send_handle``). The worker
         layer uses it for its channels."""
-        fds: list[int] = []
+        fds: list[int] = []  # closed if a step fails (a made Connection closes its own)
         try:
             if duplex and pipes:
-                r1, w1 = os.pipe()
-                fds += (r1, w1)
-                r2, w2 = os.pipe()
-                fds += (r2, w2)
-                br1, bw1 = _stream_pair()
-                fds += (br1, bw1)
-                br2, bw2 = _stream_pair()
-                fds += (br2, bw2)
-                _pipe_size(w1)
-                _pipe_size(w2)
-                c1 = Connection(
-                    r1,
-                    write_handle=w2,
-                    bulk_handle=br1,
-                    bulk_write_handle=bw2,
-                    read_ahead=read_ahead,
-                )
-                fds = [r2, w1, br2, bw1]
-                c2 = Connection(
-                    r2,
-                    write_handle=w1,
-                    bulk_handle=br2,
-                    bulk_write_handle=bw1,
-                    read_ahead=read_ahead,
-                )
+                c1, c2 = _two_pipes(Connection, read_ahead, fds)
             elif duplex:
                 a, b = _stream_pair(both_ways=True)
                 fds += (a, b)
                 c1 = Connection(a, read_ahead=read_ahead)
-                fds = [b]
+                fds[:] = [b]
                 c2 = Connection(b, read_ahead=read_ahead)
             else:
-                r, w = os.pipe()
-                fds += (r, w)
-                br, bw = _stream_pair()
-                fds += (br, bw)
-                _pipe_size(w)
-                c1 = Connection(r, writable=False, bulk_handle=br, read_ahead=read_ahead)
-                fds = [w, bw]
-                c2 = Connection(w, readable=False, bulk_handle=bw)
+                c1, c2 = _one_pipe(Connection, read_ahead, fds)
         except BaseException:
             _close_all(fds)
             raise

@@ -50,8 +50,7 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any, TypedDict
 
-import tblib
-
+from ._rebuild import new_without_init, standin_class, traceback_of
 from ._unpickle import (
     Allow,
     Imports,
@@ -502,86 +501,13 @@ def dumps_exception(exc: BaseException, *, label: str | None = None) -> bytes:
 # --- the receiver ---------------------------------------------------------------------------
 
 
-def _new_without_init(cls: type[BaseException], args: tuple[Any, ...]) -> BaseException:
-    """An instance of ``cls`` holding ``args``, made without calling ``__init__``."""
-    try:
-        obj = cls.__new__(cls, *args)
-    except Exception:
-        solid = next(c for c in cls.__mro__ if c.__module__ == "builtins")
-        try:
-            obj = solid.__new__(cls, *args)
-        except Exception:
-            obj = solid.__new__(cls)  # type: ignore[call-overload]
-    if not isinstance(obj, cls):
-        raise TypeError(f"{cls.__qualname__}.__new__ returned {type(obj).__qualname__}")
-    obj.args = args
-    return obj
-
-
-_standin_classes: dict[tuple[Any, ...], type[BaseException]] = {}
-
-
-def _standin_class(
-    marker: type[RemoteError], base: type[BaseException], mro: tuple[tuple[str, str], ...]
-) -> type[BaseException]:
-    key = (marker, base, mro)
-    cls = _standin_classes.get(key)
-    if cls is None:
-        module, qualname = mro[0]
-        namespace = {
-            "__module__": module,
-            "__qualname__": qualname,
-            "_remote_mro": mro,
-            "_remote_parts": (marker, base),
-            "__doc__": f"Stand-in for {module}.{qualname}, which could not be revived here.",
-        }
-        cls = types.new_class(
-            qualname.rpartition(".")[2], (marker, base), exec_body=lambda ns: ns.update(namespace)
-        )
-        if len(_standin_classes) > 1024:
-            _standin_classes.clear()
-        _standin_classes[key] = cls
-    return cls
-
-
 def _rebuild_standin(
     marker: type[RemoteError],
     base: type[BaseException],
     mro: tuple[tuple[str, str], ...],
     args: tuple[Any, ...],
 ) -> BaseException:
-    return _new_without_init(_standin_class(marker, base, mro), args)
-
-
-def _traceback(frames: Any) -> types.TracebackType | None:
-    """Real traceback objects for the recorded frames (tblib)."""
-    if not isinstance(frames, list):
-        return None
-    chain: dict[str, Any] | None = None
-    for frame in reversed(frames):
-        if not (isinstance(frame, tuple) and len(frame) == 4):
-            continue
-        filename, name, lineno, module = frame
-        if not (isinstance(filename, str) and isinstance(name, str) and isinstance(module, str)):
-            continue
-        line = lineno if isinstance(lineno, int) and lineno > 0 else 1
-        chain = {
-            "tb_frame": {
-                "f_globals": {"__name__": module, "__file__": filename},
-                "f_locals": {},
-                "f_code": {"co_filename": filename, "co_name": name},
-                "f_lineno": line,
-            },
-            "tb_lineno": line,
-            "tb_next": chain,
-        }
-    if chain is None:
-        return None
-    try:
-        tb: types.TracebackType | None = tblib.Traceback.from_dict(chain).as_traceback()
-    except Exception:
-        return None
-    return tb
+    return new_without_init(standin_class(marker, base, mro), args)
 
 
 class _Reviver:
@@ -754,7 +680,7 @@ class _Reviver:
             if obj is not None:
                 return obj
             try:
-                obj = _new_without_init(cls, self._args(index))
+                obj = new_without_init(cls, self._args(index))
             except RefusedPayload:
                 raise
             except Exception:
@@ -830,7 +756,7 @@ class _Reviver:
         for base in self._bases(mro):
             for attempt in (args, tuple(_safe(repr, a) for a in args)):
                 try:
-                    obj = _new_without_init(_standin_class(self._marker, base, mro), attempt)
+                    obj = new_without_init(standin_class(self._marker, base, mro), attempt)
                     break
                 except Exception:
                     continue
@@ -854,7 +780,7 @@ class _Reviver:
             if kept is not None:
                 obj.__notes__ = kept  # type: ignore[attr-defined,unused-ignore]  # 3.10
             if time.monotonic() <= self._deadline:
-                tb = _traceback(node.get("traceback"))
+                tb = traceback_of(node.get("traceback"))
                 if tb is not None:
                     obj.__traceback__ = tb
             cause = self._objects.get(node.get("cause"))  # type: ignore[arg-type,unused-ignore]

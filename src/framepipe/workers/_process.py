@@ -9,32 +9,28 @@ forkserver) with four private channels:
 - health: a second duplex connection served by its own thread in the worker (ping, stats,
   cancel, stream credit), so a long call never starves it;
 - stderr: the worker's fd 2 is a pipe the parent drains (C-level writes and crash dumps
-  included) into a tail kept for crash reports, a log file and/or the console;
+  included) into a tail kept for crash reports, a log file and/or the console
+  (:mod:`framepipe.workers._stderr`);
 - stack: faulthandler in the worker is registered on a real-time signal and writes every
   thread's stack into a pipe the parent reads, even while the worker is stuck in C code.
 
-Child side, :func:`child_main` makes the process a good citizen before running the loop it
-was given: its own process group (Ctrl-C at the terminal reaches the parent only), death with
-its parent (``PR_SET_PDEATHSIG`` and a pidfd watch of the parent, then SIGKILL to its own
-group), no descriptor inherited from the parent after a fork but the ones it needs.
+Child side, the process starts in :func:`~framepipe.workers._child.child_main` (the start-up
+every worker shares: its own process group, death with its parent, no descriptor inherited
+from the parent after a fork but the ones it needs); :class:`WorkerBoot` then starts the
+health thread (which also takes the whole worker down the moment the parent is gone) and runs
+the loop it was given with a :class:`ChildContext`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import faulthandler
-import multiprocessing.context as _mp_context
-import multiprocessing.popen_fork as _popen_fork
-import multiprocessing.util as _mp_util
 import os
 import re
 import select
 import signal
-import stat
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,72 +41,80 @@ from .._liveness import read_oom_kills as _read_oom_kills
 from .._spin import allow_spin
 from ..errors import WriterDied
 from ..remote import dumps_exception
+from ._child import (
+    CANCEL_SIGNAL,
+    STACK_SIGNAL,
+    Boot,
+    FdHandle,
+    child_main,
+    forget_parent_side,
+    main_without_pseudo_file,
+    new_process,
+    register_parent_side,
+)
 from ._launch import die_with_group as _die_with_group
 from ._launch import parent_gone
-from ._launch import set_pdeathsig as _set_pdeathsig
+from ._stderr import STDERR_DRAIN, TAIL_BYTES, TAIL_LINES, OutputPipe, open_output, read_available
 from .errors import WorkerCancelled, WorkerCrashed
 
-__all__ = ["WorkerProcess", "ChildContext", "child_main", "STACK_SIGNAL", "CANCEL_SIGNAL"]
+__all__ = [
+    "CANCEL_SIGNAL",
+    "STACK_SIGNAL",
+    "TAIL_BYTES",
+    "TAIL_LINES",
+    "ChildContext",
+    "WorkerBoot",
+    "WorkerProcess",
+    "child_main",
+    "current_rss",
+    "peak_rss",
+    "register_parent_side",
+    "stack_text",
+]
 
-_RT = getattr(signal, "SIGRTMIN", None)
-#: faulthandler dumps every thread's stack to the stack pipe on this signal (queued, so two
-#: sent in a row give two dumps: the second one's start marks the end of the first).
-STACK_SIGNAL: int = _RT + 6 if _RT is not None else signal.SIGUSR2
-#: the health thread raises WorkerCancelled in the main thread with this signal.
-CANCEL_SIGNAL: int = _RT + 7 if _RT is not None else signal.SIGUSR1
-
-TAIL_BYTES = 64 * 1024
-TAIL_LINES = 20
-
-# Parent-side objects alive in this process: a forked worker closes them at once, so it never
-# holds another worker's channel (which would hide that worker's death from a reader).
-_parent_side: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def register_parent_side(obj: Any) -> None:
-    """``obj._close_in_child()`` will run in every worker forked from this process."""
-    _parent_side.add(obj)
-
-
-# --------------------------------------------------------------------------------------------
-# Child side
-# --------------------------------------------------------------------------------------------
-
-
-class _FdHandle:
-    """An fd that travels to a multiprocessing child (dup'd for spawn and forkserver)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __reduce__(self) -> Any:
-        from multiprocessing import reduction
-
-        return (_rebuild_fd, (reduction.DupFd(self.fd),))
-
-
-def _rebuild_fd(dup: Any) -> _FdHandle:
-    return _FdHandle(dup.detach())
+# names the worker loops import from here, defined in the modules that own them
+_FdHandle = FdHandle
+_read_available = read_available
 
 
 @dataclass
-class _Boot:
-    """What a worker process needs to start: built by the parent, pickled for spawn."""
+class WorkerBoot(Boot):
+    """A task worker's :class:`~framepipe.workers._child.Boot`: its data and health channels,
+    the loop it runs and the loop's own ``options``."""
 
-    name: str
-    parent_pid: int
-    conn: Any
-    health: Any
-    stack_w: _FdHandle
-    stderr_w: _FdHandle
-    loop: Callable[[ChildContext], None]
-    initializer: Callable[..., Any] | None = None
-    initargs: tuple[Any, ...] = ()
-    env: dict[str, str] | None = None
-    cwd: str | None = None
-    stdout_path: str | None = None
-    pdeathsig: bool = True
+    conn: Any = None
+    health: Any = None
+    loop: Callable[[ChildContext], None] | None = None
     options: dict[str, Any] = field(default_factory=dict)
+
+    def channels(self) -> list[Any]:
+        return [self.conn, self.health, *self.options.values()]
+
+    def setup(self) -> None:
+        if self.options.get("spin") is False:
+            allow_spin(False)
+        ctx = self.ctx = ChildContext(self)
+
+        def on_cancel(signum: int, frame: Any) -> None:
+            tid = ctx.current
+            if tid is not None and tid in ctx.cancelled:
+                raise WorkerCancelled(f"task {tid} was cancelled")
+
+        signal.signal(CANCEL_SIGNAL, on_cancel)
+        threading.Thread(
+            target=_serve_health, args=(ctx, self.parent_pid), name="framepipe-health", daemon=True
+        ).start()
+
+    def init_failed(self, exc: BaseException) -> None:
+        self.conn.send(("init-failed", os.getpid(), dumps_exception(exc)))
+
+    def run(self) -> None:
+        try:
+            self.conn.send(("ready", os.getpid()))
+        except OSError:
+            return  # the parent let go of this worker before it was ready: nothing to do
+        assert self.loop is not None
+        self.loop(self.ctx)
 
 
 class ChildContext:
@@ -122,7 +126,7 @@ class ChildContext:
     for credit with :meth:`wait_credit`.
     """
 
-    def __init__(self, boot: _Boot) -> None:
+    def __init__(self, boot: WorkerBoot) -> None:
         self.name = boot.name
         self.conn = boot.conn
         self.health = boot.health
@@ -332,325 +336,12 @@ def cgroup_memory_limit(oom_file: str | None) -> int | None:
     return None
 
 
-def _rebind_stream(name: str, fd: int) -> None:
-    """Make ``sys.<name>`` write to ``fd`` (a forked child may have inherited a stream on
-    another descriptor, e.g. a test runner's capture file), so its output is captured too."""
-    stream = getattr(sys, name, None)
-    try:
-        if stream is not None and stream.fileno() == fd:
-            return
-    except (AttributeError, OSError, ValueError):
-        pass
-    with contextlib.suppress(OSError, ValueError):
-        if stream is not None:
-            stream.flush()
-    setattr(
-        sys,
-        name,
-        open(
-            fd,
-            "w",
-            buffering=1,
-            errors="backslashreplace",  # noqa: SIM115
-            closefd=False,
-        ),
-    )
-
-
-def _needed_fds(boot: _Boot) -> set[int]:
-    """The descriptors a forked worker keeps: stdin, stdout, stderr, its own channels, and
-    multiprocessing's resource tracker (which a child that makes a semaphore writes to)."""
-    keep = {0, 1, 2}
-    for obj in (boot.conn, boot.health, boot.stack_w, boot.stderr_w, *boot.options.values()):
-        if isinstance(obj, _FdHandle):
-            keep.add(obj.fd)
-        elif hasattr(obj, "_handles"):  # a connection
-            keep.update(fd for fd in obj._handles() if fd >= 0)
-    from multiprocessing import resource_tracker
-
-    tracker_fd = getattr(resource_tracker._resource_tracker, "_fd", None)
-    if isinstance(tracker_fd, int):
-        keep.add(tracker_fd)
-    return keep
-
-
-def _close_inherited(keep: set[int]) -> None:
-    """Release the pipes and sockets a freshly forked worker inherited, but those in ``keep``,
-    whichever thread of the parent opened them. Held here, another thread's
-    ``subprocess.Popen`` exec-error pipe would make that Popen wait for this worker to end; a
-    pipe or socket the program closes would not reach end of file, nor a listening port be
-    freed, while a worker lives. Each is replaced by /dev/null rather than closed, so that a
-    Python object the worker inherited never writes into a descriptor the worker opens later
-    with the same number. Regular files, directories and devices stay open (holding them
-    changes nothing another process sees), as a task may read a file the program opened."""
-    try:
-        fds = [int(name) for name in os.listdir("/proc/self/fd")]
-    except OSError:  # no /proc
-        fds = list(range(3, min(os.sysconf("SC_OPEN_MAX"), 65536)))
-    null = -1
-    try:
-        for fd in fds:
-            if fd in keep:
-                continue
-            try:
-                mode = os.fstat(fd).st_mode  # (the listing's own descriptor is closed by now)
-            except OSError:
-                continue
-            if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
-                continue
-            if null < 0:
-                null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
-            os.dup2(null, fd, inheritable=False)
-    finally:
-        if null >= 0:
-            os.close(null)
-
-
-def _forget_unfinished_imports() -> None:
-    """In a freshly forked worker: drop the modules another thread of the parent was still
-    importing when it forked (half run, their import locks held by a thread that does not
-    exist here: the worker's own import of one would wait forever), so that the worker
-    imports them afresh."""
-    import importlib._bootstrap as bootstrap
-
-    for name, module in list(sys.modules.items()):
-        spec = getattr(module, "__spec__", None)
-        if spec is not None and getattr(spec, "_initializing", False):
-            del sys.modules[name]
-    bootstrap._module_locks.clear()  # type: ignore[attr-defined]
-    bootstrap._blocking_on.clear()  # type: ignore[attr-defined]
-
-
-class _ForkPopen(_popen_fork.Popen):
-    """multiprocessing's fork start, the child releasing the descriptors it does not need
-    (see :func:`_close_inherited`) before anything else runs in it."""
-
-    def _launch(self, process_obj: Any) -> None:
-        code = 1
-        parent_r, child_w = os.pipe()
-        child_r, parent_w = os.pipe()
-        self.pid = os.fork()
-        if self.pid == 0:
-            try:
-                os.close(parent_r)
-                os.close(parent_w)
-                _forget_unfinished_imports()
-                _close_inherited(_needed_fds(process_obj._args[0]) | {child_r, child_w})
-                code = process_obj._bootstrap(parent_sentinel=child_r)
-            finally:
-                os._exit(code)
-        else:
-            os.close(child_w)
-            os.close(child_r)
-            close = _mp_util.close_fds  # type: ignore[attr-defined]
-            self.finalizer = _mp_util.Finalize(self, close, (parent_r, parent_w))
-            self.sentinel = parent_r
-
-
-class _ForkProcess(_mp_context.ForkProcess):
-    @staticmethod
-    def _Popen(process_obj: Any) -> Any:
-        return _ForkPopen(process_obj)
-
-
-def child_main(boot: _Boot) -> None:
-    """A worker process's body: hygiene, redirects, health thread, initializer, then the loop."""
-    with contextlib.suppress(OSError):
-        os.setpgid(0, 0)
-    if boot.pdeathsig:
-        _set_pdeathsig()
-    for obj in list(_parent_side):
-        with contextlib.suppress(Exception):
-            obj._close_in_child()
-    _parent_side.clear()
-    os.dup2(boot.stderr_w.fd, 2)
-    os.close(boot.stderr_w.fd)
-    if boot.stdout_path:
-        fd = os.open(boot.stdout_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(fd, 1)
-        os.close(fd)
-    if boot.env:
-        os.environ.update(boot.env)
-    if boot.cwd:
-        os.chdir(boot.cwd)
-    if boot.options.get("spin") is False:
-        allow_spin(False)
-    _rebind_stream("stderr", 2)
-    if boot.stdout_path:
-        _rebind_stream("stdout", 1)
-    faulthandler.enable(file=2, all_threads=True)
-    faulthandler.register(STACK_SIGNAL, file=boot.stack_w.fd, all_threads=True, chain=False)
-    ctx = ChildContext(boot)
-
-    def on_cancel(signum: int, frame: Any) -> None:
-        tid = ctx.current
-        if tid is not None and tid in ctx.cancelled:
-            raise WorkerCancelled(f"task {tid} was cancelled")
-
-    signal.signal(CANCEL_SIGNAL, on_cancel)
-    threading.Thread(
-        target=_serve_health, args=(ctx, boot.parent_pid), name="framepipe-health", daemon=True
-    ).start()
-    if boot.initializer is not None:
-        try:
-            boot.initializer(*boot.initargs)
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent, then we exit
-            boot.conn.send(("init-failed", os.getpid(), dumps_exception(exc)))
-            sys.stderr.flush()
-            os._exit(1)
-    try:
-        boot.conn.send(("ready", os.getpid()))
-    except OSError:
-        return  # the parent let go of this worker before it was ready: nothing to do
-    boot.loop(ctx)
-
-
 # --------------------------------------------------------------------------------------------
 # Parent side
 # --------------------------------------------------------------------------------------------
 
 _QUIET = 0.1  # no repeat (a thread started between the two dumps): a pause this long ends it
 _FIRST_LINE = re.compile(rb"^(?:Current thread|Thread) (0x[0-9a-f]+)", re.M)
-
-
-def _read_available(fd: int) -> tuple[bytes, bool]:
-    """Every byte readable now from a non-blocking fd: (data, at_eof)."""
-    chunks: list[bytes] = []
-    while True:
-        try:
-            chunk = os.read(fd, 65536)
-        except BlockingIOError:
-            return b"".join(chunks), False
-        except InterruptedError:
-            continue
-        if not chunk:
-            return b"".join(chunks), True
-        chunks.append(chunk)
-
-
-STDERR_DRAIN = 0.2  # seconds a crash report waits for the rest of a dead worker's stderr
-
-
-class _Stderr:
-    """The parent's end of a worker's stderr pipe: a tail for reports, optional log file,
-    optional console copy (raw, or line by line with a ``[name]`` prefix)."""
-
-    def __init__(
-        self,
-        fd: int,
-        name: str,
-        log_path: str | None,
-        console: str | None,
-        console_stream: str = "stderr",
-    ) -> None:
-        self.fd: int | None = fd
-        self.name = name
-        self.log_path = log_path
-        self.console = console  # None, "raw" or "prefix"
-        self.console_stream = console_stream  # the parent's "stderr" or "stdout"
-        self.tail = bytearray()
-        self._partial = b""
-        self._dumping = False  # a fatal error's dump is being written: not copied
-        # the manager and a caller that saw the death may both pump: one at a time, so what
-        # one of them read is in the tail before the other reports it
-        self._lock = threading.Lock()
-        self._log = open(log_path, "ab", buffering=0) if log_path else None  # noqa: SIM115
-
-    def pump(self) -> bool:
-        """Move what the worker wrote to the sinks; True at end of file."""
-        with self._lock:
-            if self.fd is None:
-                return True
-            data, eof = _read_available(self.fd)
-            if data:
-                self._feed(data)
-            if eof:
-                self._flush_partial()
-            return eof
-
-    def drain(self, timeout: float) -> None:
-        """Pump until end of file (the dead worker's last words), for at most ``timeout``
-        seconds (a grandchild may still hold the pipe's write end)."""
-        end = time.monotonic() + timeout
-        while not self.pump():
-            fd, left = self.fd, end - time.monotonic()
-            if fd is None or left <= 0:
-                return
-            poller = select.poll()
-            poller.register(fd, select.POLLIN)
-            with contextlib.suppress(OSError):
-                poller.poll(left * 1000.0)
-
-    def _feed(self, data: bytes) -> None:
-        self.tail += data
-        if len(self.tail) > TAIL_BYTES:
-            del self.tail[: len(self.tail) - TAIL_BYTES]
-        if self._log is not None:
-            with contextlib.suppress(OSError):
-                self._log.write(data)
-        if self.console is None:
-            return
-        # Copied line by line (never a worker's half line in the middle of another's), and
-        # without the native dump of a crash, which its WorkerCrashed report shows.
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()
-        if len(self._partial) > TAIL_BYTES:  # a very long line: copied in pieces
-            lines.append(self._partial)
-            self._partial = b""
-        self._copy(lines)
-
-    def _copy(self, lines: list[bytes]) -> None:
-        prefix = f"[{self.name}] ".encode() if self.console == "prefix" else b""
-        out = []
-        for line in lines:
-            if self._dumping:
-                continue
-            if line.startswith(b"Fatal Python error"):
-                self._dumping = True
-                line += b" (its native traceback is in the crash report)"
-            out.append(prefix + line + b"\n")
-        if out:
-            _write_console(b"".join(out), self.console_stream)
-
-    def _flush_partial(self) -> None:
-        if self.console is not None and self._partial:
-            self._copy([self._partial])
-        self._partial = b""
-
-    def tail_text(self, lines: int = TAIL_LINES) -> str:
-        text = bytes(self.tail).decode("utf-8", "replace")
-        return "\n".join(text.rstrip("\n").split("\n")[-lines:]) if text.strip() else ""
-
-    def native_traceback(self) -> str | None:
-        text = bytes(self.tail).decode("utf-8", "replace")
-        at = text.rfind("Fatal Python error")
-        return text[at:].rstrip() if at >= 0 else None
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.pump()
-        self._flush_partial()
-        fd, self.fd = self.fd, None
-        if fd is not None:
-            os.close(fd)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-
-def _write_console(data: bytes, stream: str = "stderr") -> None:
-    console = getattr(sys, stream)
-    with contextlib.suppress(OSError):
-        # what the parent wrote to that stream first (its stdout is left alone: flushed from
-        # here, between the pieces of a print(), it would show a half line)
-        try:
-            console.flush()
-        except (AttributeError, ValueError):
-            pass
-        fd = console.fileno() if console is not None else (1 if stream == "stdout" else 2)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
 
 
 def stack_text(data: bytes, quiet: float | None, expired: bool) -> str | None:
@@ -665,36 +356,6 @@ def stack_text(data: bytes, quiet: float | None, expired: bool) -> str | None:
     if expired or (quiet is not None and quiet > _QUIET):
         return data.decode("utf-8", "replace").rstrip()
     return None
-
-
-_main_file_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _main_without_pseudo_file() -> Any:
-    """While a worker starts, hide a main module ``__file__`` that names no file (``<stdin>``
-    in a program piped to ``python -``): spawn would re-run it by that path in the worker and
-    fail; without it the worker does not re-import the main module, as under ``python -c``."""
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if (
-        main is None
-        or not isinstance(path, str)
-        or getattr(main, "__spec__", None) is not None
-        or not (path.startswith("<") and path.endswith(">"))
-    ):
-        yield
-        return
-    with _main_file_lock:
-        try:
-            del main.__file__
-        except AttributeError:
-            yield
-            return
-        try:
-            yield
-        finally:
-            main.__file__ = path
 
 
 class WorkerProcess:
@@ -734,7 +395,7 @@ class WorkerProcess:
         self.process: Any = None
         self.conn: Any = None
         self.health: Any = None
-        self.stderr: _Stderr | None = None
+        self.stderr: OutputPipe | None = None
         self._stack_r: int | None = None
         self.pid: int | None = None
         self.peak_rss: int | None = None
@@ -756,7 +417,6 @@ class WorkerProcess:
         conn, child_conn = _connection.Pipe(True, read_ahead=True, pipes=True)
         health, child_health = _connection.Pipe(True)
         stack_r, stack_w = os.pipe()
-        err_r, err_w = os.pipe()
         self.conn, self.health, self._stack_r = conn, health, stack_r
         log_path = stdout_path = None
         if self._log_dir:
@@ -764,34 +424,26 @@ class WorkerProcess:
             os.makedirs(d, exist_ok=True)
             log_path = os.path.join(d, "stderr.log")
             stdout_path = os.path.join(d, "stdout.log")
-        console = (
-            ("prefix" if self._tee else None)
-            if self._log_dir
-            else ("prefix" if self._tee else "raw")
-        )
-        self.stderr = _Stderr(err_r, self.name, log_path, console)
-        boot = _Boot(
+        console = "prefix" if self._tee else (None if self._log_dir else "raw")
+        self.stderr, err_w = open_output(self.name, log_path, console)
+        boot = WorkerBoot(
             name=self.name,
             parent_pid=os.getpid(),
             conn=child_conn,
             health=child_health,
-            stack_w=_FdHandle(stack_w),
-            stderr_w=_FdHandle(err_w),
+            stack=FdHandle(stack_w),
+            stderr=FdHandle(err_w),
             loop=self._loop,
             initializer=self._initializer,
             initargs=self._initargs,
             env=self._env,
             cwd=self._cwd,
             stdout_path=stdout_path,
-            pdeathsig=True,
             options=self._options,
         )
         try:
-            fork = self._ctx.get_start_method() == "fork"
-            self.process = (_ForkProcess if fork else self._ctx.Process)(
-                target=child_main, args=(boot,), name=self.name, daemon=False
-            )
-            with _main_without_pseudo_file():
+            self.process = new_process(self._ctx, boot, self.name)
+            with main_without_pseudo_file():
                 self.process.start()
         finally:
             child_conn.close()
@@ -803,7 +455,6 @@ class WorkerProcess:
         with contextlib.suppress(OSError):
             os.setpgid(self.pid, self.pid)  # before the child does it too (fork)
         os.set_blocking(stack_r, False)
-        os.set_blocking(err_r, False)
         conn.watch(self.process)
         # The health channel is not watched: its end of file is only a hint (the data channel
         # and the pidfd tell how the worker died, once). Watched, its reader would wait for
@@ -890,7 +541,7 @@ class WorkerProcess:
         fd = self._stack_r
         if fd is None or self.pid is None:
             return None
-        _read_available(fd)  # anything left from an earlier request
+        read_available(fd)  # anything left from an earlier request
         try:
             os.kill(self.pid, STACK_SIGNAL)
             os.kill(self.pid, STACK_SIGNAL)  # queued: its dump starts where the first ends
@@ -919,7 +570,7 @@ class WorkerProcess:
             except InterruptedError:
                 continue
             if events:
-                chunk, eof = _read_available(fd)
+                chunk, eof = read_available(fd)
                 data += chunk
                 last = time.monotonic()
                 if eof:
@@ -1017,4 +668,4 @@ class WorkerProcess:
                 with contextlib.suppress(ValueError, AttributeError):
                     self.process.close()
         self._closed = True
-        _parent_side.discard(self)
+        forget_parent_side(self)

@@ -59,7 +59,8 @@ from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
 from ..guard import _write_json
-from ._process import TAIL_LINES, peak_rss
+from ._process import peak_rss
+from ._stderr import TAIL_LINES
 from .group import GroupFailed, GroupResult, RankOutcome, Std, WorkerGroup
 
 __all__ = ["FramepipeAgent", "launch", "main", "build_parser"]
@@ -176,39 +177,12 @@ class FramepipeAgent(SimpleElasticAgent):
         spec = worker_group.spec
         if worker_group.store is None:
             raise RuntimeError("the rendezvous gave the worker group no store")
-        restart_count = spec.max_restarts - self._remaining_restarts
-        use_agent_store = spec.rdzv_handler.use_agent_store
         args: dict[int, tuple[Any, ...]] = {}
         envs: dict[int, dict[str, str]] = {}
         labels: dict[int, str] = {}
         for worker in worker_group.workers:
             local_rank = worker.local_rank
-            # the variables LocalElasticAgent._start_workers gives each rank, in its order
-            env = {
-                "RANK": str(worker.global_rank),
-                "GROUP_RANK": str(worker_group.group_rank),
-                "ROLE_RANK": str(worker.role_rank),
-                "ROLE_NAME": spec.role,
-                "LOCAL_WORLD_SIZE": str(spec.local_world_size),
-                "WORLD_SIZE": str(worker.world_size),
-                "GROUP_WORLD_SIZE": str(worker_group.group_world_size),
-                "ROLE_WORLD_SIZE": str(worker.role_world_size),
-                "MASTER_ADDR": str(worker_group.master_addr),
-                "MASTER_PORT": str(worker_group.master_port),
-                "TORCHELASTIC_RESTART_COUNT": str(restart_count),
-                "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
-                "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
-                "TORCHELASTIC_USE_AGENT_STORE": str(use_agent_store),
-                "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv(
-                    "TORCH_NCCL_ASYNC_ERROR_HANDLING", str(1)
-                ),
-            }
-            self._set_local_rank_env(env, local_rank, spec)
-            if "OMP_NUM_THREADS" in os.environ:
-                env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
-            watchdog = os.getenv("TORCHELASTIC_TIMER_FILE")
-            if watchdog is not None:
-                env["TORCHELASTIC_TIMER_FILE"] = watchdog
+            env = self._rank_env(worker_group, worker)
             envs[local_rank] = env
             args[local_rank] = tuple(macros.substitute(list(spec.args), str(local_rank)))
             labels[local_rank] = f"node{worker_group.group_rank}:rank{worker.global_rank}"
@@ -233,6 +207,34 @@ class FramepipeAgent(SimpleElasticAgent):
         self._attempt_dir = group.log_dir
         group.start()
         return group.pids
+
+    def _rank_env(self, worker_group: _TorchWorkerGroup, worker: Any) -> dict[str, str]:
+        """The variables LocalElasticAgent._start_workers gives each rank, in its order."""
+        spec = worker_group.spec
+        env = {
+            "RANK": str(worker.global_rank),
+            "GROUP_RANK": str(worker_group.group_rank),
+            "ROLE_RANK": str(worker.role_rank),
+            "ROLE_NAME": spec.role,
+            "LOCAL_WORLD_SIZE": str(spec.local_world_size),
+            "WORLD_SIZE": str(worker.world_size),
+            "GROUP_WORLD_SIZE": str(worker_group.group_world_size),
+            "ROLE_WORLD_SIZE": str(worker.role_world_size),
+            "MASTER_ADDR": str(worker_group.master_addr),
+            "MASTER_PORT": str(worker_group.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(spec.max_restarts - self._remaining_restarts),
+            "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+            "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
+            "TORCHELASTIC_USE_AGENT_STORE": str(spec.rdzv_handler.use_agent_store),
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", str(1)),
+        }
+        self._set_local_rank_env(env, worker.local_rank, spec)
+        if "OMP_NUM_THREADS" in os.environ:
+            env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+        watchdog = os.getenv("TORCHELASTIC_TIMER_FILE")
+        if watchdog is not None:
+            env["TORCHELASTIC_TIMER_FILE"] = watchdog
+        return env
 
     @staticmethod
     def _set_local_rank_env(env: dict[str, str], local_rank: int, spec: WorkerSpec) -> None:
@@ -338,23 +340,10 @@ class FramepipeAgent(SimpleElasticAgent):
     ) -> dict[int, TorchProcessFailure]:
         """torch's failures of this node, root cause first, each with an error record; the
         report printed; the root published to the other nodes."""
-        group = self._group
-        assert group is not None
         by_local = {w.local_rank: w.global_rank for w in worker_group.workers}
         node = worker_group.group_rank
         host = socket.gethostname()
-        records: dict[int, tuple[int, str, dict[str, Any]]] = {}  # local rank: (ns, path, rec)
-        for rank, o in outcome.failures.items():
-            hung = self._hung.get(rank)
-            at_ns = hung[1] if hung else int((o.failed_at or time.time()) * 1e9)
-            path = group.error_files.get(rank) or ""
-            own = o.error is not None and o.error.error_file not in ("<N/A>", "")
-            data = _read_record(path) if own and not hung else None
-            if data is None:
-                data = self._record(o, node, by_local[rank], host, at_ns, hung)
-                with contextlib.suppress(OSError):
-                    _write_json(path, data)
-            records[rank] = (at_ns, path, data)
+        records = self._records(outcome, node, by_local, host)
         order = sorted(records, key=lambda r: (records[r][0], r))
         failures: dict[int, TorchProcessFailure] = {}
         for rank in order:
@@ -379,6 +368,37 @@ class FramepipeAgent(SimpleElasticAgent):
             "at_ns": at_ns,
             "record": data,
         }
+        return self._publish(worker_group, mine, failures)
+
+    def _records(
+        self, outcome: GroupFailed, node: int | None, by_local: dict[int, int], host: str
+    ) -> dict[int, tuple[int, str, dict[str, Any]]]:
+        """``{local rank: (failed at ns, error file, record)}`` of each failed rank: its own
+        error file's record, else one the supervisor writes there."""
+        group = self._group
+        assert group is not None
+        records: dict[int, tuple[int, str, dict[str, Any]]] = {}
+        for rank, o in outcome.failures.items():
+            hung = self._hung.get(rank)
+            at_ns = hung[1] if hung else int((o.failed_at or time.time()) * 1e9)
+            path = group.error_files.get(rank) or ""
+            own = o.error is not None and o.error.error_file not in ("<N/A>", "")
+            data = _read_record(path) if own and not hung else None
+            if data is None:
+                data = self._record(o, node, by_local[rank], host, at_ns, hung)
+                with contextlib.suppress(OSError):
+                    _write_json(path, data)
+            records[rank] = (at_ns, path, data)
+        return records
+
+    def _publish(
+        self,
+        worker_group: _TorchWorkerGroup,
+        mine: dict[str, Any],
+        failures: dict[int, TorchProcessFailure],
+    ) -> dict[int, TorchProcessFailure]:
+        """Publish this node's root failure, read the other nodes', print the report."""
+        node, at_ns = mine["node"], mine["at_ns"]
         store = worker_group.store
         with contextlib.suppress(Exception):
             assert store is not None
@@ -415,25 +435,7 @@ class FramepipeAgent(SimpleElasticAgent):
             )
         else:
             headline = f"{who} {o.how()}"
-        lines = [headline, f"peak RSS: {_mib(peak)} (last sampled)"]
-        if o.signal_name == "SIGKILL" or o.oom_killed:
-            if o.oom_killed:
-                hint = "the OOM killer took it (its memory cgroup counted an OOM kill)"
-            elif o.oom_killed is False:
-                hint = "not the OOM killer (its cgroup counted no OOM kill): a kill -9 from outside"
-            else:
-                hint = "the OOM killer or a kill -9 from outside (the cgroup could not be read)"
-            lines.append(f"OOM: {hint}")
-        if o.stderr_tail and not (hung and o.native_stack):
-            where = f" ({o.stderr_path})" if o.stderr_path else ""
-            lines += [f"last stderr lines{where}:"] + [
-                f"  | {line}" for line in o.stderr_tail.split("\n")[-TAIL_LINES:]
-            ]
-        if o.native_stack:
-            lines += ["stack (faulthandler):", o.native_stack]
-        elif hung:
-            lines.append("stack: none was dumped (not a Python rank, or faulthandler was off)")
-        text = "\n".join(lines)
+        text = "\n".join([headline, *_record_lines(o, peak, hung is not None)])
         return {
             "message": {
                 "message": headline,
@@ -525,6 +527,29 @@ class FramepipeAgent(SimpleElasticAgent):
         return "\n".join(lines)
 
 
+def _record_lines(o: RankOutcome, peak: int | None, hung: bool) -> list[str]:
+    """The body of the supervisor's record of a failed rank: memory, stderr, stack."""
+    lines = [f"peak RSS: {_mib(peak)} (last sampled)"]
+    if o.signal_name == "SIGKILL" or o.oom_killed:
+        if o.oom_killed:
+            hint = "the OOM killer took it (its memory cgroup counted an OOM kill)"
+        elif o.oom_killed is False:
+            hint = "not the OOM killer (its cgroup counted no OOM kill): a kill -9 from outside"
+        else:
+            hint = "the OOM killer or a kill -9 from outside (the cgroup could not be read)"
+        lines.append(f"OOM: {hint}")
+    if o.stderr_tail and not (hung and o.native_stack):
+        where = f" ({o.stderr_path})" if o.stderr_path else ""
+        lines += [f"last stderr lines{where}:"] + [
+            f"  | {line}" for line in o.stderr_tail.split("\n")[-TAIL_LINES:]
+        ]
+    if o.native_stack:
+        lines += ["stack (faulthandler):", o.native_stack]
+    elif hung:
+        lines.append("stack: none was dumped (not a Python rank, or faulthandler was off)")
+    return lines
+
+
 def _read_record(path: str) -> dict[str, Any] | None:
     """A rank's own error file, None when it cannot be read as torchelastic's JSON."""
     try:
@@ -583,15 +608,10 @@ def _entrypoint_name(entrypoint: Callable[..., Any] | str, args: Sequence[Any]) 
     return entrypoint
 
 
-def launch(
-    config: LaunchConfig,
-    entrypoint: Callable[..., Any] | str,
-    args: Sequence[Any],
-    hang_timeout: float | None = None,
-) -> dict[int, Any]:
-    """Run ``entrypoint(*args)`` as this node's ranks under ``config`` (torch's
-    ``LaunchConfig``), as ``torch.distributed.launcher.api.launch_agent`` does with
-    :class:`FramepipeAgent`; the return values by global rank, or ``ChildFailedError``."""
+def _worker_spec(
+    config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: Sequence[Any]
+) -> WorkerSpec:
+    """torch's ``WorkerSpec`` of this node under ``config``, with its rendezvous handler."""
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)
     params = RendezvousParameters(
@@ -605,7 +625,7 @@ def launch(
     )
     master_addr, master_port = _addr_and_port(params)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-    spec = WorkerSpec(
+    return WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,
         entrypoint=entrypoint,
@@ -619,6 +639,18 @@ def launch(
         event_log_handler=config.event_log_handler,
         virtual_local_rank=getattr(config, "virtual_local_rank", False),
     )
+
+
+def launch(
+    config: LaunchConfig,
+    entrypoint: Callable[..., Any] | str,
+    args: Sequence[Any],
+    hang_timeout: float | None = None,
+) -> dict[int, Any]:
+    """Run ``entrypoint(*args)`` as this node's ranks under ``config`` (torch's
+    ``LaunchConfig``), as ``torch.distributed.launcher.api.launch_agent`` does with
+    :class:`FramepipeAgent`; the return values by global rank, or ``ChildFailedError``."""
+    spec = _worker_spec(config, entrypoint, args)
     assert config.logs_specs is not None
     agent = FramepipeAgent(
         spec,
