@@ -1,5 +1,5 @@
 """How a Pool spreads its tasks (see NOTE [ Feeding ahead and balance ] in
-``framepipe.workers._dispatch``), what a crash fails (NOTE [ Crashes blamed on tasks ]) and the
+``framepipe.workers._scheduling``), what a crash fails (NOTE [ Crashes blamed on tasks ]) and the
 lazy ``map``. Real processes on both engines. Balance is asserted by counting which worker ran
 what (from the results), never by timing a run."""
 

@@ -419,6 +419,7 @@ class Core(Submitting, Scheduling, Lending, Answers, Failures, CoreBase):
             if self._terminating:
                 slot.proc.signal_group(signal.SIGKILL)
             slot.proc.stop(timeout=timeout, grace=self.kill_grace)
+            slot.die()  # stopped and reaped here, not seen dying by the loop
             for task in list(slot.outstanding):
                 task.fail(WorkerError(f"{self.name} shut down before task {task.tid} finished"))
             with slot.reader:  # a caller that read its channel has let go of it
