@@ -51,8 +51,39 @@ class Submitting(CoreBase):
         if self.policy.crash_fails_queued:
             future._actor = self  # type: ignore[attr-defined]
         task = self._make_task(op, fn, args, kwargs, future, timeout, window)
-        if task.payload:
-            self._enqueue(task)
+        if not task.payload:
+            return task  # failed already: what it takes could not be pickled
+        with self._submit_lock:  # never held by the manager: submitting never waits for it
+            self._check_open()  # again: it may have been shut down meanwhile
+            crashed = self._behind_crash(task)
+            # Nothing queued ahead of it and nobody dispatching: straight to a hungry worker.
+            direct = (
+                not crashed and not self._pending and self._dispatch_lock.acquire(blocking=False)
+            )
+            if not direct and not crashed:
+                self._queue(task)
+        if crashed:
+            if crashed is not True:
+                task.fail(crashed)
+            return task
+        if direct:
+            try:
+                sent = self._send_direct(task)
+            finally:
+                self._dispatch_lock.release()
+            if not sent:
+                with self._submit_lock:
+                    crashed = self._behind_crash(task)
+                    if not crashed:
+                        self._pending.appendleft(task)  # ahead of any queued meanwhile
+                        self._queue(None)
+                        if self.broken is not None:
+                            self._pending.remove(task)
+                            task.fail(self.broken)
+                if crashed and crashed is not True:
+                    task.fail(crashed)
+        if self._dispatch_wanted:
+            self.kick()
         return task
 
     def _make_task(
@@ -84,40 +115,6 @@ class Submitting(CoreBase):
                 future.set_exception(_unpicklable(fn, exc, args, kwargs))
                 return Task(tid, future, name, b"", timeout, stream)
         return Task(tid, future, name, payload, timeout, stream)
-
-    def _enqueue(self, task: Task) -> None:
-        """Send ``task`` to a hungry worker, or queue it."""
-        with self._submit_lock:  # never held by the manager: submitting never waits for it
-            self._check_open()  # again: it may have been shut down meanwhile
-            crashed = self._behind_crash(task)
-            # Nothing queued ahead of it and nobody dispatching: straight to a hungry worker.
-            direct = (
-                not crashed and not self._pending and self._dispatch_lock.acquire(blocking=False)
-            )
-            if not direct and not crashed:
-                self._queue(task)
-        if crashed:
-            if crashed is not True:
-                task.fail(crashed)
-            return
-        if direct:
-            try:
-                sent = self._send_direct(task)
-            finally:
-                self._dispatch_lock.release()
-            if not sent:
-                with self._submit_lock:
-                    crashed = self._behind_crash(task)
-                    if not crashed:
-                        self._pending.appendleft(task)  # ahead of any queued meanwhile
-                        self._queue(None)
-                        if self.broken is not None:
-                            self._pending.remove(task)
-                            task.fail(self.broken)
-                if crashed and crashed is not True:
-                    task.fail(crashed)
-        if self._dispatch_wanted:
-            self.kick()
 
     def _behind_crash(self, task: Task) -> BaseException | bool:
         """An actor's call made after its crash, before a caller saw it (submit lock held; see

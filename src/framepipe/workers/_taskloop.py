@@ -58,13 +58,10 @@ def task_loop(ctx: ChildContext) -> None:
     conn = ctx.conn
     recv_bytes = conn.recv_bytes
     send = conn.send
+    send_bytes = conn.send_bytes
+    dumps = pickle.dumps
     max_rss = ctx.options.get("max_rss")
-    fdsock = ctx.options.get("fdsock")
-    wire = (
-        None
-        if fdsock is None
-        else _shm.Wire(socket.socket(fileno=fdsock.fd), ctx.options.get("shm_slots", SHM_SLOTS))
-    )
+    wire = _wire(ctx)
     perf = time.perf_counter
     inbox: collections.deque[Any] = collections.deque()
     while True:
@@ -80,27 +77,70 @@ def task_loop(ctx: ChildContext) -> None:
         op = msg[0]
         if (op == CALL or op == STREAM or op == _UNLOADABLE) and not ctx.take_turn():
             continue  # the parent took it back (see Scheduling._steal)
-        if op == _UNLOADABLE:
-            send((ERROR, msg[1], dumps_exception(msg[2])))
-        elif op == CALL:
-            start = perf()
-            _call(ctx, wire, msg[1], msg[2], msg[3], msg[4])
-            ctx.calls += 1
-            ctx.busy += perf() - start
-            # Answered: the call's objects are let go of now, not when the next one comes
-            # (an argument whose __del__ tells its owner, as the stdlib's workers do).
-            msg = None
-            if max_rss is not None:
-                rss = _process.current_rss(os.getpid())
-                if rss is not None and rss > max_rss:
-                    send((RECYCLE, rss, ctx.retire()))
-        elif op == RETURN:
-            if wire is not None:
-                wire.give_back(msg[1])
-        elif op == STREAM:
-            _run_stream(ctx, msg[1], msg[2], msg[3], msg[4], msg[5])
-        elif op == CLOSE:
-            return
+        if op != CALL:
+            if _other(ctx, wire, msg):
+                return  # CLOSE
+            continue
+        tid, fn, args, kwargs = msg[1], msg[2], msg[3], msg[4]
+        start = perf()
+        ctx.current = tid
+        try:
+            if tid in ctx.cancelled:
+                raise WorkerCancelled(f"task {tid} was cancelled before it started")
+            value = fn(*args, **kwargs)
+            ctx.current = None
+        except BaseException as exc:  # noqa: BLE001 - every failure goes to the caller
+            ctx.current = None
+            send((ERROR, tid, dumps_exception(exc)))
+        else:
+            try:
+                if type(value) in _SCALARS:
+                    # pickled here: a number has no out-of-band buffers to look for
+                    send_bytes(dumps((RESULT, tid, value), protocol=5))
+                else:
+                    if wire is not None:
+                        value = _to_wire(wire, value)
+                    send((RESULT, tid, value))
+            except (Exception, SystemExit) as exc:  # noqa: BLE001 - an unpicklable result
+                _unsent(ctx, wire, tid, fn, value, exc)
+        ctx.calls += 1
+        ctx.busy += perf() - start
+        # answered: its objects are let go of now (an argument's __del__ may tell its owner)
+        msg = fn = args = kwargs = value = None
+        if max_rss is not None:
+            rss = _process.current_rss(os.getpid())
+            if rss is not None and rss > max_rss:
+                send((RECYCLE, rss, ctx.retire()))
+
+
+def _wire(ctx: ChildContext) -> _shm.Wire | None:
+    """Where large arrays in results go (memfds passed over a socket), if the parent has it."""
+    fdsock = ctx.options.get("fdsock")
+    if fdsock is None:
+        return None
+    return _shm.Wire(socket.socket(fileno=fdsock.fd), ctx.options.get("shm_slots", SHM_SLOTS))
+
+
+def _to_wire(wire: _shm.Wire, value: Any) -> Any:
+    """``value`` with its large arrays moved to memfds, sent (their handles) ahead of it."""
+    wire.used = []
+    value = _shm.convert_result(wire, value)
+    if wire.new:
+        wire.flush()
+    return value
+
+
+def _other(ctx: ChildContext, wire: _shm.Wire | None, msg: Any) -> bool:
+    """Act on a message that is no call; True when it says to stop (CLOSE)."""
+    op = msg[0]
+    if op == _UNLOADABLE:
+        ctx.conn.send((ERROR, msg[1], dumps_exception(msg[2])))
+    elif op == RETURN:
+        if wire is not None:
+            wire.give_back(msg[1])
+    elif op == STREAM:
+        _run_stream(ctx, msg[1], msg[2], msg[3], msg[4], msg[5])
+    return bool(op == CLOSE)
 
 
 def _receive(recv_bytes: Callable[[], bytes], inbox: collections.deque[Any]) -> Any:
@@ -134,55 +174,32 @@ def _receive(recv_bytes: Callable[[], bytes], inbox: collections.deque[Any]) -> 
     return msg
 
 
-def _call(
-    ctx: ChildContext, wire: _shm.Wire | None, tid: int, fn: Any, args: Any, kwargs: Any
+def _unsent(
+    ctx: ChildContext,
+    wire: _shm.Wire | None,
+    tid: int,
+    fn: Any,
+    value: Any,
+    exc: BaseException,
 ) -> None:
-    """Run one call and send its answer."""
-    ctx.current = tid
-    try:
-        if tid in ctx.cancelled:
-            raise WorkerCancelled(f"task {tid} was cancelled before it started")
-        value = fn(*args, **kwargs)
-        ctx.current = None
-    except BaseException as exc:  # noqa: BLE001 - every failure goes to the caller
-        ctx.current = None
-        ctx.conn.send((ERROR, tid, dumps_exception(exc)))
-    else:
-        _send_result(ctx, wire, tid, fn, value)
-
-
-def _send_result(ctx: ChildContext, wire: _shm.Wire | None, tid: int, fn: Any, value: Any) -> None:
-    """Send a call's result: by value when pickle cannot, else the error that says why."""
+    """A call's result could not be sent (``exc``): send it by value if that can, else the
+    error that says why."""
     conn = ctx.conn
-    try:
-        if type(value) in _SCALARS:
-            # pickled here: the connection's own send looks for out-of-band buffers, which a
-            # number never has
-            conn.send_bytes(pickle.dumps((RESULT, tid, value), protocol=5))
-        else:
-            if wire is not None:
-                wire.used = []
-                value = _shm.convert_result(wire, value)
-                if wire.new:
-                    wire.flush()
-            conn.send((RESULT, tid, value))
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - an unpicklable result
-        blob = None
-        if isinstance(exc, Exception):  # by value, if it can
-            blob = _byvalue.dumps_result((RESULT, tid, value))
-        if blob is not None:
-            conn.send_bytes(blob)
-            return
-        if wire is not None:
-            wire.give_back(wire.used)  # the parent never saw these arrays
-        err: BaseException = exc  # a SystemExit in a __reduce__: as itself
-        if isinstance(exc, Exception):
-            err = TaskPicklingError(
-                f"the result of {_task_name(fn)} could not be sent back: "
-                f"{type(exc).__name__}: {exc}"
-            )
-            err.__cause__ = exc
-        conn.send((ERROR, tid, dumps_exception(err)))
+    blob = None
+    if isinstance(exc, Exception):  # by value, if it can
+        blob = _byvalue.dumps_result((RESULT, tid, value))
+    if blob is not None:
+        conn.send_bytes(blob)
+        return
+    if wire is not None:
+        wire.give_back(wire.used)  # the parent never saw these arrays
+    err: BaseException = exc  # a SystemExit in a __reduce__: as itself
+    if isinstance(exc, Exception):
+        err = TaskPicklingError(
+            f"the result of {_task_name(fn)} could not be sent back: {type(exc).__name__}: {exc}"
+        )
+        err.__cause__ = exc
+    conn.send((ERROR, tid, dumps_exception(err)))
 
 
 _UNLOADABLE = -1  # in a worker's inbox only: a task whose message could not be unpickled
