@@ -198,7 +198,7 @@ class Answers(CoreBase):
             self._dirty = True
             self.wake()  # when a caller read it
         elif kind == "ready":
-            slot.is_ready()
+            slot.mark_ready()
             self._timers = True  # an idle worker (see _steal)
             slot.proc.sample_rss()  # its initializer may have moved it to another cgroup
             slot.last_rss_sample = time.monotonic()

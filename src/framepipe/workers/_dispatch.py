@@ -5,7 +5,10 @@ One manager thread owns the workers: it waits on every worker's data channel, he
 and stderr pipe at once (death arrives as :class:`framepipe.WriterDied` on the data channel,
 the moment the kernel reports it, after every result written before it), enforces deadlines
 and replaces workers. Callers never wait for that thread to send (:mod:`._submitting`); a
-caller waiting for an answer may read its worker's channel itself (:mod:`._lending`).
+caller waiting for an answer may read its worker's channel itself (:mod:`._lending`). What
+differs between an actor and a pool is the core's policy object (:mod:`._policy`), asked where
+they differ, never tested by name; each worker's record (:class:`~._slot.Slot`) moves through
+the states of :mod:`._lifecycle`.
 
 Data flow::
 

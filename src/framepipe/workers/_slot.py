@@ -98,7 +98,7 @@ class Slot(Lifecycle):
 
     # -- its lifecycle --
 
-    def is_ready(self) -> None:
+    def mark_ready(self) -> None:
         """It said it is ready (a worker we are stopping already stays stopping)."""
         self.said_ready = True
         if self.state is State.STARTING:
