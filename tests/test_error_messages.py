@@ -277,7 +277,7 @@ def test_a_tasks_exception_still_carries_the_workers_traceback(engine):
     cause = err.__cause__
     assert type(cause).__name__ == "RemoteTraceback"
     assert "Traceback from process" in str(cause)
-    assert "in parse" in str(cause) and "_dispatch.py" not in str(cause)
+    assert "in parse" in str(cause) and "_taskloop.py" not in str(cause)
     assert "invalid literal" not in str(cause)  # the exception's own line is not repeated
 
 
@@ -399,7 +399,7 @@ def test_tidy_dump_orders_threads_and_leaves_text_that_is_no_dump_alone():
         '  File "/app/mine.py", line 9 in poller\n\n'
         "Current thread 0x0000000000000001 (most recent call first):\n"
         '  File "/app/mine.py", line 3 in crash\n'
-        f'  File "{pkg}/workers/_dispatch.py", line 4 in task_loop\n'
+        f'  File "{pkg}/workers/_taskloop.py", line 4 in task_loop\n'
         f'  File "{pkg}/workers/_process.py", line 5 in child_main\n\n'
         "Extension modules: numpy (total: 1)"
     )

@@ -1,5 +1,5 @@
 """How a Pool spreads its tasks (see NOTE [ Feeding ahead and balance ] in
-``framepipe.workers._dispatch``), what a crash fails (NOTE [ Crashes blamed on tasks ]) and the
+``framepipe.workers._scheduling``), what a crash fails (NOTE [ Crashes blamed on tasks ]) and the
 lazy ``map``. Real processes on both engines. Balance is asserted by counting which worker ran
 what (from the results), never by timing a run."""
 
@@ -210,10 +210,10 @@ def test_lazy_map_with_chunks_and_errors(engine):
 def test_taking_tasks_over_without_epoll(engine, monkeypatch):
     """Where callers never read a worker's channel (no epoll or eventfd), tasks are taken over
     all the same (nobody is reading a channel to be told)."""
-    from framepipe.workers import _dispatch as D
+    from framepipe.workers import _poller
 
-    monkeypatch.setattr(D, "_EPOLL", None)
-    monkeypatch.setattr(D, "LEND", False)
+    monkeypatch.setattr(_poller, "_EPOLL", None)
+    monkeypatch.setattr(_poller, "LEND", False)
     with Pool(2, start_method="fork") as pool:
         _long_then_short(pool, 1.0, 100)
         assert pool.broken is None

@@ -1023,10 +1023,10 @@ def test_a_caller_interrupted_while_reading_stops_that_worker_only(engine):
 def test_without_epoll_answers_all_come_through_the_manager(engine, monkeypatch):
     # where there is no epoll (or no eventfd) the manager polls with poll() and reads every
     # answer itself: the same results, crashes and deadlines
-    from framepipe.workers import _dispatch as D
+    from framepipe.workers import _poller
 
-    monkeypatch.setattr(D, "_EPOLL", None)
-    monkeypatch.setattr(D, "LEND", False)
+    monkeypatch.setattr(_poller, "_EPOLL", None)
+    monkeypatch.setattr(_poller, "LEND", False)
     with Pool(2, start_method="fork", task_timeout=5) as pool:
         assert pool._core._poller is None or pool._core._poller._ep is None
         lends = _spy_lends(pool)

@@ -44,7 +44,7 @@ from typing import Any
 
 EXTRA = "framepipe[cloudpickle]"
 MAX_DEFS = 1024  # definitions a core keeps for its workers; more travel with each task
-BATCH = 3  # _dispatch.BATCH: a frame of tasks, here with none (see the module docstring)
+BATCH = 3  # _protocol.BATCH: a frame of tasks, here with none (see the module docstring)
 
 _keys = itertools.count(1)
 

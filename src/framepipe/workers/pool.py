@@ -14,7 +14,9 @@ from typing import Any, ParamSpec, TypeVar, overload
 from .._lazy import asyncio  # imported on first use (see _lazy)
 from . import _byvalue, _progress
 from . import _dispatch as D
-from .worker import _check_timeout, get_context
+from ._options import ProcessOptions
+from ._policy import PoolPolicy
+from .worker import _check_timeout
 
 __all__ = ["Pool"]
 
@@ -113,22 +115,27 @@ class Pool(concurrent.futures.Executor):
         if not kill_grace >= 0:
             raise ValueError(f"kill_grace must be >= 0, not {kill_grace!r}")
         self._max_workers = max_workers
-        self._core = D.Core(
-            max_workers=max_workers,
-            mp_context=get_context(start_method),
+        options = ProcessOptions(
             name=name,
-            policy="pool",
+            start_method=start_method,
             initializer=initializer,
             initargs=initargs,
             env=env,
             cwd=cwd,
             log_dir=log_dir,
             tee=tee,
+            kill_grace=kill_grace,
+        )
+        policy = PoolPolicy(
             max_restarts=max_restarts,
             restart_window=restart_window,
             max_task_crashes=max_task_crashes,
+        )
+        self._core = D.Core(
+            options,
+            policy,
+            max_workers=max_workers,
             task_timeout=_check_timeout("task_timeout", task_timeout),
-            kill_grace=kill_grace,
             max_tasks_per_worker=max_tasks_per_worker,
             max_rss=max_rss,
         )

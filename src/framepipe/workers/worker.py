@@ -11,7 +11,9 @@ from typing import Any, ParamSpec, TypeVar, overload
 from .._lazy import asyncio  # imported on first use (see _lazy)
 from . import _dispatch as D
 from . import _process
-from ._options import get_context
+from ._options import ProcessOptions, get_context
+from ._policy import ActorPolicy
+from ._stderr import read_available
 from .errors import TaskTimeout
 
 __all__ = ["Worker", "Stream", "get_context"]
@@ -193,11 +195,9 @@ class Worker:
         if initializer is not None and not callable(initializer):
             raise TypeError(f"initializer must be callable, not {type(initializer).__name__}")
         self.name = name or f"worker-{next(_names)}"
-        self._core = D.Core(
-            max_workers=1,
-            mp_context=get_context(start_method),
+        options = ProcessOptions(
             name=self.name,
-            policy="actor",
+            start_method=start_method,
             initializer=initializer,
             initargs=initargs,
             env=env,
@@ -206,6 +206,7 @@ class Worker:
             tee=tee,
             kill_grace=kill_grace,
         )
+        self._core = D.Core(options, ActorPolicy(), max_workers=1)
 
     def __repr__(self) -> str:
         return f"<Worker {self.name!r} pid={self.pid}>"
@@ -368,7 +369,7 @@ class Worker:
                     readable.clear()
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(readable.wait(), 0.003)
-                    chunk, eof = _process._read_available(fd)
+                    chunk, eof = read_available(fd)
                     if chunk:
                         data += chunk
                         last = loop.time()
@@ -387,7 +388,7 @@ class Worker:
     def _current(self) -> D.Slot | None:
         """The worker's process now: the live one, else the last one started."""
         slots = self._core.slots()
-        live = [s for s in slots if not s.dead and s.stopping is None]
+        live = [s for s in slots if not s.dead and s.stop_reason is None]
         return (live or slots)[-1] if slots else None
 
     @property

@@ -1,0 +1,190 @@
+"""A caller reading its own answer: the worker's channel lent to the thread that waits.
+
+Answers are read by whoever holds a worker's read lock. That is the manager thread, except
+while a caller waits in ``Future.result()`` for a task that worker holds: the caller then takes
+the worker's data channel out of the manager's epoll set and reads it itself (setting the
+futures of any other task answered meanwhile), and hands it back when its own answer came. A
+round trip then costs the worker's hop and nothing else: no wake-up of the manager, no second
+hand-off from the manager to the caller. A caller that finds the lock taken (another caller or
+the manager reads that worker) waits on its future as before. Anything that completes a task
+from outside (its deadline, a cancel, a shutdown) pokes the reading caller's eventfd, so it
+never waits on a channel for an answer that has already been given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import threading
+import time
+from typing import Any
+
+from ._corebase import _DATA, CoreBase
+from ._poller import EPOLL_IN, LEND_DEPTH
+from ._slot import Slot
+from ._tasks import _PENDING_STATES, _Future, _reading
+from .errors import WorkerError
+
+
+class Lending(CoreBase):
+    """Lending a worker's data channel to the caller that waits for its answer."""
+
+    def wait_for(self, fut: _Future, timeout: float | None) -> float | None:
+        """Read the answers of the worker ``fut``'s task was sent to in this thread until
+        ``fut`` is done, ``timeout`` seconds passed, or the channel cannot be lent now (another
+        thread reads it, the task has not been sent yet, the worker died). Returns the time
+        left of ``timeout``, for the wait on the future itself."""
+        me = threading.get_ident()
+        if me == self._manager_id or _reading.slot is not None:
+            return timeout  # the manager, or a callback run by a reading caller: never nest
+        deadline = None if timeout is None else time.monotonic() + timeout
+        slot = fut._slot
+        while slot is not None and fut._state in _PENDING_STATES:
+            try:
+                if not self._lend(slot, me):
+                    break
+                _reading.slot = slot
+                self._serve(slot, fut, deadline)
+            finally:
+                _reading.slot = None
+                if slot.lent == me:
+                    self._take_back(slot)
+            if fut._slot is slot or (deadline is not None and time.monotonic() >= deadline):
+                break
+            slot = fut._slot  # it died and the task went to another worker: read that one
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def _lend(self, slot: Slot, me: int) -> bool:
+        """Take ``slot``'s channel from the manager (its data fd out of the epoll set) for
+        thread ``me``."""
+        if (
+            slot.dead
+            or slot.lent
+            or len(slot.outstanding) > LEND_DEPTH
+            or not slot.reader.acquire(False)
+        ):
+            return False
+        try:
+            with self._ep_lock:
+                conn = slot.proc.conn
+                if (
+                    slot.dead
+                    or slot.partial
+                    or self._closed_poller()
+                    or slot.poke_fd < 0
+                    or conn._pending_bulk_fd is not None
+                    or conn._liveness_fd is None
+                ):
+                    return False
+                slot.lent = me  # from here on, the caller's take_back releases the lock
+                # Its data fd only: the pidfd stays with the manager, which takes it out too if
+                # the worker dies meanwhile (see _step).
+                fd = conn.fileno()
+                try:
+                    self._poller._ep.unregister(fd)  # type: ignore[union-attr]
+                except (KeyError, OSError, ValueError):
+                    pass
+                slot.out_fds = [fd]
+                return True
+        finally:
+            if not slot.lent:
+                slot.reader.release()
+
+    def _take_back(self, slot: Slot) -> None:
+        """Give ``slot``'s channel back to the manager."""
+        with self._ep_lock:
+            slot.lent = 0
+            slot.stale = True
+            out, slot.out_fds = slot.out_fds, []
+            if not slot.dead and not self._closed_poller():
+                ep: Any = self._poller._ep  # type: ignore[union-attr]
+                conn = slot.proc.conn
+                bulk = conn._pending_bulk_fd
+                if bulk is not None:  # a payload is pending: wait on the bulk socket instead
+                    data = conn.fileno()
+                    out = [bulk if fd == data else fd for fd in out]
+                    self._owners.setdefault(bulk, (slot, _DATA))
+                for fd in out:
+                    try:
+                        ep.register(fd, EPOLL_IN)
+                    except (OSError, ValueError):
+                        pass  # (FileExistsError: a rebuild put it back already)
+            slot.reader.release()
+
+    def _serve(self, slot: Slot, fut: _Future, deadline: float | None) -> None:
+        """Read ``slot``'s answers until ``fut`` is done (or the deadline, a poke, the
+        worker's death, a frame whose payload lags)."""
+        conn = slot.proc.conn
+        poller = slot.help_poller
+        if poller is None:
+            poller = slot.help_poller = select.poll()
+            for fd in (conn.fileno(), conn._liveness_fd, slot.poke_fd):
+                poller.register(fd, select.POLLIN | select.POLLPRI)
+        poke = slot.poke_fd
+        while fut._state in _PENDING_STATES and not slot.dead and fut._slot is slot:
+            if not conn._has_buffered():
+                if deadline is None:
+                    events = poller.poll()
+                else:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return
+                    events = poller.poll(left * 1000.0)
+                if not events:
+                    return
+                if len(events) == 1 and events[0][0] == poke:
+                    with contextlib.suppress(OSError):
+                        os.eventfd_read(poke)
+                    continue
+            try:
+                self._drain(slot)
+            except BaseException as exc:
+                # A signal handler raised (Ctrl-C) while an answer was being handled: it may
+                # be lost, and the channel's place in its stream of answers with it.
+                self._interrupted(slot, exc)
+                raise
+            if self._pending:
+                self.kick()  # answers make room
+            if slot.partial or conn._pending_bulk_fd is not None:
+                return  # the manager waits for the rest of the frame on the bulk socket
+
+    def _interrupted(self, slot: Slot, exc: BaseException) -> None:
+        """A caller's read of ``slot`` was cut short by an exception: no answer of that worker
+        can be trusted to match its task any more. Its tasks fail, it is stopped (SIGKILL)
+        and replaced."""
+        reason = (
+            f"the thread reading its answers was interrupted by {type(exc).__name__}, "
+            "so it was stopped"
+        )
+        with self._lock:
+            slot.stop("interrupted")
+            tasks = list(slot.outstanding)
+            slot.outstanding.clear()
+            slot.done_bytes = slot.sent_bytes
+        err = WorkerError(
+            f"worker {slot.proc.name!r} (pid {slot.proc.pid}): {reason}; "
+            "its tasks may or may not have run"
+        )
+        for task in tasks:
+            task.fail(err)
+        slot.proc.kill()
+        self._on_death(slot, None, reason=reason)
+
+    # -- the manager thread -----------------------------------------------------------------
+
+    def _park(self, slot: Slot, fd: int) -> None:
+        """Take ``fd`` out of the set while a caller reads ``slot`` (a readable fd nobody
+        reads would wake this thread again and again); its take_back puts it back."""
+        with self._ep_lock:
+            if slot.lent and fd not in slot.out_fds and not self._closed_poller():
+                self._poller.unregister(fd)  # type: ignore[union-attr]
+                slot.out_fds.append(fd)
+
+    @staticmethod
+    def _still_readable(slot: Slot) -> bool:
+        """After a caller read the channel, whether the event the manager holds is still true
+        (the caller may have read what it announced; a read would then wait)."""
+        slot.stale = False
+        conn = slot.proc.conn
+        return bool(conn._has_buffered() or conn.poll(0))

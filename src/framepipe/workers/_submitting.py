@@ -1,0 +1,255 @@
+"""What callers call: submit, map, cancel, shut down.
+
+Callers never wait for the manager thread to send: a submitting thread pickles its task and,
+when a worker has room, writes it to that worker's pipe itself (see :mod:`._scheduling`); the
+manager only hands out what had to wait.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import pickle
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from . import _byvalue, _poller
+from ._corebase import CoreBase
+from ._protocol import CALL, STREAM
+from ._scheduling import _MAP_STEP
+from ._tasks import (
+    ItemChannel,
+    MapResults,
+    MapTask,
+    Task,
+    _Failure,
+    _Future,
+    _task_name,
+    _unpicklable,
+)
+from .errors import WorkerCancelled
+
+
+class Submitting(CoreBase):
+    """The calls of the user's API onto the core."""
+
+    def submit(
+        self,
+        op: int,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        timeout: float | None = None,
+        window: int = 0,
+    ) -> Task:
+        self._check_open()  # before the arguments are pickled: a closed pool refuses any
+        future: concurrent.futures.Future[Any] = _Future()
+        if _poller.LEND:
+            future._core = self  # type: ignore[attr-defined]
+        if self.policy.crash_fails_queued:
+            future._actor = self  # type: ignore[attr-defined]
+        task = self._make_task(op, fn, args, kwargs, future, timeout, window)
+        if not task.payload:
+            return task  # failed already: what it takes could not be pickled
+        with self._submit_lock:  # never held by the manager: submitting never waits for it
+            self._check_open()  # again: it may have been shut down meanwhile
+            crashed = self._behind_crash(task)
+            # Nothing queued ahead of it and nobody dispatching: straight to a hungry worker.
+            direct = (
+                not crashed and not self._pending and self._dispatch_lock.acquire(blocking=False)
+            )
+            if not direct and not crashed:
+                self._queue(task)
+        if crashed:
+            if crashed is not True:
+                task.fail(crashed)
+            return task
+        if direct:
+            try:
+                sent = self._send_direct(task)
+            finally:
+                self._dispatch_lock.release()
+            if not sent:
+                with self._submit_lock:
+                    crashed = self._behind_crash(task)
+                    if not crashed:
+                        self._pending.appendleft(task)  # ahead of any queued meanwhile
+                        self._queue(None)
+                        if self.broken is not None:
+                            self._pending.remove(task)
+                            task.fail(self.broken)
+                if crashed and crashed is not True:
+                    task.fail(crashed)
+        if self._dispatch_wanted:
+            self.kick()
+        return task
+
+    def _make_task(
+        self,
+        op: int,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        future: concurrent.futures.Future[Any],
+        timeout: float | None,
+        window: int,
+    ) -> Task:
+        """The task of a call, its message pickled; one with no payload failed already (what
+        it takes could not be pickled)."""
+        tid = next(self._ids)
+        stream = ItemChannel() if op == STREAM else None
+        name = _task_name(fn)
+        if self._main_by_value and getattr(fn, "__module__", None) == "__main__":
+            fn = _byvalue.stand_in(self, fn)  # by value, if the worker cannot import it
+        msg = (
+            (CALL, tid, fn, args, kwargs) if op == CALL else (STREAM, tid, fn, args, kwargs, window)
+        )
+        try:
+            payload = pickle.dumps(msg, protocol=5)
+        except Exception as exc:  # noqa: BLE001 - by value, else the future fails, naming
+            try:  # what could not be sent (as concurrent.futures: at result(), not submit())
+                payload = _byvalue.dumps(self, msg, fn, exc)
+            except Exception:  # noqa: BLE001
+                future.set_exception(_unpicklable(fn, exc, args, kwargs))
+                return Task(tid, future, name, b"", timeout, stream)
+        return Task(tid, future, name, payload, timeout, stream)
+
+    def _behind_crash(self, task: Task) -> BaseException | bool:
+        """An actor's call made after its crash, before a caller saw it (submit lock held; see
+        NOTE [an actor's crash]): True when it is held until the crash's error is built, the
+        error to fail it with, or False when it may run."""
+        if self._crash_hold is not None:
+            self._crash_hold.append(task)
+            return True
+        return self._unseen_crash if self._unseen_crash is not None else False
+
+    def crash_seen(self, exc: BaseException) -> None:
+        """A caller was handed ``exc``: if it is the actor's crash, calls made from now on run
+        on a new process (see NOTE [an actor's crash])."""
+        if exc is self._unseen_crash:
+            with self._submit_lock:
+                if exc is self._unseen_crash:
+                    self._unseen_crash = None
+
+    def submit_many(
+        self, fn: Callable[..., Any], items: Iterable[tuple[Any, ...]], timeout: float | None = None
+    ) -> MapResults:
+        """Queue ``fn(*args)`` for every ``args`` of ``items`` at once (``map``)."""
+        self._check_open()
+        items = list(items)
+        results = MapResults(len(items))
+        name = _task_name(fn)
+        dumps = pickle.dumps
+        ids = self._ids
+        try:
+            if self._main_by_value and getattr(fn, "__module__", None) == "__main__":
+                fn = _byvalue.stand_in(self, fn)
+            try:
+                dumps(fn, protocol=5)  # sent once per frame of items, not with each
+            except Exception as exc:  # noqa: BLE001 - by value, once per worker
+                fn = _byvalue.stand_in(self, fn, exc)
+        except Exception as exc:  # noqa: BLE001 - every item fails with it
+            for i in range(len(items)):
+                results.store(i, _Failure(exc))
+            return results
+        # Queued a few hundred at a time, so the workers start while the rest is pickled.
+        for start in range(0, len(items), _MAP_STEP):
+            tasks = []
+            for i in range(start, min(start + _MAP_STEP, len(items))):
+                tid = next(ids)
+                try:
+                    payload = dumps((tid, items[i]), protocol=5)
+                except Exception as exc:  # noqa: BLE001 - by value, else this item fails
+                    try:
+                        payload = _byvalue.dumps(self, (tid, items[i]), fn, exc)
+                    except Exception:  # noqa: BLE001 - the others run
+                        results.store(i, _Failure(_unpicklable(fn, exc, tuple(items[i]))))
+                        continue
+                tasks.append(MapTask(tid, results, i, name, payload, timeout, fn))
+            with self._submit_lock:
+                self._check_open()
+                self._pending.extend(tasks)
+            self.kick()
+        return results
+
+    def cancel_all(self) -> int:
+        """Cancel the running task and every queued one: the running task gets
+        WorkerCancelled raised inside it; queued ones fail at once. Returns how many."""
+        with self._submit_lock, self._lock:
+            pending = list(self._pending)
+            self._pending.clear()
+            per_slot = [(s, list(s.outstanding)) for s in self._slots if s.outstanding]
+        err = WorkerCancelled("cancelled before it started")
+        for task in pending:
+            task.fail(err)
+        count = len(pending)
+        for slot, tasks in per_slot:
+            tids = [t.tid for t in tasks]
+            self._cancelled.update(tids)
+            for task in tasks[1:]:
+                task.fail(err)
+            self.health_notify(slot, "cancel", tids)
+            count += len(tasks)
+        return count
+
+    # -- ending --
+
+    def shutdown(
+        self, wait: bool = True, cancel_futures: bool = False, timeout: float | None = None
+    ) -> None:
+        """Stop taking tasks; the manager ends once every task has finished, or ``timeout``
+        seconds from now, whichever comes first (then the workers are stopped as they are)."""
+        with self._submit_lock, self._lock:
+            self.closing = True
+            if timeout is not None:
+                self._close_deadline = time.monotonic() + timeout
+                self._timers = True
+            if cancel_futures:
+                # not those running already (taken from a worker that died): they run again
+                pending = [t for t in self._pending if not t.running]
+                again = [t for t in self._pending if t.running]
+                # a pool: nor the next task of each worker with nothing in hand
+                holding = sum(1 for s in self._slots if s.outstanding and not s.dead)
+                kept = self.policy.kept_at_cancel(max(0, self._n - holding))
+                again += pending[:kept]
+                del pending[:kept]
+                self._pending.clear()
+                self._pending.extend(again)
+            else:
+                pending = []
+        for task in pending:
+            task.future.cancel()
+            if task.stream is not None:
+                task.stream.put(_Failure(concurrent.futures.CancelledError()))
+        self.wake()
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def terminate(self, join: bool = True) -> None:
+        """Stop at once: pending and running tasks fail, workers are killed."""
+        with self._submit_lock, self._lock:
+            self.closing = True
+            self._terminating = True
+            pending = list(self._pending)
+            self._pending.clear()
+            running = [t for s in self._slots for t in s.outstanding]
+        err = WorkerCancelled(f"{self.name} was terminated")
+        for task in pending + running:
+            task.fail(err)
+        self.wake()
+        if join and threading.current_thread() is not self._thread:
+            self._thread.join(30)
+
+    # -- at interpreter exit (see _atexit) --
+
+    def finish_at_exit(self) -> None:
+        """A pool finishes the tasks it was given, shut down or not (as ``concurrent.futures``
+        does: work submitted is not dropped because nobody waited for it)."""
+        if self.policy.finishes_at_exit and self.broken is None:
+            self.shutdown(wait=True)
+
+    def stop_at_exit(self) -> None:
+        """Every worker is stopped and reaped."""
+        self.terminate(join=True)
