@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from _helpers import gone
 from _worker_tasks import getpid, identity, kill_self_if
 
 from framepipe.workers import Pool, Worker, WorkerCrashed, _atexit
@@ -94,6 +95,16 @@ def test_a_workers_record_moves_through_the_lifecycle_states(engine):
     # stopped (retired, or at the shutdown) and reaped with the pool
     assert slot.state is State.DEAD and slot.died_in is State.STOPPING
     assert slot.stop_reason in ("retired", "shutdown")
+
+
+def test_a_retired_worker_exits_once_it_answered_its_last_task(engine):
+    # nothing else happens in the pool after the last answer: that answer alone must get the
+    # retired process closed (it was left running until the pool's next event)
+    with Pool(1, start_method="fork", max_tasks_per_worker=2) as pool:
+        first = pool.submit(getpid).result(WAIT)
+        assert pool.submit(getpid).result(WAIT) == first
+        assert gone(first, 10.0), "the retired worker is still running"
+        assert pool.submit(getpid).result(WAIT) != first
 
 
 def test_a_crashed_workers_record_says_it_died_unasked(engine):

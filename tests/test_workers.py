@@ -1006,6 +1006,11 @@ def test_a_caller_interrupted_while_reading_stops_that_worker_only(engine):
         lends = _spy_lends(pool)
         fut = pool.submit(unreadable_result, "interrupt", 0.2)
         queued = pool.submit(add, 1, 1)
+        # queued in that worker behind it (on a loaded machine, sent a moment later)
+        deadline = time.monotonic() + WAIT
+        while pool._core._pending and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert not pool._core._pending
         # the answer raises KeyboardInterrupt as it is read, as a Ctrl-C landing mid-read would
         with pytest.raises(KeyboardInterrupt):
             fut.result(WAIT)

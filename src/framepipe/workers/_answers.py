@@ -18,6 +18,7 @@ from typing import Any
 from ..errors import ReadTimeout, WriterDied
 from . import _shm
 from ._corebase import CoreBase
+from ._lifecycle import State
 from ._protocol import END, ERROR, ITEM, RECYCLE, RESULT, RETURN
 from ._slot import Slot
 from ._tasks import _END
@@ -185,6 +186,9 @@ class Answers(CoreBase):
             slot.done_bytes += task.size
             task.payload = b""  # answered: its pickled call and function are not kept
             task.fn = None
+            if not slot.outstanding and slot.state is State.RETIRING:
+                self._dirty = True  # its last answer: the manager closes it (_maintain)
+                self.wake()  # when a caller read it
             return 1
         elif kind == ITEM:
             task = slot.outstanding[0]
