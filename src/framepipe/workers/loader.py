@@ -45,10 +45,10 @@ no torch. How it works:
 
 from __future__ import annotations
 
-import atexit
 import collections
 import contextlib
 import functools
+import importlib.util
 import itertools
 import math
 import mmap
@@ -72,7 +72,7 @@ from .. import connection as _connection
 from .._spin import workers_may_spin
 from ..errors import ReadTimeout, WriterDied
 from ..remote import add_note, dumps_exception, loads_exception
-from . import _byvalue, _pin, _progress, _resume, _shm
+from . import _atexit, _byvalue, _pin, _progress, _resume, _shm
 from ._mainguard import refuse_during_main_import
 from ._process import ChildContext, WorkerProcess, _FdHandle, register_parent_side
 from .errors import (
@@ -84,7 +84,16 @@ from .errors import (
     start_error,
 )
 
-__all__ = ["DataLoader", "WorkerCrashWarning", "WorkerInfo", "get_worker_info", "default_collate"]
+__all__ = [
+    "DataLoader",
+    "LoaderTimeout",
+    "WorkerCrashWarning",
+    "WorkerInfo",
+    "WorkerInitError",
+    "default_collate",
+    "default_convert",
+    "get_worker_info",
+]
 
 if TYPE_CHECKING:
     from typing_extensions import TypeVar
@@ -147,6 +156,16 @@ class WorkerInfo:
 _worker_info: WorkerInfo | None = None
 
 
+class LoaderTimeout(TaskTimeout, RuntimeError):
+    """A batch took longer than the loader's ``timeout``: a :class:`TaskTimeout` (with the
+    stuck worker's stack) that is also the ``RuntimeError`` torch's DataLoader raises."""
+
+
+class WorkerInitError(WorkerStartError, RuntimeError):
+    """``worker_init_fn`` raised in a DataLoader worker (its exception is ``__cause__``): a
+    :class:`WorkerStartError` that is also the ``RuntimeError`` torch's DataLoader raises."""
+
+
 class WorkerCrashWarning(RuntimeWarning):
     """A DataLoader worker died and its batches went to a fresh one
     (``worker_crash_retries``); the warning's text is the crash report."""
@@ -174,11 +193,114 @@ def _import_numpy() -> Any:
     return numpy
 
 
+@functools.cache
+def _torch_installed() -> bool:
+    """Whether torch can be imported here (found, not imported: a worker whose batches are
+    plain arrays never imports it, the parent turns them into tensors)."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"] is not None
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@functools.cache
+def _import_torch() -> Any:
+    """torch, imported if it is installed; None if not. In a loader's worker it gets one
+    intra-op thread, as in torch's own workers (see :func:`loader_loop`)."""
+    if not _torch_installed():
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    if _worker_info is not None:
+        torch.set_num_threads(1)
+    return torch
+
+
+#: NumPy dtypes (by character) whose arrays :func:`_stack` turns into a tensor directly:
+#: bool, the signed ints, uint8, the floats and complexes torch has
+_TENSOR_CHARS = frozenset("?bBhilqefdFD")
+
+
+def _stack(batch: Sequence[Any]) -> Any:
+    """``batch`` stacked into one NumPy array when it is a list of plain NumPy arrays of one
+    shape and one native dtype torch has, which ``torch.from_numpy`` makes the tensor torch's
+    collate gives, in a fraction of its time; None for anything else."""
+    np = sys.modules.get("numpy")
+    if np is None or not batch:
+        return None
+    elem = batch[0]
+    if type(elem) is not np.ndarray:
+        return None
+    dtype, shape = elem.dtype, elem.shape
+    if dtype.char not in _TENSOR_CHARS or not dtype.isnative:
+        return None
+    nd = np.ndarray
+    if not all(type(a) is nd and a.dtype == dtype and a.shape == shape for a in batch):
+        return None
+    return np.array(batch)
+
+
+def _collate_arrays(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
+    """torch's collate of NumPy arrays (an entry of its ``collate_fn_map``), through
+    :func:`_stack` where it can."""
+    stacked = _stack(batch)
+    if stacked is not None:
+        return sys.modules["torch"].from_numpy(stacked)
+    return _torch_collate_map()[1](batch, collate_fn_map=collate_fn_map)
+
+
+@functools.cache
+def _torch_collate_map() -> tuple[Any, Any, dict[Any, Any]]:
+    """torch's ``collate`` (the function behind its ``default_collate``), its own collate of
+    NumPy arrays, and its map of collate functions by type with :func:`_collate_arrays` for
+    NumPy arrays."""
+    from torch.utils.data._utils import collate as torch_collate
+
+    fn_map = dict(torch_collate.default_collate_fn_map)
+    np = sys.modules.get("numpy")
+    own = fn_map.get(np.ndarray) if np is not None else None
+    if own is not None:
+        fn_map[np.ndarray] = _collate_arrays
+    return torch_collate.collate, own, fn_map
+
+
 def default_collate(batch: Sequence[Any]) -> Any:
-    """Merge a list of items into a batch: NumPy arrays are stacked (a new leading axis),
-    numbers become a NumPy array, torch tensors are stacked with ``torch.stack``, dicts,
-    named tuples, tuples and lists are collated field by field; strings, bytes and anything
-    else are returned as a list."""
+    """Merge a list of items into a batch, as torch's ``default_collate`` does.
+
+    With torch installed, the batch is torch's (torch is imported on the first call), and so
+    are its errors: tensors, NumPy arrays and numbers become a tensor with a new leading axis;
+    dicts, named tuples, tuples and lists are collated field by field (a tuple comes back as a
+    list, as torch gives it); strings and bytes are kept as a list; anything else is a
+    TypeError. NumPy arrays of one shape and dtype are stacked by NumPy, then made a tensor
+    without a copy (the same tensor, several times faster).
+
+    Without torch, the batch is NumPy's: arrays are stacked (a new leading axis), numbers
+    become a NumPy array (a list where NumPy is missing too), dicts, named tuples, tuples and
+    lists are collated field by field; strings, bytes and anything else are returned as a
+    list."""
+    if _import_torch() is None:
+        return _numpy_collate(batch)
+    collate, _, fn_map = _torch_collate_map()
+    return collate(batch, collate_fn_map=fn_map)
+
+
+def default_convert(data: Any) -> Any:
+    """What an item becomes when batches are off (``batch_size=None``) and no ``collate_fn``
+    is given, as under torch: with torch installed, torch's ``default_convert`` (NumPy arrays
+    and NumPy scalars become tensors, also inside dicts, tuples and lists); without torch, the
+    item as it is."""
+    torch = _import_torch()
+    if torch is None:
+        return data
+    return torch.utils.data.default_convert(data)
+
+
+def _numpy_collate(batch: Sequence[Any]) -> Any:
+    """:func:`default_collate` without torch."""
     elem = batch[0]
     np = sys.modules.get("numpy")
     if np is not None and isinstance(elem, np.ndarray):
@@ -188,8 +310,6 @@ def default_collate(batch: Sequence[Any]) -> Any:
         ):
             return np.array(batch)  # what np.stack gives here, in half the time
         return np.stack(batch)
-    if _shm._is_torch_tensor(elem):
-        return sys.modules["torch"].stack(list(batch))
     if isinstance(elem, (bool, int, float, complex)) or (
         np is not None and isinstance(elem, np.generic)
     ):
@@ -200,7 +320,7 @@ def default_collate(batch: Sequence[Any]) -> Any:
     if isinstance(elem, (str, bytes)):
         return list(batch)
     if isinstance(elem, Mapping):
-        out = {key: default_collate([d[key] for d in batch]) for key in elem}
+        out = {key: _numpy_collate([d[key] for d in batch]) for key in elem}
         if type(elem) is dict:
             return out
         try:
@@ -208,12 +328,12 @@ def default_collate(batch: Sequence[Any]) -> Any:
         except TypeError:  # a mapping that cannot be built from a dict
             return out
     if isinstance(elem, tuple) and hasattr(elem, "_fields"):
-        return type(elem)(*(default_collate(list(f)) for f in zip(*batch)))
+        return type(elem)(*(_numpy_collate(list(f)) for f in zip(*batch)))
     if isinstance(elem, (tuple, list)):
         size = len(elem)
         if any(len(e) != size for e in batch):
             raise RuntimeError("each element in a batch should be of equal size to be collated")
-        fields = [default_collate(list(f)) for f in zip(*batch)]
+        fields = [_numpy_collate(list(f)) for f in zip(*batch)]
         return tuple(fields) if isinstance(elem, tuple) else fields
     return list(batch)
 
@@ -234,10 +354,17 @@ class _Fetcher:
         batch_size: int | None,
         collate_fn: Callable[[Any], Any] | None,
         drop_last: bool,
+        auto_collation: bool,
     ) -> None:
         self.dataset = dataset
         self.iterable = iterable
         self.batch_size = batch_size
+        # False: each request is one index (or a sampler's list of them, as torch takes it:
+        # ``dataset[list]`` in one call), and the item goes through default_convert
+        self.auto = auto_collation
+        # in a worker: a batch that is one array becomes a tensor in the parent (see
+        # _shm._TensorView), so the worker neither imports torch nor converts it
+        self.views = False
         self.collate = collate_fn
         self.drop_last = drop_last
         self._it: Iterator[Any] | None = None
@@ -267,13 +394,11 @@ class _Fetcher:
         if self.iterable:
             return self._next_iterable()
         dataset = self.dataset
-        if self.batch_size is None and not isinstance(indices, list):
+        if not self.auto:
             self._stage, self._at = "index", indices
             item = dataset[indices]
-            if self.collate is not None:
-                self._stage = "collate_one"
-                item = self.collate(item)
-            return item
+            self._stage = "collate_one"
+            return self._convert(item)
         getitems = getattr(dataset, "__getitems__", None)
         if getitems is not None:  # a batch in one call, as torch fetches it
             self._stage, self._at = "__getitems__", indices
@@ -289,7 +414,33 @@ class _Fetcher:
                 self._stage, self._at = "index", i
                 raise
         self._stage, self._at = "collate", indices
-        return (self.collate or default_collate)(items)
+        return self._collate(items)
+
+    def _convert(self, item: Any) -> Any:
+        """An item without batching: ``collate_fn(item)``, or :func:`default_convert`."""
+        if self.collate is not None:
+            return self.collate(item)
+        if self.views and _torch_installed():
+            np = sys.modules.get("numpy")
+            if (
+                np is not None
+                and type(item) is np.ndarray
+                and item.dtype.char in _TENSOR_CHARS
+                and item.dtype.isnative
+                and item.flags.c_contiguous
+            ):
+                return _shm._TensorView(item)  # what torch.as_tensor(item) gives, in the parent
+        return default_convert(item)
+
+    def _collate(self, items: list[Any]) -> Any:
+        """A batch: ``collate_fn(items)``, or :func:`default_collate`."""
+        if self.collate is not None:
+            return self.collate(items)
+        if self.views and _torch_installed():
+            stacked = _stack(items)
+            if stacked is not None:
+                return _shm._TensorView(stacked)
+        return default_collate(items)
 
     def _next_iterable(self) -> Any:
         if self._it is None:
@@ -299,15 +450,13 @@ class _Fetcher:
         self._stage = "the next item of the dataset"
         if self.batch_size is None:
             item = next(it)
-            if self.collate is not None:
-                self._stage = "collate_fn"
-                item = self.collate(item)
-            return item
+            self._stage = "collate_fn"
+            return self._convert(item)
         items = list(itertools.islice(it, self.batch_size))
         if not items or (self.drop_last and len(items) < self.batch_size):
             raise StopIteration
         self._stage = "collate_fn"
-        return (self.collate or default_collate)(items)
+        return self._collate(items)
 
 
 def _short(indices: Any, limit: int = 8) -> str:
@@ -330,25 +479,35 @@ def _short(indices: Any, limit: int = 8) -> str:
 #: pickle), and from :data:`_shm.SHM_MIN` they go through shared memory.
 INLINE_MAX = 64 * 1024
 _INLINE_KINDS = frozenset("biufcmMSU")
-_PICKLE_HEAD = b"".join(
-    (
-        b"\x80\x05",  # PROTO 5
-        b"\x8c",
-        bytes([len(__name__)]),
-        __name__.encode(),  # SHORT_BINUNICODE module
-        b"\x8c\x0c_array_reply",  # SHORT_BINUNICODE name
-        b"\x93(",  # STACK_GLOBAL, MARK; then the dtype, the shape, the bytes and the batch id
+
+
+def _pickle_head(name: str) -> bytes:
+    """The start of an inline reply's pickle: a call of ``name`` (a function of this module)."""
+    return b"".join(
+        (
+            b"\x80\x05",  # PROTO 5
+            b"\x8c",
+            bytes([len(__name__)]),
+            __name__.encode(),  # SHORT_BINUNICODE module
+            b"\x8c",
+            bytes([len(name)]),
+            name.encode(),  # SHORT_BINUNICODE name
+            b"\x93(",  # STACK_GLOBAL, MARK; then the dtype, the shape, the bytes, the batch id
+        )
     )
-)
+
+
+_PICKLE_HEAD = _pickle_head("_array_reply")
+_TENSOR_HEAD = _pickle_head("_tensor_reply")  # a CPU tensor, sent as its NumPy view
 _PICKLE_TAIL = struct.Struct("<2sq2s")  # LONG1 of 8 bytes (the batch id), TUPLE, REDUCE
 _PROTO, _STOP = b"\x80\x05", b"."
 _MANY_HEAD = b"\x80\x05(K" + bytes([MANY])  # PROTO 5, MARK, BININT1 MANY; then the replies
 _MANY_TAIL = b"t."  # TUPLE, STOP
 _DIM = struct.Struct("<q")
 _BYTEARRAY8 = struct.Struct("<BQ")
-# (dtype, shape) -> the pickle from after its PROTO up to the array's bytes (None: not an
-# array this path takes)
-_prefix_cache: dict[tuple[Any, tuple[int, ...]], bytes | None] = {}
+# (dtype, shape, tensor) -> the pickle from after its PROTO up to the array's bytes (None: not
+# an array this path takes)
+_prefix_cache: dict[tuple[Any, tuple[int, ...], bool], bytes | None] = {}
 _dtype_cache: dict[str, Any] = {}
 
 
@@ -364,17 +523,24 @@ def _array_reply(dtype: str, shape: tuple[int, ...], data: bytearray, bid: int) 
     return OK, bid, array if len(shape) == 1 else array.reshape(shape)
 
 
-def _inline_prefix(array: Any) -> bytes | None:
+def _tensor_reply(dtype: str, shape: tuple[int, ...], data: bytearray, bid: int) -> Any:
+    """:func:`_array_reply` for a CPU tensor: the reply ``(OK, bid, tensor)``, the tensor over
+    the bytearray the pickle made (``torch.from_numpy``: no copy)."""
+    reply = _array_reply(dtype, shape, data, bid)
+    return OK, bid, _shm._rebuild_tensor(reply[2])
+
+
+def _inline_prefix(array: Any, tensor: bool = False) -> bytes | None:
     """The pickle of :func:`_inline_array` from after its PROTO up to the array's bytes (the
     same for every array of this dtype and shape), or None when the dtype cannot travel as its
-    name."""
+    name. ``tensor``: the array is a tensor's NumPy view, rebuilt as a tensor."""
     dtype = array.dtype
     if dtype.kind not in _INLINE_KINDS or dtype.metadata:
         return None
     code = dtype.str.encode()
     return b"".join(
         (
-            _PICKLE_HEAD[2:],
+            (_TENSOR_HEAD if tensor else _PICKLE_HEAD)[2:],
             b"\x8c",
             bytes([len(code)]),
             code,
@@ -393,21 +559,41 @@ def _inline_array(bid: int, array: Any) -> bytes | None:
     return None if parts is None else b"".join((_PROTO, *parts, _STOP))
 
 
-def _inline_parts(bid: int, array: Any) -> tuple[bytes, Any, bytes] | None:
-    """The pickle of :func:`_inline_array` without its PROTO and STOP, in three parts (the
-    array's bytes not copied), or None when ``array`` is not one this path takes."""
-    np = sys.modules.get("numpy")
+def _tensor_view(tensor: Any) -> Any:
+    """A small CPU tensor's NumPy view, if it is one :func:`_inline_parts` takes (a plain
+    strided tensor, contiguous, needing no grad, of a dtype NumPy has); None if not."""
+    torch = sys.modules.get("torch")
     if (
-        np is None
-        or type(array) is not np.ndarray
-        or array.nbytes >= INLINE_MAX
-        or not array.flags.c_contiguous
+        torch is None
+        or type(tensor) is not torch.Tensor
+        or tensor.requires_grad
+        or tensor.layout is not torch.strided
+        or not tensor.is_cpu
+        or tensor.nbytes >= INLINE_MAX
+        or not tensor.is_contiguous()
     ):
         return None
-    key = (array.dtype, array.shape)
+    return tensor.numpy()  # TypeError for a dtype NumPy lacks: the caller sends it as it is
+
+
+def _inline_parts(bid: int, array: Any) -> tuple[bytes, Any, bytes] | None:
+    """The pickle of :func:`_inline_array` without its PROTO and STOP, in three parts (the
+    array's bytes not copied), or None when ``array`` is not one this path takes. A small CPU
+    tensor goes as its NumPy view and arrives as a tensor (:func:`_tensor_reply`)."""
+    np = sys.modules.get("numpy")
+    if np is None:
+        return None
+    tensor = type(array) is not np.ndarray
+    if tensor:
+        array = array.array if type(array) is _shm._TensorView else _tensor_view(array)
+        if type(array) is not np.ndarray:
+            return None
+    if array.nbytes >= INLINE_MAX or not array.flags.c_contiguous:
+        return None
+    key = (array.dtype, array.shape, tensor)
     prefix = _prefix_cache.get(key, b"")
     if prefix == b"":
-        prefix = _inline_prefix(array)
+        prefix = _inline_prefix(array, tensor)
         if len(_prefix_cache) >= 64:
             _prefix_cache.clear()
         _prefix_cache[key] = prefix
@@ -560,8 +746,14 @@ def loader_loop(ctx: ChildContext) -> None:
     dataset = opts["dataset"]
     _worker_info = WorkerInfo(wid, opts["num_workers"], seed, dataset)
     fetcher = _Fetcher(
-        dataset, opts["iterable"], opts["batch_size"], opts["collate_fn"], opts["drop_last"]
+        dataset,
+        opts["iterable"],
+        opts["batch_size"],
+        opts["collate_fn"],
+        opts["drop_last"],
+        opts["auto_collation"],
     )
+    fetcher.views = True
     try:
         if opts["worker_init_fn"] is not None:
             opts["worker_init_fn"](wid)
@@ -782,16 +974,6 @@ class _Slot(_shm.Receiver):
         _add_credits(self.credits, ATTENTION)
 
 
-_live: weakref.WeakSet[_Workers] = weakref.WeakSet()
-
-
-@atexit.register
-def _stop_all_at_exit() -> None:
-    for workers in list(_live):
-        with contextlib.suppress(Exception):
-            workers.close(grace=0.2)
-
-
 # -- credits: an eventfd (a pipe where there is none) -------------------------------------------
 #
 # A credit is added to a counter the worker blocks on, not written to its channel: one 8-byte
@@ -899,8 +1081,8 @@ class _Workers:
         self.reports = loader.crash_reports
         self.crashes: dict[int, int] = {}  # batch id -> workers that died loading it
         self.pinner = loader._pinner
-        self.prefetch = loader.prefetch_factor
-        self.fast_group = loader.prefetch_factor  # credits per write while batches are fast
+        self.prefetch = loader._prefetch
+        self.fast_group = loader._prefetch  # credits per write while batches are fast
         self.next_bid = 0
         self.floor = 0  # the first batch id of the current epoch
         self.closed = False
@@ -913,19 +1095,20 @@ class _Workers:
             "dataset": loader.dataset,
             "iterable": loader._iterable,
             "batch_size": loader.batch_size if loader._auto_collation else None,
+            "auto_collation": loader._auto_collation,
             "collate_fn": loader.collate_fn,
             "drop_last": loader.drop_last,
             "worker_init_fn": loader.worker_init_fn,
             # memfds per worker: room for 8 large arrays in each of its batches in flight,
             # the one being used and the one being freed (more fall back to the bulk channel)
-            "shm_slots": 8 * (loader.prefetch_factor + 2),
+            "shm_slots": 8 * (loader._prefetch + 2),
             "spin": workers_may_spin(loader.num_workers),
             "stateful": loader._stateful,
             "pin": loader._pinner is not None,
         }
         for key in ("dataset", "collate_fn", "worker_init_fn"):  # by value if they must
             self._common[key] = _byvalue.portable(self._ctx, self._common[key])
-        _live.add(self)
+        _atexit.register(self)  # stopped at exit, also in a multiprocessing child
         try:
             for wid in range(loader.num_workers):
                 slot = _Slot(wid, *self._spawn(wid, None if resume is None else resume[wid]))
@@ -1103,7 +1286,7 @@ class _Workers:
                 return msg
             if kind == INIT_FAILED:
                 cause = loads_exception(msg[1])
-                err = WorkerStartError(
+                err = WorkerInitError(
                     f"worker_init_fn raised in DataLoader worker {slot.id} (pid {slot.proc.pid}): "
                     f"{type(cause).__name__}: {cause}"
                 )
@@ -1259,7 +1442,7 @@ class _Workers:
     def _timeout(self, slot: _Slot, timeout: float) -> BaseException:
         stack = slot.proc.stack(STACK_WAIT)
         task = self._batch_text(*slot.held[0]) if slot.held else "a batch"
-        err = TaskTimeout(slot.proc.name, slot.proc.pid, timeout, task_name=task, stack=stack)
+        err = LoaderTimeout(slot.proc.name, slot.proc.pid, timeout, task_name=task, stack=stack)
         err.worker_id = slot.id  # type: ignore[attr-defined]
         return self._fail(err)
 
@@ -1276,7 +1459,7 @@ class _Workers:
         if self.closed:
             return
         self.closed = True
-        _live.discard(self)
+        _atexit.unregister(self)
         for slot in self.slots:
             sender = slot.sender
             if slot.outbox is not None and sender is not None:
@@ -1307,6 +1490,14 @@ class _Workers:
     def pids(self) -> list[int]:
         return [s.proc.pid for s in self.slots if s.proc.pid is not None]
 
+    # -- at exit (see workers/_atexit.py) --
+
+    def finish_at_exit(self) -> None:
+        """Nothing to finish: batches nobody will take are dropped."""
+
+    def stop_at_exit(self) -> None:
+        self.close(grace=0.2)
+
 
 def _batches(sampler: Iterable[Any], batch_size: int, drop_last: bool) -> Iterator[list[Any]]:
     """The sampler's indices in lists of ``batch_size`` (the last one shorter, unless
@@ -1320,36 +1511,40 @@ def _batches(sampler: Iterable[Any], batch_size: int, drop_last: bool) -> Iterat
 
 
 class _SequentialSampler:
-    def __init__(self, n: int) -> None:
-        self.n = n
+    """The indices of ``dataset`` in order; its length read at each epoch and each ``len()``
+    (a dataset that grows is seen, as under torch)."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
 
     def __iter__(self) -> Iterator[int]:
-        return iter(range(self.n))
+        return iter(range(len(self.dataset)))
 
     def __len__(self) -> int:
-        return self.n
+        return len(self.dataset)
 
 
 class _RandomSampler:
     """A new permutation each epoch, drawn from the loader's seed source."""
 
-    def __init__(self, n: int, loader: DataLoader) -> None:
-        self.n = n
+    def __init__(self, dataset: Any, loader: DataLoader) -> None:
+        self.dataset = dataset
         self.loader = weakref.ref(loader)  # the loader holds this sampler
 
     def __iter__(self) -> Iterator[int]:
         loader = self.loader()
         seed = loader._shuffle_seed() if loader is not None else random.getrandbits(63)
+        n = len(self.dataset)
         try:
             import numpy as np
         except ImportError:
-            order = list(range(self.n))
+            order = list(range(n))
             random.Random(seed).shuffle(order)
             return iter(order)
-        return iter(np.random.default_rng(seed).permutation(self.n).tolist())
+        return iter(np.random.default_rng(seed).permutation(n).tolist())
 
     def __len__(self) -> int:
-        return self.n
+        return len(self.dataset)
 
 
 class DataLoader(Generic[BatchT]):
@@ -1385,13 +1580,13 @@ class DataLoader(Generic[BatchT]):
     def __init__(
         self,
         dataset: Any,
-        batch_size: int | None = None,
+        batch_size: int | None = 1,
         shuffle: bool = False,
         sampler: Iterable[Any] | None = None,
         batch_sampler: Iterable[Any] | None = None,
-        num_workers: int = 2,
+        num_workers: int = 0,
         collate_fn: Callable[[Any], BatchT] | None = None,
-        prefetch_factor: int = 2,
+        prefetch_factor: int | None = None,
         in_order: bool = True,
         timeout: float = 0,
         worker_init_fn: Callable[[int], Any] | None = None,
@@ -1433,8 +1628,23 @@ class DataLoader(Generic[BatchT]):
             raise ValueError("num_workers must be 0 or more")
         if timeout < 0:
             raise ValueError("timeout must be 0 or more")
-        if prefetch_factor < 1:
-            raise ValueError("prefetch_factor must be 1 or more")
+        if num_workers == 0 and prefetch_factor is not None:
+            raise ValueError(
+                f"prefetch_factor={prefetch_factor!r} needs workers: with num_workers=0 batches "
+                "are loaded in this process, one at a time; give num_workers > 0, or leave "
+                "prefetch_factor as None"
+            )
+        if num_workers > 0 and prefetch_factor is None:
+            prefetch_factor = 2  # torch's default
+        if prefetch_factor is not None and (
+            isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int)
+        ):
+            raise TypeError(f"prefetch_factor must be an int or None, not {prefetch_factor!r}")
+        if prefetch_factor is not None and prefetch_factor < 1:
+            raise ValueError(
+                f"prefetch_factor must be 1 or more (batches loaded ahead per worker), "
+                f"not {prefetch_factor!r}"
+            )
         if persistent_workers and num_workers == 0:
             raise ValueError("persistent_workers needs num_workers > 0")
         self.dataset = dataset
@@ -1459,7 +1669,8 @@ class DataLoader(Generic[BatchT]):
         self.drop_last = drop_last
         self.num_workers = num_workers
         self.collate_fn = collate_fn
-        self.prefetch_factor = prefetch_factor
+        self.prefetch_factor = prefetch_factor  # None with num_workers=0, as torch's
+        self._prefetch: int = prefetch_factor or 1
         self.in_order = in_order
         self.timeout = timeout
         self.worker_init_fn = worker_init_fn
@@ -1490,8 +1701,8 @@ class DataLoader(Generic[BatchT]):
         self._shuffle_forced: int | None = None  # the next shuffle's seed, when resuming
         self._last_shuffle: int | None = None  # the seed the last shuffle drew
         if not self._iterable and sampler is None and batch_sampler is None:
-            n = len(dataset)
-            sampler = _RandomSampler(n, self) if shuffle else _SequentialSampler(n)
+            len(dataset)  # a TypeError now for a dataset without a length
+            sampler = _RandomSampler(dataset, self) if shuffle else _SequentialSampler(dataset)
         self.sampler = sampler
         self.batch_sampler = batch_sampler
         self._auto_collation = batch_sampler is not None or batch_size is not None
@@ -1527,7 +1738,7 @@ class DataLoader(Generic[BatchT]):
     @property
     def window(self) -> int:
         """Batches in flight or waiting at most: ``prefetch_factor * num_workers``."""
-        return self.prefetch_factor * max(self.num_workers, 1)
+        return self._prefetch * max(self.num_workers, 1)
 
     def _requests(self) -> Iterator[Any]:
         if self._iterable:
@@ -1578,6 +1789,7 @@ class DataLoader(Generic[BatchT]):
                 self.batch_size if self._auto_collation else None,
                 self.collate_fn,
                 self.drop_last,
+                self._auto_collation,
             )
             info = self._epoch_info(None, sampler_state)
             local = _LocalEpoch(self, fetcher, info, resume)
@@ -1934,12 +2146,12 @@ class _Epoch:
         self._finished = False
         self._ended: str | None = None  # why the epoch was ended from outside, before its end
         self._turns: collections.deque[_Slot] = collections.deque()  # in order: whose batch
-        prefetch = loader.prefetch_factor
+        prefetch = loader._prefetch
         n = len(workers.slots)
         self._window = window = prefetch * n
         # credits follow the batches (to the worker of batch k + W): in order, map-style
         self._positional = loader.in_order and not loader._iterable
-        self._block = block = 1 if loader._iterable else prefetch
+        self._block = block = 1  # torch's round robin: batch k to worker k % num_workers
         workers.fast_group = prefetch
         for slot in workers.slots:
             if slot.group > 1:
@@ -1995,7 +2207,9 @@ class _Epoch:
             return
         k = len(active)
         block = self._block
-        requests = self._take(k * self._chunk, k * block, k * CHUNK_INDICES)
+        # a multiple of the window (when the sampler has that many): the first round fills
+        # the workers' credits, and each later one refills them
+        requests = self._take(k * self._chunk, k * self._prefetch, k * CHUNK_INDICES)
         # the next round is given once half of this one is taken (the workers never run dry)
         self._low_all = self._window + len(requests) // 2
         if not requests:
