@@ -31,7 +31,6 @@ from framepipe.workers import (
     WorkerCrashed,
     WorkerError,
     WorkerStartError,
-    default_collate,
     get_worker_info,
 )
 from framepipe.workers import loader as loader_module

@@ -239,8 +239,11 @@ def _stack(batch: Sequence[Any]) -> Any:
     if dtype.char not in _TENSOR_CHARS or not dtype.isnative:
         return None
     nd = np.ndarray
-    if not all(type(a) is nd and a.dtype == dtype and a.shape == shape for a in batch):
-        return None
+    if not all(
+        type(a) is nd and a.dtype == dtype and a.shape == shape and a.flags.c_contiguous
+        for a in batch
+    ):
+        return None  # (torch refuses negative strides: its own collate says so)
     return np.array(batch)
 
 
@@ -573,7 +576,10 @@ def _tensor_view(tensor: Any) -> Any:
         or not tensor.is_contiguous()
     ):
         return None
-    return tensor.numpy()  # TypeError for a dtype NumPy lacks: the caller sends it as it is
+    try:
+        return tensor.numpy()
+    except TypeError:  # a dtype NumPy lacks (bfloat16): torch pickles it itself
+        return None
 
 
 def _inline_parts(bid: int, array: Any) -> tuple[bytes, Any, bytes] | None:
