@@ -31,9 +31,14 @@ from framepipe.workers import (
     WorkerCrashed,
     WorkerError,
     WorkerStartError,
+    _pin,
+    _shm,
     get_worker_info,
 )
 from framepipe.workers import loader as loader_module
+from framepipe.workers.loader import credits as loader_credits
+from framepipe.workers.loader import manager as loader_manager
+from framepipe.workers.loader import wire as loader_wire
 
 np = pytest.importorskip("numpy")
 
@@ -602,7 +607,7 @@ class Unpicklable:
         return 6
 
     def __getitem__(self, i: int):
-        array = np.full(loader_module._shm.SHM_MIN, i, dtype=np.uint8)  # takes a memfd first
+        array = np.full(_shm.SHM_MIN, i, dtype=np.uint8)  # takes a memfd first
         return (array, (lambda: i)) if i == 2 else (array, None)
 
 
@@ -765,7 +770,7 @@ def credits(request, monkeypatch):
     the choice)."""
     if request.param == "pipe":
         monkeypatch.setattr(loader_module, "HAVE_EVENTFD", False)
-    elif not loader_module.HAVE_EVENTFD:
+    elif not loader_credits.HAVE_EVENTFD:
         pytest.skip("no eventfd here")
     return request.param
 
@@ -849,7 +854,7 @@ def test_a_message_larger_than_any_buffer_never_blocks_the_parent(engine):
     parent, child = connection.Pipe(True, read_ahead=True, pipes=True)
     slot = types.SimpleNamespace(outbox=None, lock=threading.Lock(), sender=None, conn=parent, id=0)
     big = b"\x80" + bytes(16 << 20)  # more than the pipe and the bulk socket hold
-    posting = Background(lambda: [loader_module._post(slot, m) for m in (big, b"3", b"5")])
+    posting = Background(lambda: [loader_manager._post(slot, m) for m in (big, b"3", b"5")])
     posting.thread.join(5.0)
     assert not posting.thread.is_alive(), "the parent waited for a reader"
     assert child.recv_bytes(timeout=GUARD) == big  # in order, whole
@@ -859,7 +864,7 @@ def test_a_message_larger_than_any_buffer_never_blocks_the_parent(engine):
     while slot.outbox is not None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert slot.outbox is None  # the sender thread is done; small messages go straight out
-    loader_module._post(slot, b"7")
+    loader_manager._post(slot, b"7")
     assert slot.outbox is None and child.recv_bytes(timeout=GUARD) == b"7"
     parent.close()
     child.close()
@@ -883,7 +888,7 @@ def test_close_while_a_message_is_still_going_out_to_a_busy_worker(engine):
     assert [next(it), next(it)] == [0, 1]  # one from each worker
     pids = loader.worker_pids()
     time.sleep(0.2)  # worker 0 now loads item 2 for 5 s, and reads nothing meanwhile
-    loader_module._post(it.workers.slots[0], b"9" * (16 << 20))
+    loader_manager._post(it.workers.slots[0], b"9" * (16 << 20))
     assert it.workers.slots[0].outbox is not None
     start = time.monotonic()
     loader.close()
@@ -932,23 +937,23 @@ def _arrays():
         np.array([b"x", b"yz"]),
         np.zeros((0, 3), dtype=np.float64),
         np.array(7.5),
-        np.arange(loader_module.INLINE_MAX // 8 - 1, dtype=np.float64),
+        np.arange(loader_wire.INLINE_MAX // 8 - 1, dtype=np.float64),
     ]
 
 
 @pytest.mark.parametrize("array", _arrays(), ids=lambda a: f"{a.dtype.str}{list(a.shape)}")
 def test_small_arrays_travel_as_a_pickle_built_directly(array):
-    blob = loader_module._inline_array(7, array)
+    blob = loader_wire._inline_array(7, array)
     assert blob is not None
     kind, bid, back = pickle.loads(blob)
-    assert (kind, bid) == (loader_module.OK, 7)
+    assert (kind, bid) == (loader_wire.OK, 7)
     assert back.dtype == array.dtype and back.shape == array.shape
     assert np.array_equal(back, array)
     assert back.flags.writeable and back.flags.c_contiguous and back.flags.aligned
 
 
 def test_arrays_the_direct_pickle_leaves_to_pickle():
-    big = np.zeros(loader_module.INLINE_MAX // 8, dtype=np.float64)
+    big = np.zeros(loader_wire.INLINE_MAX // 8, dtype=np.float64)
     others = [
         big,  # from INLINE_MAX on: out of band
         np.arange(20.0).reshape(4, 5)[:, 1],  # not contiguous
@@ -956,8 +961,8 @@ def test_arrays_the_direct_pickle_leaves_to_pickle():
         np.zeros(3, dtype=[("x", "<f4"), ("y", "<i2")]),  # structured: the fields would be lost
         np.ma.masked_array([1, 2, 3], mask=[0, 1, 0]),  # a subclass
     ]
-    assert [loader_module._inline_array(1, a) for a in others] == [None] * len(others)
-    assert loader_module._inline_array(1, [1, 2]) is None
+    assert [loader_wire._inline_array(1, a) for a in others] == [None] * len(others)
+    assert loader_wire._inline_array(1, [1, 2]) is None
 
 
 class AllKinds:
@@ -993,7 +998,7 @@ def test_arrays_of_every_kind_arrive_intact_and_writable(engine):
 @pytest.fixture
 def small_shm(monkeypatch):
     """Arrays of 64 KiB and more in shared memory (forked workers inherit the setting)."""
-    monkeypatch.setattr(loader_module._shm, "SHM_MIN", 64 * 1024)
+    monkeypatch.setattr(_shm, "SHM_MIN", 64 * 1024)
     return 128 * 1024
 
 
@@ -1221,7 +1226,7 @@ def test_torchs_other_arguments_and_batched_fetch(engine, workers):
         assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
     pin_warning = (
         pytest.warns(UserWarning, match="no accelerator is found")
-        if loader_module._pin._accelerator() is None
+        if _pin._accelerator() is None
         else contextlib.nullcontext()
     )
     with pin_warning:

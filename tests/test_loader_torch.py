@@ -28,7 +28,7 @@ from framepipe.workers import (
     default_convert,
     get_worker_info,
 )
-from framepipe.workers import loader as loader_module
+from framepipe.workers.loader import wire as loader_wire
 
 np = pytest.importorskip("numpy")
 torch = pytest.importorskip("torch")
@@ -382,10 +382,10 @@ def test_small_tensors_travel_as_a_pickle_built_directly():
     import pickle
 
     for tensor in (torch.arange(12, dtype=torch.int32).reshape(3, 4), torch.tensor(2.5)):
-        blob = loader_module._inline_array(5, tensor)
+        blob = loader_wire._inline_array(5, tensor)
         assert blob is not None
         kind, bid, back = pickle.loads(blob)
-        assert (kind, bid) == (loader_module.OK, 5)
+        assert (kind, bid) == (loader_wire.OK, 5)
         assert same(back, tensor)
     for other in (
         torch.zeros(3, requires_grad=True),
@@ -393,7 +393,7 @@ def test_small_tensors_travel_as_a_pickle_built_directly():
         torch.zeros(4, dtype=torch.bfloat16),  # no NumPy dtype
         torch.nn.Parameter(torch.zeros(2)),  # a subclass
     ):
-        assert loader_module._inline_parts(1, other) is None
+        assert loader_wire._inline_parts(1, other) is None
 
 
 # -- 3. round robin ------------------------------------------------------------------------------
