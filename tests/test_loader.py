@@ -769,7 +769,7 @@ def credits(request, monkeypatch):
     """Credits on an eventfd, or on the pipe used where there is none (forked workers inherit
     the choice)."""
     if request.param == "pipe":
-        monkeypatch.setattr(loader_module, "HAVE_EVENTFD", False)
+        monkeypatch.setattr(loader_credits, "HAVE_EVENTFD", False)
     elif not loader_credits.HAVE_EVENTFD:
         pytest.skip("no eventfd here")
     return request.param
