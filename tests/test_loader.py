@@ -30,10 +30,14 @@ from framepipe.workers import (
     WorkerCrashed,
     WorkerError,
     WorkerStartError,
-    default_collate,
+    _pin,
+    _shm,
     get_worker_info,
 )
 from framepipe.workers import loader as loader_module
+from framepipe.workers.loader import credits as loader_credits
+from framepipe.workers.loader import manager as loader_manager
+from framepipe.workers.loader import wire as loader_wire
 
 np = pytest.importorskip("numpy")
 
@@ -243,13 +247,13 @@ class UnevenShards:
 
 
 def test_order_kept_over_10000_items_with_uneven_costs(engine):
-    with DataLoader(Uneven(10_000), num_workers=2, timeout=GUARD) as loader:
+    with DataLoader(Uneven(10_000), batch_size=None, num_workers=2, timeout=GUARD) as loader:
         assert list(loader) == list(range(10_000))
 
 
 def test_unordered_delivers_every_index_exactly_once(engine):
     with DataLoader(
-        Uneven(3000, spin=0.002), num_workers=2, in_order=False, timeout=GUARD
+        Uneven(3000, spin=0.002), batch_size=None, num_workers=2, in_order=False, timeout=GUARD
     ) as loader:
         got = list(loader)
     assert sorted(got) == list(range(3000))
@@ -259,7 +263,11 @@ def test_unordered_delivers_every_index_exactly_once(engine):
 @pytest.mark.parametrize("workers, prefetch", [(3, 1), (2, 3), (1, 2)])
 def test_order_kept_for_any_number_of_workers_and_prefetch(engine, workers, prefetch):
     with DataLoader(
-        UnevenArrays(3000), num_workers=workers, prefetch_factor=prefetch, timeout=GUARD
+        UnevenArrays(3000),
+        batch_size=None,
+        num_workers=workers,
+        prefetch_factor=prefetch,
+        timeout=GUARD,
     ) as loader:
         assert [int(a[0]) for a in loader] == list(range(3000))
 
@@ -280,7 +288,7 @@ class Phases:
 
 def test_order_kept_while_batches_turn_slow_and_fast_again(engine):
     """Credits go back in groups while batches are fast, one at a time while they are slow."""
-    with DataLoader(Phases(), timeout=GUARD) as loader:
+    with DataLoader(Phases(), batch_size=None, num_workers=2, timeout=GUARD) as loader:
         it = iter(loader)
         got, groups = [], []
         for item in it:
@@ -315,7 +323,7 @@ def test_the_next_block_loads_while_the_parent_takes_this_one(engine):
     never take turns, each waiting for the other's wake-up."""
     n = 400
     idle = []
-    with DataLoader(WhichWorker(n), timeout=GUARD) as loader:
+    with DataLoader(WhichWorker(n), batch_size=None, num_workers=2, timeout=GUARD) as loader:
         it = iter(loader)
         for k, (i, wid) in enumerate(it):
             assert i == k
@@ -329,8 +337,8 @@ def test_the_next_block_loads_while_the_parent_takes_this_one(engine):
     "workers, prefetch, batch_size", [(3, 2, None), (3, 3, 1200), (2, 2, None), (4, 1, None)]
 )
 def test_batch_k_is_always_loaded_by_the_same_worker(workers, prefetch, batch_size):
-    """Worker (k // B) % num_workers, B = prefetch_factor; also when batches are large enough
-    to cut the chunks short."""
+    """Worker k % num_workers, torch's round robin, whatever prefetch_factor; also when batches
+    are large enough to cut the chunks short."""
     with DataLoader(
         WhichWorker(90_000 if batch_size else 300),
         batch_size=batch_size,
@@ -338,14 +346,13 @@ def test_batch_k_is_always_loaded_by_the_same_worker(workers, prefetch, batch_si
         prefetch_factor=prefetch,
         timeout=GUARD,
     ) as loader:
-        owners = [int(b[1][0]) if batch_size else b[1] for b in loader]
-    block = prefetch
-    assert owners == [(k // block) % workers for k in range(len(owners))]
+        owners = [int(b[1][0]) if batch_size else int(b[1]) for b in loader]
+    assert owners == [k % workers for k in range(len(owners))]
 
 
 def test_unordered_batches_deliver_every_index_exactly_once(engine):
     with DataLoader(
-        UnevenArrays(2000, spin=0.002), batch_size=7, in_order=False, timeout=GUARD
+        UnevenArrays(2000, spin=0.002), num_workers=2, batch_size=7, in_order=False, timeout=GUARD
     ) as loader:
         got = [int(v) for batch in loader for v in batch[:, 0]]
     assert sorted(got) == list(range(2000))
@@ -354,25 +361,50 @@ def test_unordered_batches_deliver_every_index_exactly_once(engine):
 
 def test_batches_collate_and_len():
     data = {"x": np.arange(3.0), "y": 1}
-    with DataLoader([data] * 10, batch_size=4, timeout=GUARD) as loader:
+    with DataLoader([data] * 10, num_workers=2, batch_size=4, timeout=GUARD) as loader:
         assert len(loader) == 3
         batches = list(loader)
     assert [b["x"].shape for b in batches] == [(4, 3), (4, 3), (2, 3)]
     assert batches[0]["y"].tolist() == [1, 1, 1, 1]
-    with DataLoader(list(range(10)), batch_size=4, drop_last=True, timeout=GUARD) as loader:
+    with DataLoader(
+        list(range(10)), num_workers=2, batch_size=4, drop_last=True, timeout=GUARD
+    ) as loader:
         assert len(loader) == 2
         assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
-def test_default_collate_shapes():
-    Point = collections.namedtuple("Point", "x y")
-    assert default_collate([(1, "a"), (2, "b")]) == (pytest.approx([1, 2]), ["a", "b"])
-    pts = default_collate([Point(1, 2.0), Point(3, 4.0)])
-    assert isinstance(pts, Point) and pts.x.tolist() == [1, 3]
-    nested = default_collate([{"a": [np.zeros(2), 1]}, {"a": [np.ones(2), 2]}])
-    assert nested["a"][0].shape == (2, 2) and nested["a"][1].tolist() == [1, 2]
-    with pytest.raises(RuntimeError, match="equal size"):
-        default_collate([[1, 2], [1]])
+def test_default_collate_shapes_without_torch():
+    """Without torch (its import blocked in a fresh interpreter), batches are NumPy's."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, collections\n"
+        "sys.modules['torch'] = None  # as if it were not installed\n"
+        "import numpy as np\n"
+        "from framepipe.workers import DataLoader, default_collate, default_convert\n"
+        "Point = collections.namedtuple('Point', 'x y')\n"
+        "pair = default_collate([(1, 'a'), (2, 'b')])\n"
+        "assert type(pair) is tuple and type(pair[0]) is np.ndarray, pair\n"
+        "assert pair[0].tolist() == [1, 2] and pair[1] == ['a', 'b']\n"
+        "pts = default_collate([Point(1, 2.0), Point(3, 4.0)])\n"
+        "assert isinstance(pts, Point) and pts.x.tolist() == [1, 3]\n"
+        "nested = default_collate([{'a': [np.zeros(2), 1]}, {'a': [np.ones(2), 2]}])\n"
+        "assert nested['a'][0].shape == (2, 2) and nested['a'][1].tolist() == [1, 2]\n"
+        "try:\n"
+        "    default_collate([[1, 2], [1]])\n"
+        "except RuntimeError as e:\n"
+        "    assert 'equal size' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('no error')\n"
+        "a = np.arange(3)\n"
+        "assert default_convert(a) is a\n"
+        "with DataLoader([a, a], batch_size=None, num_workers=2) as loader:\n"
+        "    print(sorted({type(b).__name__ for b in loader}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['ndarray']"
 
 
 def test_in_process_loading_with_zero_workers():
@@ -383,16 +415,24 @@ def test_in_process_loading_with_zero_workers():
 
 
 def test_samplers_are_any_iterable_of_indices():
-    with DataLoader(Whose(), sampler=[5, 3, 9], timeout=GUARD) as loader:
+    with DataLoader(
+        Whose(), batch_size=None, num_workers=2, sampler=[5, 3, 9], timeout=GUARD
+    ) as loader:
         assert [i for i, _ in loader] == [5, 3, 9]
-    with DataLoader(Whose(), batch_sampler=[[1, 2], [60]], timeout=GUARD) as loader:
+    with DataLoader(Whose(), num_workers=2, batch_sampler=[[1, 2], [60]], timeout=GUARD) as loader:
         assert [b[0].tolist() for b in loader] == [[1, 2], [60]]
 
 
 def test_shuffle_with_a_seed_reproduces_the_epochs():
     def epochs(seed):
         with DataLoader(
-            list(range(50)), shuffle=True, seed=seed, timeout=GUARD, persistent_workers=True
+            list(range(50)),
+            batch_size=None,
+            num_workers=2,
+            shuffle=True,
+            seed=seed,
+            timeout=GUARD,
+            persistent_workers=True,
         ) as loader:
             return [list(loader) for _ in range(2)]
 
@@ -403,7 +443,9 @@ def test_shuffle_with_a_seed_reproduces_the_epochs():
 
 def test_workers_get_distinct_seeds_and_a_seed_reproduces_them():
     def draws(seed):
-        with DataLoader(Randoms(), seed=seed, timeout=GUARD) as loader:
+        with DataLoader(
+            Randoms(), batch_size=None, num_workers=2, seed=seed, timeout=GUARD
+        ) as loader:
             return list(loader)
 
     first, again = draws(3), draws(3)
@@ -417,7 +459,9 @@ def test_workers_get_distinct_seeds_and_a_seed_reproduces_them():
 
 
 def test_spawned_workers():
-    with DataLoader(Shards(40), batch_size=None, start_method="spawn", timeout=GUARD) as loader:
+    with DataLoader(
+        Shards(40), num_workers=2, batch_size=None, start_method="spawn", timeout=GUARD
+    ) as loader:
         got = list(loader)
     assert sorted(d["index"] for d in got) == list(range(40))
     assert {d["worker"] for d in got} == {0, 1}
@@ -427,7 +471,7 @@ def test_spawned_workers():
 
 
 def test_worker_sigkilled_mid_epoch(engine):
-    loader = DataLoader(Killer(), batch_size=5, timeout=GUARD)
+    loader = DataLoader(Killer(), num_workers=2, batch_size=5, timeout=GUARD)
     got = []
     with pytest.raises(WorkerCrashed) as info:
         for batch in loader:
@@ -449,7 +493,7 @@ def test_worker_sigkilled_mid_epoch(engine):
 
 
 def test_exception_with_two_argument_constructor(engine):
-    with DataLoader(Raising(), timeout=GUARD) as loader:
+    with DataLoader(Raising(), batch_size=None, num_workers=2, timeout=GUARD) as loader:
         it = iter(loader)
         assert [next(it) for _ in range(7)] == list(range(7))
         with pytest.raises(BadRecord) as info:
@@ -471,7 +515,7 @@ def refuse_to_collate(items):
 
 
 def test_an_exception_in_a_batch_names_the_index_or_the_collate(engine):
-    with DataLoader(Raising(), batch_size=4, timeout=GUARD) as loader:
+    with DataLoader(Raising(), num_workers=2, batch_size=4, timeout=GUARD) as loader:
         it = iter(loader)
         assert next(it).tolist() == [0, 1, 2, 3]
         with pytest.raises(BadRecord) as info:
@@ -479,7 +523,7 @@ def test_an_exception_in_a_batch_names_the_index_or_the_collate(engine):
         assert any("while loading index 7" in note for note in info.value.__notes__)
         assert next(it).tolist() == [8, 9, 10, 11]
     with DataLoader(
-        list(range(8)), batch_size=4, collate_fn=refuse_to_collate, timeout=GUARD
+        list(range(8)), num_workers=2, batch_size=4, collate_fn=refuse_to_collate, timeout=GUARD
     ) as loader:
         with pytest.raises(ValueError, match="cannot collate 4 items") as info:
             list(loader)
@@ -489,7 +533,7 @@ def test_an_exception_in_a_batch_names_the_index_or_the_collate(engine):
 
 
 def test_hung_getitem_raises_task_timeout_with_the_stack(engine):
-    loader = DataLoader(Hanging(), timeout=1.0)
+    loader = DataLoader(Hanging(), batch_size=None, num_workers=2, timeout=1.0)
     pids = []
     start = time.monotonic()
     with pytest.raises(TaskTimeout) as info:
@@ -504,7 +548,7 @@ def test_hung_getitem_raises_task_timeout_with_the_stack(engine):
 
 
 def test_a_crash_mid_chunk_names_the_batch_it_was_loading_and_what_was_queued(engine):
-    loader = DataLoader(KillAt(1000, 37), timeout=GUARD)
+    loader = DataLoader(KillAt(1000, 37), batch_size=None, num_workers=2, timeout=GUARD)
     got = []
     with pytest.raises(WorkerCrashed) as info:
         for i in loader:
@@ -527,7 +571,7 @@ def test_a_crash_mid_chunk_names_the_batch_it_was_loading_and_what_was_queued(en
 
 def test_a_worker_flooding_its_stderr_is_not_stuck(engine, capfd):
     start = time.monotonic()
-    with DataLoader(Chatty(), timeout=GUARD) as loader:
+    with DataLoader(Chatty(), batch_size=None, num_workers=2, timeout=GUARD) as loader:
         assert list(loader) == list(range(6))
     assert time.monotonic() - start < 10
     assert "chatty item 2 done" in capfd.readouterr().err
@@ -538,12 +582,12 @@ class Unpicklable:
         return 6
 
     def __getitem__(self, i: int):
-        array = np.full(loader_module._shm.SHM_MIN, i, dtype=np.uint8)  # takes a memfd first
+        array = np.full(_shm.SHM_MIN, i, dtype=np.uint8)  # takes a memfd first
         return (array, (lambda: i)) if i == 2 else (array, None)
 
 
 def test_a_batch_that_cannot_be_sent_is_reported_and_the_loader_goes_on(small_shm):
-    with DataLoader(Unpicklable(), timeout=GUARD) as loader:
+    with DataLoader(Unpicklable(), batch_size=None, num_workers=2, timeout=GUARD) as loader:
         it = iter(loader)
         assert [int(next(it)[0][0]) for _ in range(2)] == [0, 1]
         with pytest.raises(WorkerError, match="indices 2 could not be sent"):
@@ -552,7 +596,7 @@ def test_a_batch_that_cannot_be_sent_is_reported_and_the_loader_goes_on(small_sh
 
 
 def test_unordered_timeout_names_the_stuck_worker():
-    loader = DataLoader(Hanging(), timeout=1.0, in_order=False)
+    loader = DataLoader(Hanging(), batch_size=None, num_workers=2, timeout=1.0, in_order=False)
     with pytest.raises(TaskTimeout) as info:
         list(loader)
     assert "hang_here" in (info.value.stack or "")
@@ -561,7 +605,9 @@ def test_unordered_timeout_names_the_stuck_worker():
 
 
 def test_worker_init_fn_failure_is_reported():
-    with DataLoader(list(range(4)), worker_init_fn=failing_init, timeout=GUARD) as loader:
+    with DataLoader(
+        list(range(4)), batch_size=None, num_workers=2, worker_init_fn=failing_init, timeout=GUARD
+    ) as loader:
         with pytest.raises(WorkerStartError, match="no config for worker"):
             list(loader)
 
@@ -570,7 +616,7 @@ def test_worker_init_fn_failure_is_reported():
 
 
 def test_iterable_dataset_shards_itself(engine):
-    with DataLoader(Shards(1000), batch_size=10, timeout=GUARD) as loader:
+    with DataLoader(Shards(1000), num_workers=2, batch_size=10, timeout=GUARD) as loader:
         batches = list(loader)
     indices = [int(i) for b in batches for i in b["index"]]
     assert sorted(indices) == list(range(1000))
@@ -579,19 +625,23 @@ def test_iterable_dataset_shards_itself(engine):
 
 
 def test_iterable_shards_of_different_lengths_come_in_turn(engine):
-    with DataLoader(UnevenShards(), timeout=GUARD) as loader:
+    with DataLoader(UnevenShards(), batch_size=None, num_workers=2, timeout=GUARD) as loader:
         got = [tuple(item) for item in loader]
     assert got == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)] + [(1, j) for j in range(3, 20)]
 
 
 def test_unordered_iterable_shards_of_different_lengths(engine):
-    with DataLoader(UnevenShards(), in_order=False, batch_size=2, timeout=GUARD) as loader:
+    with DataLoader(
+        UnevenShards(), num_workers=2, in_order=False, batch_size=2, timeout=GUARD
+    ) as loader:
         got = [tuple(int(v) for v in pair) for batch in loader for pair in zip(*batch)]
     assert sorted(got) == sorted([(0, j) for j in range(3)] + [(1, j) for j in range(20)])
 
 
 def test_persistent_workers_across_three_epochs():
-    loader = DataLoader(Whose(), persistent_workers=True, timeout=GUARD)
+    loader = DataLoader(
+        Whose(), batch_size=None, num_workers=2, persistent_workers=True, timeout=GUARD
+    )
     try:
         seen_pids = set()
         for _ in range(3):
@@ -620,7 +670,7 @@ def _rss() -> int:
 
 def test_parent_rss_stays_within_the_prefetch_bound():
     size, n = 16 * MiB, 128  # 2 GiB flow through
-    loader = DataLoader(Big(n, size), timeout=GUARD)
+    loader = DataLoader(Big(n, size), batch_size=None, num_workers=2, timeout=GUARD)
     base = _rss()
     peak = base
     most_in_flight = 0
@@ -638,7 +688,7 @@ def test_parent_rss_stays_within_the_prefetch_bound():
 
 
 def test_early_break_leaves_no_process_behind(engine):
-    loader = DataLoader(Big(1000, MiB), timeout=GUARD)
+    loader = DataLoader(Big(1000, MiB), batch_size=None, num_workers=2, timeout=GUARD)
     for k, _ in enumerate(loader):
         if k == 0:
             pids = loader.worker_pids()
@@ -668,6 +718,7 @@ def test_items_loaded_and_not_taken_never_exceed_the_window(
     started = multiprocessing.Value("q", 0)
     loader = DataLoader(
         Counted(800, started, spin),
+        batch_size=None,
         num_workers=workers,
         prefetch_factor=prefetch,
         in_order=in_order,
@@ -693,15 +744,21 @@ def credits(request, monkeypatch):
     """Credits on an eventfd, or on the pipe used where there is none (forked workers inherit
     the choice)."""
     if request.param == "pipe":
-        monkeypatch.setattr(loader_module, "HAVE_EVENTFD", False)
-    elif not loader_module.HAVE_EVENTFD:
+        monkeypatch.setattr(loader_credits, "HAVE_EVENTFD", False)
+    elif not loader_credits.HAVE_EVENTFD:
         pytest.skip("no eventfd here")
     return request.param
 
 
 def test_credits_keep_the_window_across_epochs_on_either_counter(credits):
     started = multiprocessing.Value("q", 0)
-    loader = DataLoader(Counted(600, started), persistent_workers=True, timeout=GUARD)
+    loader = DataLoader(
+        Counted(600, started),
+        batch_size=None,
+        num_workers=2,
+        persistent_workers=True,
+        timeout=GUARD,
+    )
     taken = most = 0
     try:
         for _ in range(2):  # the second epoch starts with a reset of the workers
@@ -722,7 +779,13 @@ def test_credits_keep_the_window_across_epochs_on_either_counter(credits):
 
 def test_an_abandoned_epoch_on_persistent_workers_loads_nothing_more(engine):
     started = multiprocessing.Value("q", 0)
-    loader = DataLoader(Counted(1000, started), persistent_workers=True, timeout=GUARD)
+    loader = DataLoader(
+        Counted(1000, started),
+        batch_size=None,
+        num_workers=2,
+        persistent_workers=True,
+        timeout=GUARD,
+    )
     try:
         it = iter(loader)
         first = [int(next(it)[0]) for _ in range(9)]
@@ -744,7 +807,9 @@ def test_an_abandoned_epoch_on_persistent_workers_loads_nothing_more(engine):
 
 @pytest.mark.parametrize("in_order", [True, False])
 def test_early_break_with_batches_queued_stops_the_workers(engine, in_order):
-    loader = DataLoader(UnevenArrays(100_000), in_order=in_order, timeout=GUARD)
+    loader = DataLoader(
+        UnevenArrays(100_000), batch_size=None, num_workers=2, in_order=in_order, timeout=GUARD
+    )
     for k, _ in enumerate(loader):
         if k == 0:
             pids = loader.worker_pids()
@@ -764,7 +829,7 @@ def test_a_message_larger_than_any_buffer_never_blocks_the_parent(engine):
     parent, child = connection.Pipe(True, read_ahead=True, pipes=True)
     slot = types.SimpleNamespace(outbox=None, lock=threading.Lock(), sender=None, conn=parent, id=0)
     big = b"\x80" + bytes(16 << 20)  # more than the pipe and the bulk socket hold
-    posting = Background(lambda: [loader_module._post(slot, m) for m in (big, b"3", b"5")])
+    posting = Background(lambda: [loader_manager._post(slot, m) for m in (big, b"3", b"5")])
     posting.thread.join(5.0)
     assert not posting.thread.is_alive(), "the parent waited for a reader"
     assert child.recv_bytes(timeout=GUARD) == big  # in order, whole
@@ -774,7 +839,7 @@ def test_a_message_larger_than_any_buffer_never_blocks_the_parent(engine):
     while slot.outbox is not None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert slot.outbox is None  # the sender thread is done; small messages go straight out
-    loader_module._post(slot, b"7")
+    loader_manager._post(slot, b"7")
     assert slot.outbox is None and child.recv_bytes(timeout=GUARD) == b"7"
     parent.close()
     child.close()
@@ -793,12 +858,12 @@ class Sleepy:
 
 
 def test_close_while_a_message_is_still_going_out_to_a_busy_worker(engine):
-    loader = DataLoader(Sleepy(), timeout=GUARD)
+    loader = DataLoader(Sleepy(), batch_size=None, num_workers=2, timeout=GUARD)
     it = iter(loader)
-    assert [next(it), next(it)] == [0, 1]  # worker 0's first two: its credits go back
+    assert [next(it), next(it)] == [0, 1]  # one from each worker
     pids = loader.worker_pids()
-    time.sleep(0.2)  # worker 0 now loads item 4 for 5 s, and reads nothing meanwhile
-    loader_module._post(it.workers.slots[0], b"9" * (16 << 20))
+    time.sleep(0.2)  # worker 0 now loads item 2 for 5 s, and reads nothing meanwhile
+    loader_manager._post(it.workers.slots[0], b"9" * (16 << 20))
     assert it.workers.slots[0].outbox is not None
     start = time.monotonic()
     loader.close()
@@ -817,13 +882,15 @@ class Scalars:
 def test_batches_of_many_indices(engine):
     n = 20_000  # a batch's indices alone exceed the size of one message to a worker
     batches = [list(range(k * n, (k + 1) * n)) for k in range(12)]
-    with DataLoader(Scalars(), batch_sampler=batches, timeout=GUARD) as loader:
+    with DataLoader(Scalars(), num_workers=2, batch_sampler=batches, timeout=GUARD) as loader:
         got = [(int(b[0]), len(b), int(b[-1])) for b in loader]
     assert got == [(k * n, n, (k + 1) * n - 1) for k in range(12)]
 
 
 def test_deleting_the_loader_stops_persistent_workers():
-    loader = DataLoader(Big(100, 4096), persistent_workers=True, timeout=GUARD)
+    loader = DataLoader(
+        Big(100, 4096), batch_size=None, num_workers=2, persistent_workers=True, timeout=GUARD
+    )
     it = iter(loader)
     next(it)
     pids = loader.worker_pids()
@@ -845,23 +912,23 @@ def _arrays():
         np.array([b"x", b"yz"]),
         np.zeros((0, 3), dtype=np.float64),
         np.array(7.5),
-        np.arange(loader_module.INLINE_MAX // 8 - 1, dtype=np.float64),
+        np.arange(loader_wire.INLINE_MAX // 8 - 1, dtype=np.float64),
     ]
 
 
 @pytest.mark.parametrize("array", _arrays(), ids=lambda a: f"{a.dtype.str}{list(a.shape)}")
 def test_small_arrays_travel_as_a_pickle_built_directly(array):
-    blob = loader_module._inline_array(7, array)
+    blob = loader_wire._inline_array(7, array)
     assert blob is not None
     kind, bid, back = pickle.loads(blob)
-    assert (kind, bid) == (loader_module.OK, 7)
+    assert (kind, bid) == (loader_wire.OK, 7)
     assert back.dtype == array.dtype and back.shape == array.shape
     assert np.array_equal(back, array)
     assert back.flags.writeable and back.flags.c_contiguous and back.flags.aligned
 
 
 def test_arrays_the_direct_pickle_leaves_to_pickle():
-    big = np.zeros(loader_module.INLINE_MAX // 8, dtype=np.float64)
+    big = np.zeros(loader_wire.INLINE_MAX // 8, dtype=np.float64)
     others = [
         big,  # from INLINE_MAX on: out of band
         np.arange(20.0).reshape(4, 5)[:, 1],  # not contiguous
@@ -869,8 +936,8 @@ def test_arrays_the_direct_pickle_leaves_to_pickle():
         np.zeros(3, dtype=[("x", "<f4"), ("y", "<i2")]),  # structured: the fields would be lost
         np.ma.masked_array([1, 2, 3], mask=[0, 1, 0]),  # a subclass
     ]
-    assert [loader_module._inline_array(1, a) for a in others] == [None] * len(others)
-    assert loader_module._inline_array(1, [1, 2]) is None
+    assert [loader_wire._inline_array(1, a) for a in others] == [None] * len(others)
+    assert loader_wire._inline_array(1, [1, 2]) is None
 
 
 class AllKinds:
@@ -882,8 +949,15 @@ class AllKinds:
         return arrays[i % len(arrays)]
 
 
+def keep(item):
+    """A collate_fn that keeps the item as it is (NumPy's arrays, not torch's tensors)."""
+    return item
+
+
 def test_arrays_of_every_kind_arrive_intact_and_writable(engine):
-    with DataLoader(AllKinds(), timeout=GUARD) as loader:
+    with DataLoader(
+        AllKinds(), batch_size=None, num_workers=2, collate_fn=keep, timeout=GUARD
+    ) as loader:
         got = list(loader)
     want = _arrays() * 2
     assert len(got) == len(want)
@@ -899,7 +973,7 @@ def test_arrays_of_every_kind_arrive_intact_and_writable(engine):
 @pytest.fixture
 def small_shm(monkeypatch):
     """Arrays of 64 KiB and more in shared memory (forked workers inherit the setting)."""
-    monkeypatch.setattr(loader_module._shm, "SHM_MIN", 64 * 1024)
+    monkeypatch.setattr(_shm, "SHM_MIN", 64 * 1024)
     return 128 * 1024
 
 
@@ -907,7 +981,7 @@ def test_arrays_held_by_the_caller_are_never_overwritten(engine, small_shm):
     """Past the pool's size, arrays take the bulk channel; no memfd is reused while any view
     of its array is alive."""
     size = small_shm
-    with DataLoader(Big(300, size), timeout=GUARD) as loader:
+    with DataLoader(Big(300, size), batch_size=None, num_workers=2, timeout=GUARD) as loader:
         kept = []
         views = []
         for k, item in enumerate(loader):
@@ -923,7 +997,7 @@ def test_arrays_held_by_the_caller_are_never_overwritten(engine, small_shm):
 
 def test_memfds_are_reused_once_the_arrays_are_freed(small_shm):
     size = small_shm
-    with DataLoader(Big(400, size), timeout=GUARD) as loader:
+    with DataLoader(Big(400, size), batch_size=None, num_workers=2, timeout=GUARD) as loader:
         it = iter(loader)
         memfds = [0, 0]
         for k, item in enumerate(it):
@@ -953,12 +1027,14 @@ def test_torch_tensors_and_samplers():
 
     ds = Tensors()
     sampler = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=False)
-    with DataLoader(ds, batch_size=2, sampler=sampler, timeout=GUARD) as loader:
+    with DataLoader(ds, num_workers=2, batch_size=2, sampler=sampler, timeout=GUARD) as loader:
         batches = list(loader)
     assert all(isinstance(b, torch.Tensor) and b.shape == (2, 3) for b in batches)
     assert [int(v) for b in batches for v in b[:, 0]] == list(range(1, 12, 2))
     assert loader_module.get_worker_info() is None
-    with DataLoader(BigTensors(), timeout=GUARD) as loader:  # the shared-memory path
+    with DataLoader(
+        BigTensors(), batch_size=None, num_workers=2, timeout=GUARD
+    ) as loader:  # the shared-memory path
         got = list(loader)
     assert all(isinstance(t, torch.Tensor) and t.shape == (BigTensors.n,) for t in got)
     assert [int(t[0]) for t in got] == [int(t[-1]) for t in got] == list(range(6))
@@ -995,7 +1071,7 @@ class Exits:
 
 @pytest.mark.parametrize("interrupt", [False, True], ids=["exit", "interrupt"])
 def test_a_dataset_that_exits_or_interrupts_is_an_error_here_not_an_exit(engine, interrupt):
-    with DataLoader(Exits(interrupt), batch_size=None, timeout=GUARD) as loader:
+    with DataLoader(Exits(interrupt), num_workers=2, batch_size=None, timeout=GUARD) as loader:
         got = []
         with pytest.raises(WorkerError) as info:
             for item in loader:
@@ -1007,7 +1083,7 @@ def test_a_dataset_that_exits_or_interrupts_is_an_error_here_not_an_exit(engine,
 
 def test_two_iterators_of_one_loader(engine):
     data = list(range(20))
-    with DataLoader(data, batch_size=4, timeout=GUARD) as loader:
+    with DataLoader(data, num_workers=2, batch_size=4, timeout=GUARD) as loader:
         # each iterator has workers of its own, as in torch: both see every batch
         pairs = list(zip(loader, loader))
         assert len(pairs) == 5 and all(a.tolist() == b.tolist() for a, b in pairs)
@@ -1019,7 +1095,9 @@ def test_two_iterators_of_one_loader(engine):
         loader.close()  # an epoch not over is told, at its next batch, not cut short silently
         with pytest.raises(RuntimeError, match="was closed"):
             next(second)
-    with DataLoader(data, batch_size=4, persistent_workers=True, timeout=GUARD) as loader:
+    with DataLoader(
+        data, num_workers=2, batch_size=4, persistent_workers=True, timeout=GUARD
+    ) as loader:
         first = iter(loader)
         assert next(first).tolist() == [0, 1, 2, 3]
         second = iter(loader)  # takes the workers over
@@ -1030,7 +1108,7 @@ def test_two_iterators_of_one_loader(engine):
 
 def test_an_empty_epoch_prints_nothing(engine, capfd):
     for _ in range(3):
-        with DataLoader([], batch_size=2, timeout=GUARD) as loader:
+        with DataLoader([], num_workers=2, batch_size=2, timeout=GUARD) as loader:
             assert list(loader) == []
     time.sleep(0.5)  # a worker that failed would print its traceback by now
     assert capfd.readouterr().err == ""
@@ -1048,7 +1126,7 @@ class HalfPrecision:
 
 def test_tensors_of_a_dtype_numpy_lacks():
     torch = pytest.importorskip("torch")
-    with DataLoader(HalfPrecision(), batch_size=2, timeout=GUARD) as loader:
+    with DataLoader(HalfPrecision(), num_workers=2, batch_size=2, timeout=GUARD) as loader:
         batches = list(loader)
     assert [b.dtype for b in batches] == [torch.bfloat16] * 2
     assert [float(b[i][-1]) for b in batches for i in range(2)] == [0.0, 1.0, 2.0, 3.0]
@@ -1110,7 +1188,7 @@ def test_torchs_other_arguments_and_batched_fetch(engine, workers):
             [6000, 7000, 8000],
         ]
     with pytest.raises(ValueError, match="drop_last=True needs a batch_size"):
-        DataLoader(list(range(4)), drop_last=True, num_workers=workers)
+        DataLoader(list(range(4)), batch_size=None, drop_last=True, num_workers=workers)
     # batch_size=1 is torch's default: a batch_sampler goes with it
     loader = DataLoader(
         list(range(6)),
@@ -1123,7 +1201,7 @@ def test_torchs_other_arguments_and_batched_fetch(engine, workers):
         assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
     pin_warning = (
         pytest.warns(UserWarning, match="no accelerator is found")
-        if loader_module._pin._accelerator() is None
+        if _pin._accelerator() is None
         else contextlib.nullcontext()
     )
     with pin_warning:
@@ -1139,20 +1217,33 @@ def test_torchs_other_arguments_and_batched_fetch(engine, workers):
         assert loader.start_method == "fork"
         assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
     with pytest.raises(ValueError, match="not both"):
-        DataLoader([1], start_method="fork", multiprocessing_context="spawn")
+        DataLoader(
+            [1],
+            batch_size=None,
+            num_workers=2,
+            start_method="fork",
+            multiprocessing_context="spawn",
+        )
 
 
-def test_numbers_collate_to_arrays_before_numpy_is_imported():
+@pytest.mark.parametrize("torch_installed", [False, True])
+def test_numbers_collate_to_arrays_before_numpy_is_imported(torch_installed):
+    """Numbers collate the same whether NumPy (or torch) was imported yet or not: to a NumPy
+    array without torch, to a tensor with it."""
     import subprocess
     import sys
 
+    if torch_installed:
+        pytest.importorskip("torch")
     code = (
         "import sys\n"
-        "from framepipe.workers import DataLoader\n"
+        + ("" if torch_installed else "sys.modules['torch'] = None\n")
+        + "from framepipe.workers import DataLoader\n"
         "assert 'numpy' not in sys.modules\n"
         "batches = list(DataLoader(list(range(6)), batch_size=3, num_workers=0))\n"
         "print(type(batches[0]).__name__, [b.tolist() for b in batches])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ndarray [[0, 1, 2], [3, 4, 5]]"
+    kind = "Tensor" if torch_installed else "ndarray"
+    assert out.stdout.strip() == f"{kind} [[0, 1, 2], [3, 4, 5]]"

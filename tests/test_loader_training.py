@@ -93,6 +93,11 @@ def _rows(batches) -> list:
 def _loader(dataset, **kw) -> DataLoader:
     kw.setdefault("timeout", GUARD)
     kw.setdefault("start_method", "fork")
+    kw.setdefault("num_workers", 2)
+    if "batch_sampler" not in kw:
+        kw.setdefault("batch_size", None)
+    if kw["num_workers"] == 0:
+        kw.pop("prefetch_factor", None)  # torch's rule: no prefetch_factor without workers
     return DataLoader(dataset, **kw)
 
 
@@ -654,4 +659,4 @@ def test_pin_memory_without_an_accelerator_warns_once_and_runs_unpinned(engine):
     with loaders[0] as loader:
         assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
     with pytest.raises(TypeError, match="pin_memory_device must be a str"):
-        DataLoader([1], pin_memory=True, pin_memory_device=0)  # type: ignore[arg-type]
+        DataLoader([1], batch_size=None, num_workers=2, pin_memory=True, pin_memory_device=0)  # type: ignore[arg-type]

@@ -196,4 +196,4 @@ def test_a_bad_progress_is_refused_at_once():
         with pytest.raises(TypeError, match="progress must be"):
             pool.imap_unordered(abs, [1], progress=3)
     with pytest.raises(TypeError, match="progress must be"):
-        DataLoader([1], progress=object())
+        DataLoader([1], batch_size=None, num_workers=2, progress=object())

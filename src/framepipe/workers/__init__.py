@@ -27,12 +27,22 @@ from .errors import (
     WorkerError,
     WorkerStartError,
 )
-from .loader import DataLoader, WorkerCrashWarning, WorkerInfo, default_collate, get_worker_info
+from .loader import (
+    DataLoader,
+    LoaderTimeout,
+    WorkerCrashWarning,
+    WorkerInfo,
+    WorkerInitError,
+    default_collate,
+    default_convert,
+    get_worker_info,
+)
 from .pool import Pool
 from .worker import Stream, Worker
 
 __all__ = [
     "DataLoader",
+    "LoaderTimeout",
     "MainGuardError",
     "Pool",
     "PoolBroken",
@@ -47,8 +57,10 @@ __all__ = [
     "WorkerCrashed",
     "WorkerError",
     "WorkerInfo",
+    "WorkerInitError",
     "WorkerStartError",
     "default_collate",
+    "default_convert",
     "get_worker_info",
     "worker_namespace",
 ]

@@ -10,13 +10,21 @@ the second.
 The hook is registered on import of this module, after ``multiprocessing.util``'s own: atexit
 runs hooks last-in first-out, so ours runs first. multiprocessing's would join every
 non-daemonic child and wait forever for a worker still running.
+
+A process started by ``multiprocessing`` runs no atexit hook: when its target returns or raises,
+it runs multiprocessing's finalizers, joins its own non-daemonic children, then ``os._exit``.
+So the hook is also a multiprocessing finalizer, entered (again) in each process by the first
+``register`` there (a child's finalizers are cleared when it starts), with an exit priority that
+runs it before that join; otherwise such a child that raised while it held a loader's iterator,
+say, would wait forever for that loader's workers.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import multiprocessing.util  # noqa: F401 - imported first so that our hook runs before its own
+import multiprocessing.util  # imported first so that our hook runs before its own
+import os
 import threading
 import weakref
 from typing import Protocol
@@ -36,14 +44,18 @@ _lock = threading.Lock()
 # weak: a supervisor the program dropped is stopped by its own finalizer, not kept alive here
 _owners: weakref.WeakValueDictionary[int, Owner] = weakref.WeakValueDictionary()
 _order = 0
+_finalizer_pid = -1  # the process whose multiprocessing finalizers hold the hook
 
 
 def register(owner: Owner) -> None:
     """Stop ``owner``'s processes at exit unless it is unregistered first."""
-    global _order
+    global _order, _finalizer_pid
     with _lock:
         _order += 1
         _owners[_order] = owner
+        if _finalizer_pid != os.getpid():
+            _finalizer_pid = os.getpid()
+            multiprocessing.util.Finalize(None, _stop_all_at_exit, exitpriority=100)
 
 
 def unregister(owner: Owner) -> None:

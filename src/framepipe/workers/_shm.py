@@ -170,6 +170,8 @@ class Wire:
         np = self.np
         if np is not None and type(obj) is np.ndarray:
             return self._array(obj)
+        if type(obj) is _TensorView:  # an array the parent makes a tensor
+            return _TensorView(self._array(obj.array))
         if _is_torch_tensor(obj):
             if (
                 obj.device.type == "cpu"
