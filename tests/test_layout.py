@@ -183,6 +183,7 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
             "workers._answers": {
                 "errors",
                 "workers._corebase",
+                "workers._lifecycle",
                 "workers._protocol",
                 "workers._shm",
                 "workers._slot",
@@ -270,6 +271,7 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
                 "remote",
                 "workers._atexit",
                 "workers._byvalue",
+                "workers._child",
                 "workers._pin",
                 "workers._process",
                 "workers._shm",

@@ -82,3 +82,14 @@ def _stop_all_at_exit() -> None:
     for owner in reversed(owners):  # the newest first, as each would have been closed
         with contextlib.suppress(Exception):
             owner.stop_at_exit()
+
+
+def _forget_in_child() -> None:
+    """A forked child owns none of its parent's workers: the supervisors it inherited (copies,
+    whose records name its siblings' pids) are never stopped from it."""
+    global _lock, _owners
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    _owners = weakref.WeakValueDictionary()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

@@ -72,10 +72,6 @@ __all__ = [
     "stack_text",
 ]
 
-# names the worker loops import from here, defined in the modules that own them
-_FdHandle = FdHandle
-_read_available = read_available
-
 
 @dataclass
 class WorkerBoot(Boot):

@@ -21,7 +21,8 @@ from ..._spin import workers_may_spin
 from ...errors import ReadTimeout, WriterDied
 from ...remote import loads_exception
 from .. import _atexit, _byvalue, _pin, _shm
-from .._process import WorkerProcess, _FdHandle, register_parent_side
+from .._child import FdHandle
+from .._process import WorkerProcess, register_parent_side
 from ..errors import WorkerError
 from . import recovery
 from .credits import (
@@ -260,7 +261,7 @@ class _Workers:
         mine = theirs = None
         if _shm.HAVE_MEMFD:
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        fdsock = None if theirs is None else _FdHandle(theirs.fileno())
+        fdsock = None if theirs is None else FdHandle(theirs.fileno())
         worker_end, parent_end = _credit_fds()
         beacon_fd = _beacon_fd() if self.retries else -1
         beacon = None
@@ -276,8 +277,8 @@ class _Workers:
                     **self.common,
                     "worker_id": wid,
                     "fdsock": fdsock,
-                    "credits": _FdHandle(worker_end),
-                    "beacon": _FdHandle(beacon_fd) if beacon_fd >= 0 else None,
+                    "credits": FdHandle(worker_end),
+                    "beacon": FdHandle(beacon_fd) if beacon_fd >= 0 else None,
                     "resume": resume,
                 },
             )
