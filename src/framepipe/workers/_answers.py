@@ -154,43 +154,9 @@ class Answers(CoreBase):
         """Act on one message of ``slot``'s worker; returns 1 for an answer to a task."""
         kind = msg[0]
         if kind == RESULT or kind == ERROR or kind == END:
-            # No lock: only the dispatcher appends to ``outstanding`` (deque operations are
-            # atomic) and only the holder of ``slot.reader`` pops it and counts answered
-            # bytes. Popped once its future is set: cut short in between (a caller's Ctrl-C),
-            # the task is still there for the report.
-            task = slot.outstanding[0]
-            if task.tid != msg[1]:
-                raise WorkerError(
-                    f"worker {slot.proc.name} answered task {msg[1]} while task {task.tid} was due"
-                )
-            if kind == RESULT:
-                if self._cancelled and task.tid in self._cancelled:
-                    self._cancelled.discard(task.tid)
-                    task.fail(WorkerCancelled(f"task {task.tid} was cancelled"))
-                else:
-                    try:
-                        task.future.set_result(msg[2])
-                    except concurrent.futures.InvalidStateError:
-                        pass  # it failed already (its deadline passed, it was cancelled)
-            elif kind == ERROR:
-                self._cancelled.discard(task.tid)
-                task.fail(revive(msg[2], executor=self.policy.executor))
-            else:
-                self._cancelled.discard(task.tid)
-                if task.stream is not None:
-                    task.stream.put(_END)
-                if not task.future.done():
-                    with contextlib.suppress(concurrent.futures.InvalidStateError):
-                        task.future.set_result(None)
-            slot.outstanding.popleft()
-            slot.done_bytes += task.size
-            task.payload = b""  # answered: its pickled call and function are not kept
-            task.fn = None
-            if not slot.outstanding and slot.state is State.RETIRING:
-                self._dirty = True  # its last answer: the manager closes it (_maintain)
-                self.wake()  # when a caller read it
+            self._answer(slot, kind, msg)
             return 1
-        elif kind == ITEM:
+        if kind == ITEM:
             task = slot.outstanding[0]
             slot.head_since = time.monotonic()
             if task.stream is not None:
@@ -213,5 +179,43 @@ class Answers(CoreBase):
         else:
             raise WorkerError(f"unexpected message {kind!r} from worker {slot.proc.name}")
         return 0
+
+    def _answer(self, slot: Slot, kind: int, msg: Any) -> None:
+        """The answer ``msg`` (RESULT, ERROR or END) to the task at the head of ``slot``."""
+        # No lock: only the dispatcher appends to ``outstanding`` (deque operations are
+        # atomic) and only the holder of ``slot.reader`` pops it and counts answered
+        # bytes. Popped once its future is set: cut short in between (a caller's Ctrl-C),
+        # the task is still there for the report.
+        task = slot.outstanding[0]
+        if task.tid != msg[1]:
+            raise WorkerError(
+                f"worker {slot.proc.name} answered task {msg[1]} while task {task.tid} was due"
+            )
+        if kind == RESULT:
+            if self._cancelled and task.tid in self._cancelled:
+                self._cancelled.discard(task.tid)
+                task.fail(WorkerCancelled(f"task {task.tid} was cancelled"))
+            else:
+                try:
+                    task.future.set_result(msg[2])
+                except concurrent.futures.InvalidStateError:
+                    pass  # it failed already (its deadline passed, it was cancelled)
+        elif kind == ERROR:
+            self._cancelled.discard(task.tid)
+            task.fail(revive(msg[2], executor=self.policy.executor))
+        else:
+            self._cancelled.discard(task.tid)
+            if task.stream is not None:
+                task.stream.put(_END)
+            if not task.future.done():
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    task.future.set_result(None)
+        slot.outstanding.popleft()
+        slot.done_bytes += task.size
+        task.payload = b""  # answered: its pickled call and function are not kept
+        task.fn = None
+        if not slot.outstanding and slot.state is State.RETIRING:
+            self._dirty = True  # its last answer: the manager closes it (_maintain)
+            self.wake()  # when a caller read it
 
     # -- deaths, deadlines, replacement --
