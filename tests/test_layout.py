@@ -147,9 +147,11 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
             },
             "workers.pool": {
                 "_lazy",
+                "remote",
                 "workers._byvalue",
                 "workers._dispatch",
                 "workers._progress",
+                "workers.errors",
                 "workers.worker",
             },
             "workers.loader": {
