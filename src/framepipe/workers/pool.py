@@ -405,7 +405,7 @@ class _Raised:
 
 def _run_each(fn: Callable[..., Any], chunk: list[tuple[Any, ...]]) -> list[Any]:
     """In a worker: ``fn(*args)`` for each ``args`` of ``chunk``, an exception in its place."""
-    out = []
+    out: list[Any] = []
     append = out.append
     for args in chunk:
         try:
