@@ -432,14 +432,21 @@ def _auto_map(
     size = _chunk_size(core, probe, n - probe_n, workers)
     rest = items[probe_n:]
     del items
-    if size < _AUTO_MIN_CHUNK:
-        results = core.submit_many(fn, rest, None)
-        return _joined(probe, results, _ordered(results, len(rest), deadline), deadline)
-    chunks = [rest[i : i + size] for i in range(0, len(rest), size)]
-    del rest
-    each = _byvalue.prepare(core, fn)  # by value if it must, once per worker
-    results = core.submit_many(_run_each, [(each, c) for c in chunks], None)
-    return _joined(probe, results, _chunks_out(core, fn, results, chunks, deadline), deadline)
+    try:
+        if size >= _AUTO_MIN_CHUNK:
+            chunks = [rest[i : i + size] for i in range(0, len(rest), size)]
+            each = _byvalue.prepare(core, fn)  # by value if it must, once per worker
+            results = core.submit_many(_run_each, [(each, c) for c in chunks], None)
+            out = _chunks_out(core, fn, results, chunks, deadline)
+        else:
+            results = core.submit_many(fn, rest, None)
+            out = _ordered(results, len(rest), deadline)
+    except Exception as exc:  # noqa: BLE001 - broken or shut down while the probe ran:
+        results = D.MapResults(len(rest))  # raised at the first item after the probe's
+        for i in range(len(rest)):
+            results.store(i, D._Failure(exc))
+        out = _ordered(results, len(rest), deadline)
+    return _joined(probe, results, out, deadline)
 
 
 def _joined(
