@@ -429,7 +429,7 @@ def _auto_map(
         return _ordered(results, n, deadline)
     probe_n = _AUTO_PROBE * workers
     probe = core.submit_many(fn, items[:probe_n], None)
-    size = _chunk_size(core, probe, n - probe_n, workers)
+    size = _chunk_size(core, probe, n - probe_n, workers, deadline)
     rest = items[probe_n:]
     del items
     try:
@@ -461,14 +461,18 @@ def _joined(
         probe.cancelled = results.cancelled = True
 
 
-def _chunk_size(core: D.Core, probe: D.MapResults, left: int, workers: int) -> int:
+def _chunk_size(
+    core: D.Core, probe: D.MapResults, left: int, workers: int, deadline: float | None
+) -> int:
     """Items a chunk for the ``left`` items after ``probe``, from how fast it ran; 0 when it
-    did not end in time (slow items: item by item)."""
+    did not end in time (slow items: item by item), nor before the map's ``deadline``."""
     values = probe.values
     empty = D._EMPTY
     start = time.monotonic()
     ready = any(s.ready for s in core.slots())
     until = start + (_AUTO_WAIT if ready else _AUTO_START_WAIT)
+    if deadline is not None:
+        until = min(until, deadline)
     first = None
     for i in range(len(values)):
         if values[i] is empty:
