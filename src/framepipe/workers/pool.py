@@ -371,22 +371,25 @@ class Pool(concurrent.futures.Executor):
 
 # NOTE [ Chunks of a map ]
 # A map of many small items spends its time on each item's round trip (its pickle, its frame,
-# its answer read and stored), not in the function. Without a ``chunksize``, ``map`` times
-# its first ``_AUTO_PROBE`` items a worker, sent one by one; when they ran fast, the rest goes
-# in chunks of about ``_AUTO_CHUNK_SECONDS`` of work (at least 4 chunks a worker, for balance),
+# its answer read and stored), not in the function. Without a ``chunksize``, ``map`` sends
+# its first ``_AUTO_PROBE`` items a worker one by one, each timed in its worker (``_Timed``: a
+# busy machine delays the answers, not the work); when they ran fast, the rest goes in
+# chunks of about ``_AUTO_CHUNK_SECONDS`` of work (at least 4 chunks a worker, for balance),
 # one pickle and one answer a chunk. Each item still ends as itself: ``_run_each`` keeps an
 # item's exception in its place (raised at that item, as item by item), and a chunk that
 # fails as a whole (its worker died, its results could not be pickled) runs again item by
 # item when the iteration reaches it, so that only the item that kills a worker fails with
 # WorkerCrashed and every other item gets its result. The cost: the items of that chunk that
 # ran before the crash run twice, and the item that crashes kills a second worker before it
-# fails (``chunksize=1``: each item at most once). Slow items (the probe not done within
-# ``_AUTO_WAIT``), short maps, a ``task_timeout`` (a deadline an item) and
-# ``max_tasks_per_worker`` (a count of items) keep to one task an item.
+# fails (``chunksize=1``: each item at most once). Slow items (not a worker's share of the
+# probe done within ``_AUTO_WAIT`` of its first answer), short maps, a ``task_timeout`` (a
+# deadline an item) and ``max_tasks_per_worker`` (a count of items) keep to one task an item.
+# On a pool whose workers are still starting, map() waits for the probe's first answer (at
+# most ``_AUTO_START_WAIT``, and never past its timeout): nothing could have run before.
 _AUTO_MIN_ITEMS = 1024  # a map of fewer items goes item by item
 _AUTO_PROBE = 16  # items a worker, sent one by one and timed, before the rest is chunked
-_AUTO_WAIT = 0.02  # seconds map() waits for them, at most, once a worker answered
-_AUTO_START_WAIT = 1.0  # ... and for a first answer while no worker is ready yet
+_AUTO_WAIT = 0.05  # seconds map() waits for them, at most, once a worker answered
+_AUTO_START_WAIT = 10.0  # ... and for a first answer while no worker has started yet
 _AUTO_CHUNK_SECONDS = 0.004  # the work one chunk should hold
 _AUTO_MIN_CHUNK = 4  # smaller chunks are not worth it: item by item
 
@@ -428,14 +431,14 @@ def _auto_map(
         results = core.submit_many(fn, items, None)
         return _ordered(results, n, deadline)
     probe_n = _AUTO_PROBE * workers
-    probe = core.submit_many(fn, items[:probe_n], None)
+    each = _byvalue.prepare(core, fn)  # by value if it must, once per worker
+    probe = core.submit_many(_Timed(each, fn), items[:probe_n], None)
     size = _chunk_size(core, probe, n - probe_n, workers, deadline)
     rest = items[probe_n:]
     del items
     try:
         if size >= _AUTO_MIN_CHUNK:
             chunks = [rest[i : i + size] for i in range(0, len(rest), size)]
-            each = _byvalue.prepare(core, fn)  # by value if it must, once per worker
             results = core.submit_many(_run_each, [(each, c) for c in chunks], None)
             out = _chunks_out(core, fn, results, chunks, deadline)
         else:
@@ -454,36 +457,68 @@ def _joined(
 ) -> Iterator[Any]:
     """The probe's results, then the rest's; closed early, what has not started of either is
     cancelled."""
+    values = probe.values
     try:
-        yield from _ordered(probe, len(probe.values), deadline)
+        for i in range(len(values)):
+            if values[i] is D._EMPTY:
+                _wait_for(probe, i, deadline)
+            if type(values[i]) is D._Failure:
+                exc = values[i].exc
+                values[i] = None
+                raise exc
+            yield _take(values, i)[0]  # (its result, the seconds it took: see _Timed)
         yield from rest
     finally:
         probe.cancelled = results.cancelled = True
 
 
+class _Timed:
+    """A probe item's call (see NOTE [ Chunks of a map ]): ``fn(*args)`` and the seconds it
+    took in the worker, which the parent's clock could not tell on a busy machine."""
+
+    def __init__(self, fn: Callable[..., Any], named: Any = None) -> None:
+        self.fn = fn
+        self.__qualname__ = D._task_name(fn if named is None else named)  # reports name fn
+        self.__module__ = None  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Timed, (self.fn, self.__qualname__))
+
+    def __call__(self, *args: Any) -> tuple[Any, float]:
+        start = time.perf_counter()
+        value = self.fn(*args)
+        return value, time.perf_counter() - start
+
+
 def _chunk_size(
     core: D.Core, probe: D.MapResults, left: int, workers: int, deadline: float | None
 ) -> int:
-    """Items a chunk for the ``left`` items after ``probe``, from how fast it ran; 0 when it
-    did not end in time (slow items: item by item), nor before the map's ``deadline``."""
+    """Items a chunk for the ``left`` items after ``probe``, from the time its items took in
+    the workers; 0 (item by item) when fewer than ``_AUTO_PROBE`` of them (a worker's share)
+    ended well within ``_AUTO_WAIT`` of the first answer (slow items, or failing ones), or
+    before the map's ``deadline``."""
     values = probe.values
-    empty = D._EMPTY
-    start = time.monotonic()
-    ready = any(s.ready for s in core.slots())
-    until = start + (_AUTO_WAIT if ready else _AUTO_START_WAIT)
+    until = time.monotonic() + (
+        _AUTO_WAIT if any(s.ready for s in core.slots()) else _AUTO_START_WAIT
+    )
     if deadline is not None:
         until = min(until, deadline)
-    first = None
+    took: list[float] = []
+    answered = False
     for i in range(len(values)):
-        if values[i] is empty:
+        if values[i] is D._EMPTY:
             try:
                 probe.wait(i, max(0.0, until - time.monotonic()))
             except TimeoutError:
-                return 0
-        if first is None:  # from the first answer: the workers' start-up does not count
-            first = time.monotonic()
-            until = min(until, first + _AUTO_WAIT)
-    per_item = (time.monotonic() - (first or start)) * workers / max(1, len(values) - 1)
+                break
+        if not answered:  # from the first answer: the workers' start-up does not count
+            answered = True
+            until = min(until, time.monotonic() + _AUTO_WAIT)
+        if type(values[i]) is not D._Failure:
+            took.append(values[i][1])
+    if len(took) < _AUTO_PROBE:
+        return 0
+    per_item = sum(took) / len(took)
     balanced = -(-left // (4 * workers))  # at least 4 chunks a worker
     if per_item <= 0:
         return balanced
