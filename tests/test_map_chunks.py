@@ -153,3 +153,24 @@ def test_closing_a_chunked_map_early_leaves_the_pool_working(engine, chunks_for_
         assert [next(it) for _ in range(10)] == list(range(10))
         it.close()
         assert list(pool.map(identity, range(N))) == list(range(N))
+
+
+def test_a_pool_still_starting_is_waited_for_then_chunked(engine, chunks_for_sure):
+    with Pool(2, start_method="fork") as pool:
+        out: list[int] = []
+        tasks = _tasks_for(pool, lambda: out.extend(pool.map(identity, range(N))))
+        assert out == list(range(N))
+        assert tasks == pool_module._AUTO_PROBE * 2 + 8
+
+
+def test_the_timed_first_items_fail_and_crash_as_themselves(engine, chunks_for_sure):
+    with Pool(2, start_method="fork", max_restarts=None) as pool:
+        got = []
+        with pytest.raises(ValueError, match="item 3 is bad"):
+            for value in pool.map(fail_at, range(N), [3] * N):
+                got.append(value)
+        assert got == [1, 2, 3]
+        with pytest.raises(WorkerCrashed) as info:
+            list(pool.map(kill_self_if, range(N), [{5}] * N))
+        assert info.value.task_name.endswith("kill_self_if")  # not the timing wrapper's name
+        assert len(pool.crashes) == 1  # an item of the probe: sent alone, it failed alone
