@@ -44,6 +44,14 @@ def bench_maps(items: int, repeat: int) -> dict[str, float]:
         rates["framepipe map(lambda)"] = _median_rate(
             items, lambda: list(pool.map(f, data)), repeat
         )
+        # item by item: one task an item, as without the chunks a long map of fast items gets
+        # by default (see NOTE [ Chunks of a map ] in framepipe.workers.pool)
+        rates["framepipe map(square, chunksize=1)"] = _median_rate(
+            items, lambda: list(pool.map(square, data, chunksize=1)), repeat
+        )
+        rates["framepipe map(lambda, chunksize=1)"] = _median_rate(
+            items, lambda: list(pool.map(f, data, chunksize=1)), repeat
+        )
         # mpire cuts a map in chunks by default (items / (4 * workers)); this is framepipe's
         # map in chunks of a size of the same order (a crash then fails its whole chunk)
         rates["framepipe map(lambda, chunksize=1000)"] = _median_rate(
@@ -118,6 +126,7 @@ def main() -> None:
     ratios = [
         ("framepipe map(lambda)", "loky map(lambda)"),
         ("framepipe map(lambda)", "mpire map(lambda)"),
+        ("framepipe map(lambda, chunksize=1)", "mpire map(lambda)"),
         ("framepipe map(lambda, chunksize=1000)", "mpire map(lambda)"),
         ("joblib Parallel(n_jobs=2), framepipe backend", "joblib Parallel(n_jobs=2), loky backend"),
     ]

@@ -312,3 +312,31 @@ def die_after_items(n):
     """Yield 0..n-1, then die by SIGKILL."""
     yield from range(n)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_once_at(x, victim, path):
+    """Return x * 2; at item ``victim``, die by SIGKILL the first time (creating ``path``)."""
+    if x == victim and not os.path.exists(path):
+        with open(path, "w"):
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x * 2
+
+
+def fail_at(x, bad):
+    """Return x + 1; raise ValueError at item ``bad``."""
+    if x == bad:
+        raise ValueError(f"item {x} is bad")
+    return x + 1
+
+
+def unreadable_at(x, bad):
+    """Return x; at item ``bad``, a result the parent cannot unpickle."""
+    return Unreadable("import") if x == bad else x
+
+
+def slow_below(x, n, seconds):
+    """Return x, after sleeping ``seconds`` when x < n."""
+    if x < n:
+        time.sleep(seconds)
+    return x

@@ -97,6 +97,28 @@ def test_timeout_stops_the_call_and_its_workers():
         assert joblib.Parallel()(joblib.delayed(abs)(-i) for i in range(5)) == list(range(5))
 
 
+def _nap_or_fail(x: object) -> object:
+    if isinstance(x, str):
+        raise ValueError(x)
+    time.sleep(float(x))  # type: ignore[arg-type]
+    return x
+
+
+@pytest.mark.parametrize("return_as", ["list", "generator"])
+def test_a_failed_batch_stops_a_call_in_order_at_once(return_as):
+    """Results in order are waited for in joblib's main thread: a batch that fails behind one
+    still running raises at once, not once the batch before it ends."""
+    with joblib.parallel_config(backend="framepipe", n_jobs=2, start_method="fork"):
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="bad batch"):
+            out = joblib.Parallel(batch_size=1, return_as=return_as)(
+                joblib.delayed(_nap_or_fail)(x) for x in (30, "bad batch", 0, 0)
+            )
+            list(out)
+        assert time.monotonic() - start < 20  # not after the 30 s batch ahead of it
+        assert joblib.Parallel()(joblib.delayed(abs)(-i) for i in range(5)) == list(range(5))
+
+
 def test_n_jobs_one_runs_here():
     with joblib.parallel_config(backend="framepipe", n_jobs=1):
         assert joblib.Parallel()(joblib.delayed(os.getpid)() for _ in range(3)) == [os.getpid()] * 3

@@ -138,17 +138,39 @@ class FramepipeBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[
         env.update(pool_kwargs.pop("env", None) or {})
         self._pool = _pool_for(n_jobs, {**pool_kwargs, "env": env})
         self.parallel = parallel
+        # See NOTE [ Results in order ]
+        self.supports_retrieve_callback = not getattr(parallel, "return_ordered", False)
+        self._first_error: concurrent.futures.Future[Any] = concurrent.futures.Future()
         return n_jobs
 
     def submit(self, func: Any, callback: Any = None) -> concurrent.futures.Future[Any]:
         assert self._pool is not None, "configure() first"
         future = self._pool.submit(func)
         if callback is not None:
-            future.add_done_callback(callback)
+            if self.supports_retrieve_callback:
+                future.add_done_callback(callback)
+            else:
+                future.add_done_callback(_InOrder(callback, self._first_error))
         return future
 
     def retrieve_result_callback(self, future: concurrent.futures.Future[Any]) -> Any:
         return future.result()
+
+    def retrieve_result(
+        self, out: concurrent.futures.Future[Any], timeout: float | None = None
+    ) -> Any:
+        """A batch's results, waited for in joblib's main thread (results in order); the
+        error of another batch as soon as one failed; joblib's TimeoutError after
+        ``timeout``."""
+        first_error = self._first_error
+        done, _ = concurrent.futures.wait(
+            (out, first_error), timeout, return_when=concurrent.futures.FIRST_COMPLETED
+        )
+        if out in done:
+            return out.result()
+        if first_error in done:
+            raise first_error.result()
+        raise multiprocessing.TimeoutError()  # what joblib raises for a timeout, as with loky
 
     def terminate(self) -> None:
         self._pool = None  # its workers stay for the next call (see _pool_for)
@@ -164,6 +186,38 @@ class FramepipeBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[
                 parallel=self.parallel,
                 **self.parallel._backend_kwargs,
             )
+
+
+# NOTE [ Results in order ]
+# With ``supports_retrieve_callback``, joblib's main thread does not wait on the batches: it
+# looks whether the next one is done every 10 ms (``Parallel._retrieve``), so a call ends up to
+# 10 ms after its last batch, a fifth of the time of 10,000 tiny calls. For results in order
+# (``return_as="list"`` and ``"generator"``), this backend takes joblib's other way instead:
+# the main thread waits on each batch's future (``retrieve_result``) and wakes when it ends.
+# As with the callback, a failed batch stops the call at once: ``_InOrder`` dispatches no more
+# batches after it, and the main thread, whatever batch it waits on, raises its error then.
+# ``"generator_unordered"`` keeps the callback (joblib hands batches out as they end there).
+
+
+class _InOrder:
+    """The done-callback of a batch when joblib's main thread retrieves the results: joblib's
+    callback (which dispatches the next batch) after a batch that ended well; after one that
+    failed, its error to ``first_error``, and no new batch."""
+
+    __slots__ = ("callback", "first_error")
+
+    def __init__(self, callback: Any, first_error: concurrent.futures.Future[Any]) -> None:
+        self.callback = callback
+        self.first_error = first_error
+
+    def __call__(self, future: concurrent.futures.Future[Any]) -> None:
+        exc = concurrent.futures.CancelledError() if future.cancelled() else future.exception()
+        if exc is None:
+            self.callback(future)
+            return
+        with _lock:
+            if not self.first_error.done():
+                self.first_error.set_result(exc)
 
 
 def register() -> None:

@@ -60,6 +60,19 @@ class Policy:
     # The workers a task may kill before it fails (see NOTE [ Crashes blamed on tasks ]).
     max_task_crashes: int = 1
 
+    def __post_init__(self) -> None:
+        r = self.max_restarts
+        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
+            raise ValueError(f"max_restarts must be an int >= 0 or None, not {r!r}")
+        n = self.max_task_crashes
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(
+                f"max_task_crashes must be an int >= 1 (the workers a task may kill before it "
+                f"fails), not {n!r}"
+            )
+        if not self.restart_window > 0:
+            raise ValueError(f"restart_window must be positive, not {self.restart_window!r}")
+
     def crash_loop(self, crashes_in_a_row: int) -> bool:
         """Whether that many crashes in a row break the core."""
         return self.max_restarts is not None and crashes_in_a_row > self.max_restarts

@@ -12,13 +12,31 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ParamSpec, TypeVar, overload
 
 from .._lazy import asyncio  # imported on first use (see _lazy)
+from ..remote import dumps_exception
 from . import _byvalue, _progress
 from . import _dispatch as D
 from ._options import ProcessOptions
 from ._policy import PoolPolicy
+from ._tasks import _task_name
+from .errors import PoolBroken, revive
 from .worker import _check_timeout
 
 __all__ = ["Pool"]
+
+
+def _worker_count(max_workers: Any) -> int:
+    """``max_workers`` checked (None: one per CPU)."""
+    if max_workers is None:
+        return os.cpu_count() or 1
+    if not isinstance(max_workers, int) or isinstance(max_workers, bool):
+        raise TypeError(
+            f"max_workers must be an int, not {type(max_workers).__name__} "
+            f"({max_workers!r}); pass a number such as Pool(4), or None for one per CPU"
+        )
+    if max_workers < 1:
+        raise ValueError(f"max_workers must be a positive int, not {max_workers!r}")
+    return max_workers
+
 
 T = TypeVar("T")
 A = TypeVar("A")
@@ -81,39 +99,10 @@ class Pool(concurrent.futures.Executor):
         tee: bool = False,
         name: str = "pool",
     ) -> None:
-        if max_workers is None:
-            max_workers = os.cpu_count() or 1
-        if not isinstance(max_workers, int) or isinstance(max_workers, bool):
-            raise TypeError(
-                f"max_workers must be an int, not {type(max_workers).__name__} "
-                f"({max_workers!r}); pass a number such as Pool(4), or None for one per CPU"
-            )
-        if max_workers < 1:
-            raise ValueError(f"max_workers must be a positive int, not {max_workers!r}")
-        if initializer is not None and not callable(initializer):
-            raise TypeError(f"initializer must be callable, not {type(initializer).__name__}")
-        for label, value in (
-            ("max_tasks_per_worker", max_tasks_per_worker),
-            ("max_rss", max_rss),
-            ("max_restarts", max_restarts),
-        ):
-            if value is not None and (
-                not isinstance(value, int) or value < 0 or (value == 0 and label != "max_restarts")
-            ):
+        max_workers = _worker_count(max_workers)
+        for label, value in (("max_tasks_per_worker", max_tasks_per_worker), ("max_rss", max_rss)):
+            if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{label} must be a positive int or None, not {value!r}")
-        if (
-            not isinstance(max_task_crashes, int)
-            or isinstance(max_task_crashes, bool)
-            or max_task_crashes < 1
-        ):
-            raise ValueError(
-                f"max_task_crashes must be an int >= 1 (the workers a task may kill before it "
-                f"fails), not {max_task_crashes!r}"
-            )
-        if not restart_window > 0:
-            raise ValueError(f"restart_window must be positive, not {restart_window!r}")
-        if not kill_grace >= 0:
-            raise ValueError(f"kill_grace must be >= 0, not {kill_grace!r}")
         self._max_workers = max_workers
         options = ProcessOptions(
             name=name,
@@ -181,7 +170,7 @@ class Pool(concurrent.futures.Executor):
         /,
         *,
         timeout: float | None = None,
-        chunksize: int = 1,
+        chunksize: int | None = None,
         buffersize: int | None = None,
         progress: Any = None,
     ) -> Iterator[T]: ...
@@ -195,7 +184,7 @@ class Pool(concurrent.futures.Executor):
         /,
         *,
         timeout: float | None = None,
-        chunksize: int = 1,
+        chunksize: int | None = None,
         buffersize: int | None = None,
         progress: Any = None,
     ) -> Iterator[T]: ...
@@ -210,7 +199,7 @@ class Pool(concurrent.futures.Executor):
         /,
         *iterables: Iterable[Any],
         timeout: float | None = None,
-        chunksize: int = 1,
+        chunksize: int | None = None,
         buffersize: int | None = None,
         progress: Any = None,
     ) -> Iterator[T]: ...
@@ -220,19 +209,24 @@ class Pool(concurrent.futures.Executor):
         fn: Callable[..., T],
         *iterables: Iterable[Any],
         timeout: float | None = None,
-        chunksize: int = 1,
+        chunksize: int | None = None,
         buffersize: int | None = None,
         progress: Any = None,
     ) -> Iterator[T]:
         """Like ``Executor.map``: results in order; ``timeout`` bounds the whole iteration
         (from this call), raising ``TimeoutError``. ``chunksize`` groups that many calls into
-        one task (a crash then fails the whole chunk). ``buffersize`` (as Python 3.14's
-        ``Executor.map``): at most that many tasks submitted and not yet yielded; the items
-        are then taken from ``iterables`` only as results are consumed, so an endless
-        generator runs in bounded memory. Without it, every item is taken at once, as
-        ``concurrent.futures`` does. ``progress``: True, a callable, a tqdm or rich bar, to
-        show the results handed out (see :mod:`._progress`)."""
-        _check_positive("chunksize", chunksize)
+        one task (a crash then fails the whole chunk); ``chunksize=1``, one task an item.
+        Without ``chunksize`` (None), a map of many items whose first items run fast is sent
+        in chunks whose items still end one by one: each item's result or exception in its
+        place, and a chunk whose worker died is run again item by item, so that only the item
+        that kills a worker fails, with :class:`WorkerCrashed` (see :func:`_auto_map`).
+        ``buffersize`` (as Python 3.14's ``Executor.map``): at most that many tasks submitted
+        and not yet yielded; the items are then taken from ``iterables`` only as results are
+        consumed, so an endless generator runs in bounded memory. Without it, every item is
+        taken at once, as ``concurrent.futures`` does. ``progress``: True, a callable, a tqdm
+        or rich bar, to show the results handed out (see :mod:`._progress`)."""
+        if chunksize is not None:
+            _check_positive("chunksize", chunksize)
         if buffersize is not None:
             _check_positive("buffersize", buffersize)
         _progress.check(progress)
@@ -240,21 +234,32 @@ class Pool(concurrent.futures.Executor):
         items: Iterator[tuple[Any, ...]] = zip(*iterables)
         run: Callable[..., Any] = fn
         total = _length(iterables)
+        core = self._core
+        if (
+            chunksize is None
+            and buffersize is None
+            and core.task_timeout is None  # a deadline an item, and a task count a worker:
+            and core.max_tasks is None  # those stay item by item
+        ):
+            every = list(items)
+            out = _auto_map(core, self._max_workers, fn, every, deadline)
+            return _progress.track(out, progress, len(every), core.name)
+        chunksize = chunksize or 1
         if chunksize > 1:
-            each = _byvalue.prepare(self._core, fn)  # by value if it must, once per worker
+            each = _byvalue.prepare(core, fn)  # by value if it must, once per worker
             it = items
             items = ((each, c) for c in iter(lambda: list(itertools.islice(it, chunksize)), []))
             run = _run_chunk
         if buffersize is None:
-            results = self._core.submit_many(run, items, self._core.task_timeout)
+            results = core.submit_many(run, items, core.task_timeout)
             out = _ordered(results, len(results.values), deadline)
             if chunksize == 1:
                 total = len(results.values)
         else:
-            out = _lazy(self._core, run, items, buffersize, deadline)
+            out = _lazy(core, run, items, buffersize, deadline)
         if chunksize > 1:
             out = _chain_lists(out)
-        return _progress.track(out, progress, total, self._core.name)
+        return _progress.track(out, progress, total, core.name)
 
     def imap(
         self,
@@ -358,6 +363,210 @@ class Pool(concurrent.futures.Executor):
         return rows
 
 
+# NOTE [ Chunks of a map ]
+# A map of many small items spends its time on each item's round trip (its pickle, its frame,
+# its answer read and stored), not in the function. Without a ``chunksize``, ``map`` sends
+# its first ``_AUTO_PROBE`` items a worker one by one, each timed in its worker (``_Timed``: a
+# busy machine delays the answers, not the work); when they ran fast, the rest goes in
+# chunks of about ``_AUTO_CHUNK_SECONDS`` of work (at least 4 chunks a worker, for balance),
+# one pickle and one answer a chunk. Each item still ends as itself: ``_run_each`` keeps an
+# item's exception in its place (raised at that item, as item by item), and a chunk that
+# fails as a whole (its worker died, its results could not be pickled) runs again item by
+# item when the iteration reaches it, so that only the item that kills a worker fails with
+# WorkerCrashed and every other item gets its result. The cost: the items of that chunk that
+# ran before the crash run twice, and the item that crashes kills a second worker before it
+# fails (``chunksize=1``: each item at most once). Slow items (not a worker's share of the
+# probe done within ``_AUTO_WAIT`` of its first answer), short maps, a ``task_timeout`` (a
+# deadline an item) and ``max_tasks_per_worker`` (a count of items) keep to one task an item.
+# On a pool whose workers are still starting, map() waits for the probe's first answer (at
+# most ``_AUTO_START_WAIT``, and never past its timeout): nothing could have run before.
+_AUTO_MIN_ITEMS = 1024  # a map of fewer items goes item by item
+_AUTO_PROBE = 16  # items a worker, sent one by one and timed, before the rest is chunked
+_AUTO_WAIT = 0.05  # seconds map() waits for them, at most, once a worker answered
+_AUTO_START_WAIT = 10.0  # ... and for a first answer while no worker has started yet
+_AUTO_CHUNK_SECONDS = 0.004  # the work one chunk should hold
+_AUTO_MIN_CHUNK = 4  # smaller chunks are not worth it: item by item
+
+
+class _Raised:
+    """An item's exception in a chunk's results (pickled as the worker sends exceptions)."""
+
+    __slots__ = ("blob",)
+
+    def __init__(self, blob: bytes) -> None:
+        self.blob = blob
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Raised, (self.blob,))
+
+
+def _run_each(fn: Callable[..., Any], chunk: list[tuple[Any, ...]]) -> list[Any]:
+    """In a worker: ``fn(*args)`` for each ``args`` of ``chunk``, an exception in its place."""
+    out: list[Any] = []
+    append = out.append
+    for args in chunk:
+        try:
+            append(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - as a task's: to the caller, at its item
+            append(_Raised(dumps_exception(exc)))
+    return out
+
+
+def _auto_map(
+    core: D.Core,
+    workers: int,
+    fn: Callable[..., Any],
+    items: list[tuple[Any, ...]],
+    deadline: float | None,
+) -> Iterator[Any]:
+    """``map`` without a chunksize: see NOTE [ Chunks of a map ]."""
+    n = len(items)
+    if n < _AUTO_MIN_ITEMS:
+        results = core.submit_many(fn, items, None)
+        return _ordered(results, n, deadline)
+    probe_n = _AUTO_PROBE * workers
+    each = _byvalue.prepare(core, fn)  # by value if it must, once per worker
+    probe = core.submit_many(_Timed(each, fn), items[:probe_n], None)
+    size = _chunk_size(core, probe, n - probe_n, workers, deadline)
+    rest = items[probe_n:]
+    del items
+    try:
+        if size >= _AUTO_MIN_CHUNK:
+            chunks = [rest[i : i + size] for i in range(0, len(rest), size)]
+            results = core.submit_many(_run_each, [(each, c) for c in chunks], None)
+            out = _chunks_out(core, fn, results, chunks, deadline)
+        else:
+            results = core.submit_many(fn, rest, None)
+            out = _ordered(results, len(rest), deadline)
+    except Exception as exc:  # noqa: BLE001 - broken or shut down while the probe ran:
+        results = D.MapResults(len(rest))  # raised at the first item after the probe's
+        for i in range(len(rest)):
+            results.store(i, D._Failure(exc))
+        out = _ordered(results, len(rest), deadline)
+    return _joined(probe, results, out, deadline)
+
+
+def _joined(
+    probe: D.MapResults, results: D.MapResults, rest: Iterator[Any], deadline: float | None
+) -> Iterator[Any]:
+    """The probe's results, then the rest's; closed early, what has not started of either is
+    cancelled."""
+    values = probe.values
+    try:
+        for i in range(len(values)):
+            if values[i] is D._EMPTY:
+                _wait_for(probe, i, deadline)
+            if type(values[i]) is D._Failure:
+                exc = values[i].exc
+                values[i] = None
+                raise exc
+            yield _take(values, i)[0]  # (its result, the seconds it took: see _Timed)
+        yield from rest
+    finally:
+        probe.cancelled = results.cancelled = True
+
+
+class _Timed:
+    """A probe item's call (see NOTE [ Chunks of a map ]): ``fn(*args)`` and the seconds it
+    took in the worker, which the parent's clock could not tell on a busy machine."""
+
+    def __init__(self, fn: Callable[..., Any], named: Any = None) -> None:
+        self.fn = fn
+        self.__qualname__ = _task_name(fn if named is None else named)  # reports name fn
+        self.__module__ = None  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Timed, (self.fn, self.__qualname__))
+
+    def __call__(self, *args: Any) -> tuple[Any, float]:
+        start = time.perf_counter()
+        value = self.fn(*args)
+        return value, time.perf_counter() - start
+
+
+def _chunk_size(
+    core: D.Core, probe: D.MapResults, left: int, workers: int, deadline: float | None
+) -> int:
+    """Items a chunk for the ``left`` items after ``probe``, from the time its items took in
+    the workers; 0 (item by item) when fewer than ``_AUTO_PROBE`` of them (a worker's share)
+    ended well within ``_AUTO_WAIT`` of the first answer (slow items, or failing ones), or
+    before the map's ``deadline``."""
+    values = probe.values
+    until = time.monotonic() + (
+        _AUTO_WAIT if any(s.ready for s in core.slots()) else _AUTO_START_WAIT
+    )
+    if deadline is not None:
+        until = min(until, deadline)
+    took: list[float] = []
+    answered = False
+    for i in range(len(values)):
+        if values[i] is D._EMPTY:
+            try:
+                probe.wait(i, max(0.0, until - time.monotonic()))
+            except TimeoutError:
+                break
+        if not answered:  # from the first answer: the workers' start-up does not count
+            answered = True
+            until = min(until, time.monotonic() + _AUTO_WAIT)
+        if type(values[i]) is not D._Failure:
+            took.append(values[i][1])
+    if len(took) < _AUTO_PROBE:
+        return 0
+    per_item = sum(took) / len(took)
+    balanced = -(-left // (4 * workers))  # at least 4 chunks a worker
+    if per_item <= 0:
+        return balanced
+    return min(balanced, int(_AUTO_CHUNK_SECONDS / per_item))
+
+
+def _chunks_out(
+    core: D.Core,
+    fn: Callable[..., Any],
+    results: D.MapResults,
+    chunks: list[Any],
+    deadline: float | None,
+) -> Iterator[Any]:
+    """The items of each chunk of ``results`` in order (see NOTE [ Chunks of a map ])."""
+    values = results.values
+    try:
+        for j in range(len(chunks)):
+            _wait_for(results, j, deadline)
+            out = values[j]
+            values[j] = None
+            chunk = chunks[j]
+            chunks[j] = None  # let go of once its results are in
+            if type(out) is D._Failure:
+                yield from _again(core, fn, chunk, out.exc, deadline)
+                continue
+            del chunk
+            out.reverse()
+            while out:
+                value = out.pop()
+                if type(value) is _Raised:
+                    raise revive(value.blob, executor=True)
+                yield value
+    finally:
+        results.cancelled = True
+
+
+def _again(
+    core: D.Core,
+    fn: Callable[..., Any],
+    chunk: list[tuple[Any, ...]],
+    exc: BaseException,
+    deadline: float | None,
+) -> Iterator[Any]:
+    """A chunk that failed as a whole, its items run again one by one; ``exc`` itself when
+    it was cancelled, or the pool cannot take them (broken, shut down)."""
+    if isinstance(exc, (concurrent.futures.CancelledError, PoolBroken)):  # WorkerCancelled too
+        raise exc
+    try:
+        again = core.submit_many(fn, chunk, None)
+    except Exception:  # noqa: BLE001 - broken or shut down meanwhile: the chunk's own error
+        raise exc from None
+    yield from _ordered(again, len(chunk), deadline)
+
+
 def _run_chunk(fn: Callable[..., Any], chunk: list[tuple[Any, ...]]) -> list[Any]:
     return [fn(*args) for args in chunk]
 
@@ -384,15 +593,8 @@ def _ordered(results: D.MapResults, n: int, deadline: float | None) -> Iterator[
     failure = D._Failure
     try:
         for i in range(n):
-            if values[i] is not empty:
-                pass  # ready: handed out whatever the time (as concurrent.futures does)
-            elif deadline is not None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError("map() did not finish within its timeout")
-                results.wait(i, remaining)
-            else:
-                results.wait(i, None)
+            if values[i] is empty:
+                _wait_for(results, i, deadline)
             if type(values[i]) is failure:
                 exc = values[i].exc
                 values[i] = None
@@ -401,6 +603,20 @@ def _ordered(results: D.MapResults, n: int, deadline: float | None) -> Iterator[
             yield _take(values, i)
     finally:
         results.cancelled = True
+
+
+def _wait_for(results: D.MapResults, i: int, deadline: float | None) -> None:
+    """Wait for item ``i`` of ``results``; TimeoutError once ``deadline`` has passed. One that
+    is ready is handed out whatever the time (as concurrent.futures does)."""
+    if results.values[i] is not D._EMPTY:
+        return
+    if deadline is None:
+        results.wait(i, None)
+        return
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("map() did not finish within its timeout")
+    results.wait(i, remaining)
 
 
 def _length(iterables: tuple[Iterable[Any], ...]) -> int | None:
