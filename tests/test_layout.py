@@ -31,7 +31,7 @@ PACKAGE = Path(framepipe.__file__).parent
 # here. framepipe.bench is on top: no library module imports it, only the command line.
 LAYERS: list[tuple[str, dict[str, set[str]]]] = [
     (
-        "leaves: the version, errors, the wire format, argument checks, lazy imports",
+        "leaves: the version, errors, the wire format, argument checks, lazy imports, closing",
         {
             "_version": set(),
             "errors": set(),
@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
             "_wire": set(),
             "_args": set(),
             "_width": set(),
+            "_closing": set(),
         },
     ),
     (
@@ -76,7 +77,7 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
     (
         "the connection over either engine, and the switch",
         {
-            "_pipes": set(),
+            "_pipes": {"_closing"},
             "_aio": {"_args", "_lazy", "_pickling", "_stream_errors", "_wire", "errors"},
             "_control": {"_unpickle", "_wire", "errors", "remote", "watch"},
             "_connection": {
@@ -129,6 +130,7 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
                 "remote",
                 "workers._child",
                 "workers._launch",
+                "workers._options",
                 "workers._stderr",
                 "workers.errors",
             },
@@ -226,6 +228,7 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
                 "workers.errors",
             },
             "workers.worker": {
+                "_closing",
                 "_lazy",
                 "workers._dispatch",
                 "workers._options",

@@ -10,6 +10,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from ._closing import Closing
+
 _BUFFER_SIZE = 1 << 20  # pipe and socket buffers: fewer wake-ups for large frames
 BULK_BUFFER_SIZE = 4 << 20  # SO_SNDBUF / SO_RCVBUF of the bulk socketpairs (best effort)
 
@@ -159,7 +161,7 @@ def make_pipe(Connection: type[Any]) -> Callable[..., tuple[Any, Any]]:
     return pipe
 
 
-class Pipe:
+class Pipe(Closing):
     """A one-way framed pipe with timed reads and writer liveness.
 
     Made for code written against the reference ``subprocess_rpc.Pipe``: constructed owning a
@@ -268,15 +270,3 @@ class Pipe:
         for conn in (self._reader, self._writer):
             if conn is not None:
                 conn.close()
-
-    def __enter__(self) -> Pipe:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - a finalizer never raises
-            pass

@@ -62,9 +62,13 @@ class CoreBase:
         self._mp = mp_context
         self.byvalue: _byvalue.Registry | None = None  # functions sent by value (_byvalue)
         self._main_by_value = _byvalue.main_by_value(mp_context)
-        self._proc_kw: dict[str, Any] = options.process_kw()
-        self._proc_kw["initializer"] = _byvalue.portable(mp_context, options.initializer)
-        self._proc_kw["options"] = {"max_rss": max_rss, "spin": workers_may_spin(max_workers)}
+        # the initializer by value where it must be (see _byvalue)
+        initializer = _byvalue.portable(mp_context, options.initializer)
+        self._start_options = options.sending(initializer)
+        self._loop_options: dict[str, Any] = {
+            "max_rss": max_rss,
+            "spin": workers_may_spin(max_workers),
+        }
         self._loop = loop
         self.task_timeout = task_timeout
         self.kill_grace = options.kill_grace

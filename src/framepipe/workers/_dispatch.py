@@ -106,17 +106,16 @@ class Core(Submitting, Scheduling, Lending, Answers, Failures, CoreBase):
 
     def _spawn(self) -> Slot:
         index = next(self._names)
-        kw = dict(self._proc_kw)
+        loop_options = dict(self._loop_options)
         mine = theirs = None
         if _shm.HAVE_MEMFD:
             # large arrays in results travel in memfds the worker passes over this socket
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            kw["options"] = {
-                **kw["options"],
-                "fdsock": FdHandle(theirs.fileno()),
-                "shm_slots": SHM_SLOTS,
-            }
-        proc = WorkerProcess(self._mp, f"{self.name}-{index}", self._loop, **kw)
+            loop_options["fdsock"] = FdHandle(theirs.fileno())
+            loop_options["shm_slots"] = SHM_SLOTS
+        proc = WorkerProcess(
+            self._mp, f"{self.name}-{index}", self._loop, self._start_options, options=loop_options
+        )
         slot = Slot(proc, index, _shm.Receiver(mine))
         if _poller.LEND:
             slot.poke_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)

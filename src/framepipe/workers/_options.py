@@ -9,6 +9,7 @@ once (each bad value refused with what to pass instead) and is what the supervis
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import multiprocessing
@@ -87,13 +88,9 @@ class ProcessOptions:
         platform has, when it has no such method)."""
         return get_context(self.start_method)
 
-    def process_kw(self) -> dict[str, Any]:
-        """The keyword arguments a :class:`~framepipe.workers._process.WorkerProcess` takes."""
-        return {
-            "initializer": self.initializer,
-            "initargs": self.initargs,
-            "env": dict(self.env) if self.env is not None else None,
-            "cwd": self.cwd,
-            "log_dir": self.log_dir,
-            "tee": self.tee,
-        }
+    def sending(self, initializer: Any) -> ProcessOptions:
+        """These options with the initializer in the form it travels to the child in (a
+        function sent by value is not itself callable here: see ``_byvalue``)."""
+        sent = copy.copy(self)
+        object.__setattr__(sent, "initializer", initializer)
+        return sent

@@ -54,6 +54,7 @@ from ._child import (
 )
 from ._launch import die_with_group as _die_with_group
 from ._launch import parent_gone
+from ._options import ProcessOptions
 from ._stderr import STDERR_DRAIN, TAIL_BYTES, TAIL_LINES, OutputPipe, open_output, read_available
 from .errors import WorkerCancelled, WorkerCrashed
 
@@ -369,24 +370,15 @@ class WorkerProcess:
         ctx: Any,
         name: str,
         loop: Callable[[ChildContext], None],
+        process: ProcessOptions | None = None,
         *,
-        initializer: Callable[..., Any] | None = None,
-        initargs: tuple[Any, ...] = (),
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        log_dir: str | None = None,
-        tee: bool = False,
         options: dict[str, Any] | None = None,
     ) -> None:
         self.name = name
         self._ctx = ctx
         self._loop = loop
-        self._initializer = initializer
-        self._initargs = tuple(initargs)
-        self._env = dict(env) if env else None
-        self._cwd = cwd
-        self._log_dir = log_dir
-        self._tee = tee
+        # how it starts (initializer, env, cwd, output); ``options``: what its loop reads
+        self._how = process if process is not None else ProcessOptions(name=name)
         self._options = dict(options or {})
         self.process: Any = None
         self.conn: Any = None
@@ -415,12 +407,13 @@ class WorkerProcess:
         stack_r, stack_w = os.pipe()
         self.conn, self.health, self._stack_r = conn, health, stack_r
         log_path = stdout_path = None
-        if self._log_dir:
-            d = os.path.join(self._log_dir, self.name)
+        log_dir = self._how.log_dir
+        if log_dir:
+            d = os.path.join(log_dir, self.name)
             os.makedirs(d, exist_ok=True)
             log_path = os.path.join(d, "stderr.log")
             stdout_path = os.path.join(d, "stdout.log")
-        console = "prefix" if self._tee else (None if self._log_dir else "raw")
+        console = "prefix" if self._how.tee else (None if log_dir else "raw")
         self.stderr, err_w = open_output(self.name, log_path, console)
         boot = WorkerBoot(
             name=self.name,
@@ -430,10 +423,10 @@ class WorkerProcess:
             stack=FdHandle(stack_w),
             stderr=FdHandle(err_w),
             loop=self._loop,
-            initializer=self._initializer,
-            initargs=self._initargs,
-            env=self._env,
-            cwd=self._cwd,
+            initializer=self._how.initializer,
+            initargs=self._how.initargs,
+            env=dict(self._how.env) if self._how.env else None,
+            cwd=self._how.cwd,
             stdout_path=stdout_path,
             options=self._options,
         )

@@ -196,6 +196,15 @@ class Submitting(CoreBase):
 
     # -- ending --
 
+    def dropped(self) -> None:
+        """The Pool or Worker that owns this core was dropped without being shut down: the
+        core shuts down without waiting (its tasks still run; see _atexit for the exit)."""
+        if not self.closing:
+            try:
+                self.shutdown(wait=False)
+            except Exception:  # noqa: BLE001 - called from a finalizer, which never raises
+                pass
+
     def shutdown(
         self, wait: bool = True, cancel_futures: bool = False, timeout: float | None = None
     ) -> None:

@@ -314,11 +314,8 @@ class Pool(concurrent.futures.Executor):
 
     def __del__(self) -> None:
         core = getattr(self, "_core", None)
-        if core is not None and not core.closing:
-            try:
-                core.shutdown(wait=False)
-            except Exception:  # noqa: BLE001 - a finalizer never raises
-                pass
+        if core is not None:
+            core.dropped()
 
     # -- facts --
 

@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, ParamSpec, TypeVar, overload
 
+from .._closing import Closing
 from .._lazy import asyncio  # imported on first use (see _lazy)
 from . import _dispatch as D
 from . import _process
@@ -31,7 +32,7 @@ def _check_timeout(name: str, value: float | None) -> float | None:
     return value
 
 
-class Stream(Iterator[Any], AsyncIterator[Any]):
+class Stream(Closing, Iterator[Any], AsyncIterator[Any]):
     """The items of :meth:`Worker.stream`, as they are produced. Closing it (``close()``,
     ``break`` out of a ``for`` loop that owns it, or dropping it) stops the generator in the
     worker. Iterate it with ``for`` or ``async for``."""
@@ -141,18 +142,6 @@ class Stream(Iterator[Any], AsyncIterator[Any]):
 
     async def aclose(self) -> None:
         self.close()
-
-    def __enter__(self) -> Stream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - a finalizer never raises
-            pass
 
 
 class Worker:
@@ -456,11 +445,8 @@ class Worker:
 
     def __del__(self) -> None:
         core = getattr(self, "_core", None)
-        if core is not None and not core.closing:
-            try:
-                core.shutdown(wait=False)
-            except Exception:  # noqa: BLE001 - a finalizer never raises
-                pass
+        if core is not None:
+            core.dropped()
 
 
 _names = iter(range(1, 1 << 62))
