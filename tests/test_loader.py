@@ -166,22 +166,11 @@ def failing_init(worker_id: int) -> None:
     raise RuntimeError(f"no config for worker {worker_id}")
 
 
-class UnevenArrays:
+class UnevenArrays(Uneven):
     """Item i is a 4 KiB float32 array filled with i; every 7th item spins a while."""
 
-    def __init__(self, n: int, spin: float = 0.0005) -> None:
-        self.n = n
-        self.spin = spin
-
-    def __len__(self) -> int:
-        return self.n
-
     def __getitem__(self, i: int):
-        if i % 7 == 0:
-            end = time.perf_counter() + self.spin * (1 + i % 3)
-            while time.perf_counter() < end:
-                pass
-        return np.full(1024, i, dtype=np.float32)
+        return np.full(1024, super().__getitem__(i), dtype=np.float32)
 
 
 class Counted:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import psutil
 import pytest
+from _helpers import run_python
 
 import framepipe
 
@@ -415,12 +416,8 @@ def test_hung_rank_reported_with_its_stack(torch_dist, tmp_path):
 
 
 def test_bad_hang_timeout_is_refused(torch_dist, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "framepipe.run", "--hang-timeout", "0", "x.py"],
-        env={**os.environ, "PYTHONPATH": SRC},
-        capture_output=True,
-        text=True,
-        timeout=60,
+    proc = run_python(
+        "-m", "framepipe.run", "--hang-timeout", "0", "x.py", env={**os.environ, "PYTHONPATH": SRC}
     )
     assert proc.returncode == 2
     assert "--hang-timeout must be a positive number of seconds" in proc.stderr
@@ -432,13 +429,7 @@ def test_without_torch_it_says_so(tmp_path):
         "from framepipe.run import main\n"
         "main(['--standalone', 'x.py'])\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        env={**os.environ, "PYTHONPATH": SRC},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = run_python("-c", code, env={**os.environ, "PYTHONPATH": SRC})
     assert proc.returncode == 1
     assert "python -m framepipe.run needs PyTorch" in proc.stderr
     assert "Traceback" not in proc.stderr
