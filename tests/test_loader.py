@@ -559,10 +559,10 @@ def test_a_crash_mid_chunk_names_the_batch_it_was_loading_and_what_was_queued(en
 
 
 def test_a_worker_flooding_its_stderr_is_not_stuck(engine, capfd):
-    start = time.monotonic()
+    # a worker whose stderr nobody read would block in its write: the batch's timeout (a
+    # LoaderTimeout) would fail the test
     with DataLoader(Chatty(), batch_size=None, num_workers=2, timeout=GUARD) as loader:
         assert list(loader) == list(range(6))
-    assert time.monotonic() - start < 10
     assert "chatty item 2 done" in capfd.readouterr().err
 
 
