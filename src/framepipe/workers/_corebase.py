@@ -65,6 +65,9 @@ class CoreBase:
         self._proc_kw: dict[str, Any] = options.process_kw()
         self._proc_kw["initializer"] = _byvalue.portable(mp_context, options.initializer)
         self._proc_kw["options"] = {"max_rss": max_rss, "spin": workers_may_spin(max_workers)}
+        # see NOTE [ Spinning while the pool is idle ] (in _submitting)
+        self._spin_alone = not self._proc_kw["options"]["spin"]  # tasks may go ALONE
+        self._caller_read = False  # the last answer read, by the caller waiting for it
         self._loop = loop
         self.task_timeout = task_timeout
         self.kill_grace = options.kill_grace
