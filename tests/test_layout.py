@@ -137,6 +137,7 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
             "workers._protocol": set(),
             "workers._tasks": {"_lazy", "workers.errors"},
             "workers._taskloop": {
+                "_spin",
                 "remote",
                 "workers._byvalue",
                 "workers._process",

@@ -220,20 +220,46 @@ def test_a_reader_that_never_waits_keeps_its_average_wait_out_of_subnormal_numbe
         w.close()
 
 
-def test_pool_workers_spin_only_when_they_leave_no_cpu_short(engine, no_leftover_processes):
+def test_pool_workers_spin_only_when_they_leave_no_cpu_short(
+    engine, no_leftover_processes, tmp_path
+):
     # A worker spinning for its next task would take a CPU that the parent, or a dying
     # worker's teardown, waits for: a pool whose workers and parent need more CPUs than there
-    # are turns the spin off in its workers.
-    from _worker_tasks import may_spin
+    # are turns the spin off in its workers, except in round trips on an idle pool (NOTE
+    # [ Spinning while the pool is idle ]): a task submitted while no worker has one in hand,
+    # after the caller read the last answer itself, lets its worker spin; a task submitted
+    # while another is in hand sets every worker it reaches back.
+    from _worker_tasks import may_spin, wait_for_file
 
     from framepipe.workers import Pool
 
     cpus = _spin.usable_cpus()
+    spins = cpus >= 2 and _spin.SPIN > 0
+    release = tmp_path / "release"
     with Pool(max_workers=cpus) as pool:
-        assert pool.submit(may_spin).result(TIMEOUT) is False
-    if cpus >= 2 and _spin.SPIN > 0:
+        # (a worker starting meanwhile, whose "ready" the manager reads, can cost a trip its
+        # spin: the first that spins ends the loop)
+        trips = (pool.submit(may_spin).result(TIMEOUT) for _ in range(1000))
+        assert any(trips) is spins
+        # tasks submitted a little apart, their answers waited for only at the end: the
+        # manager reads them, so every task but the first goes with another in hand or after
+        # the manager read the last answer, an idle pool or not
+        spaced = []
+        for _ in range(10):
+            spaced.append(pool.submit(may_spin))
+            time.sleep(0.005)
+        assert [f.result(TIMEOUT) for f in spaced][1:] == [False] * 9
+        held = pool.submit(wait_for_file, str(release))
+        behind = [pool.submit(may_spin) for _ in range(2 * cpus)]  # each with one in hand
+        release.touch()
+        assert held.result(TIMEOUT) is True
+        assert [f.result(TIMEOUT) for f in behind] == [False] * len(behind)
+    if spins:
         with Pool(max_workers=cpus - 1) as pool:
-            assert pool.submit(may_spin).result(TIMEOUT) is True
+            held = pool.submit(wait_for_file, str(release))  # there already: returns at once
+            behind = [pool.submit(may_spin) for _ in range(2 * cpus)]
+            assert held.result(TIMEOUT) is True
+            assert [f.result(TIMEOUT) for f in behind] == [True] * len(behind)
 
 
 def test_loader_workers_spin_only_when_they_leave_no_cpu_short(engine, no_leftover_processes):

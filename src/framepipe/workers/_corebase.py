@@ -69,6 +69,9 @@ class CoreBase:
             "max_rss": max_rss,
             "spin": workers_may_spin(max_workers),
         }
+        # see NOTE [ Spinning while the pool is idle ] (in _submitting)
+        self._spin_alone = not self._loop_options["spin"]  # tasks may go ALONE
+        self._caller_read = False  # the last answer read, by the caller waiting for it
         self._loop = loop
         self.task_timeout = task_timeout
         self.kill_grace = options.kill_grace

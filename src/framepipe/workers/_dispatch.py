@@ -298,6 +298,8 @@ class Core(Submitting, Scheduling, Lending, Answers, Failures, CoreBase):
                 if owner.reader.acquire(False):
                     try:
                         if not owner.stale or self._still_readable(owner):
+                            # see NOTE [ Spinning while the pool is idle ] (in _submitting)
+                            self._caller_read = False
                             self._drain(owner)
                     finally:
                         owner.reader.release()

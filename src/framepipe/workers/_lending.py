@@ -46,6 +46,8 @@ class Lending(CoreBase):
                     break
                 _reading.slot = slot
                 self._serve(slot, fut, deadline)
+                # see NOTE [ Spinning while the pool is idle ] (in _submitting)
+                self._caller_read = True
             finally:
                 _reading.slot = None
                 if slot.lent == me:

@@ -18,10 +18,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .._spin import allow_spin
 from ..remote import dumps_exception
 from . import _byvalue, _process, _shm
 from ._process import ChildContext
 from ._protocol import (
+    ALONE,
     BATCH,
     CALL,
     CLOSE,
@@ -55,15 +57,15 @@ def task_loop(ctx: ChildContext) -> None:
     """A worker's main loop: run tasks in the order they arrive, answer each."""
     global _context
     _context = ctx
-    conn = ctx.conn
-    recv_bytes = conn.recv_bytes
-    send = conn.send
-    send_bytes = conn.send_bytes
+    recv_bytes = ctx.conn.recv_bytes
+    send = ctx.conn.send
+    send_bytes = ctx.conn.send_bytes
     dumps = pickle.dumps
     max_rss = ctx.options.get("max_rss")
     wire = _wire(ctx)
     perf = time.perf_counter
     inbox: collections.deque[Any] = collections.deque()
+    may_spin = spinning = ctx.options.get("spin") is not False  # spinning: see _spin_switch
     while True:
         if inbox:
             msg = inbox.popleft()
@@ -75,6 +77,8 @@ def task_loop(ctx: ChildContext) -> None:
             if msg is None:
                 continue  # a frame of several tasks (or one that failed to load): in the inbox
         op = msg[0]
+        if op == ALONE or spinning is not may_spin:
+            op, spinning = _spin_switch(op, spinning, may_spin)
         if (op == CALL or op == STREAM or op == _UNLOADABLE) and not ctx.take_turn():
             continue  # the parent took it back (see Scheduling._steal)
         if op != CALL:
@@ -108,9 +112,29 @@ def task_loop(ctx: ChildContext) -> None:
         # answered: its objects are let go of now (an argument's __del__ may tell its owner)
         msg = fn = args = kwargs = value = None
         if max_rss is not None:
-            rss = _process.current_rss(os.getpid())
-            if rss is not None and rss > max_rss:
-                send((RECYCLE, rss, ctx.retire()))
+            _recycle_if_large(ctx, max_rss)
+
+
+def _spin_switch(op: int, spinning: bool, may_spin: bool) -> tuple[int, bool]:
+    """A worker's spin for its next message (see NOTE [ Spinning while the pool is idle ] in
+    _submitting): on after a task sent ALONE, back to ``may_spin`` (what the pool allowed at
+    start) after any other message but a RETURN. The op to run (CALL for ALONE) and whether
+    reads spin now."""
+    if op == ALONE:
+        if not spinning:
+            allow_spin(True)
+        return CALL, True
+    if op == RETURN:
+        return op, spinning
+    allow_spin(may_spin)
+    return op, may_spin
+
+
+def _recycle_if_large(ctx: ChildContext, max_rss: int) -> None:
+    """Ask to be replaced (RECYCLE) once this worker's RSS is over ``max_rss`` bytes."""
+    rss = _process.current_rss(os.getpid())
+    if rss is not None and rss > max_rss:
+        ctx.conn.send((RECYCLE, rss, ctx.retire()))
 
 
 def _wire(ctx: ChildContext) -> _shm.Wire | None:
@@ -235,7 +259,7 @@ def _unloadable(blob: bytes, exc: BaseException, at: int) -> list[tuple[Any, ...
 
     ints = _leading_ints(blob, at)
     tids: list[int] = []
-    if len(ints) == at and (at == 1 or ints[0] in (CALL, STREAM)):
+    if len(ints) == at and (at == 1 or ints[0] in (CALL, STREAM, ALONE)):
         tids = [ints[-1]]
     elif at == 2 and ints[:1] == [MAP]:  # the function: every item fails
         for _, arg, _ in pickletools.genops(blob):
