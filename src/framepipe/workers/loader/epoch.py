@@ -242,6 +242,8 @@ class _Epoch:
         self._low = ahead + self._chunk // 2  # a worker holding fewer batches gets more
         self._low_all = self._low * n
         self._supply()
+        while self._in_order and self._sampling and len(self._turns) < self._low_all:
+            self._supply()  # rounds cut short by batches of many indices
         for slot in workers.slots:  # each worker's first batches, as far as its depth
             depth = slot.depth
             if self._positional:
@@ -287,8 +289,10 @@ class _Epoch:
         # a multiple of the window (when the sampler has that many): the first round fills
         # the workers' credits, and each later one refills them
         requests = self._take(k * self._chunk, k, k * CHUNK_INDICES)
-        # the next round is given once half of this one is taken (the workers never run dry)
-        self._low_all = self._ahead * k + len(requests) // 2
+        # the next round is given once half of this one is taken (the workers never run dry,
+        # and while the sampler goes on, the batch ``depth`` turns after the one taken is
+        # known: see _free)
+        self._low_all = self._ahead * k + len(requests) // 2 + 1
         if not requests:
             return
         first = workers.next_bid
@@ -317,7 +321,7 @@ class _Epoch:
         turns = self._turns
         while True:
             if self._in_order:
-                if self._sampling and len(turns) < self._low_all:
+                while self._sampling and len(turns) < self._low_all:
                     self._supply()
                 if not turns:
                     self._finish()
