@@ -309,7 +309,7 @@ def test_order_kept_while_batches_turn_slow_and_fast_again(engine):
     # few batches on a busy machine.
     assert (deep, deep // 2) in paces[200:300]  # fast
     assert (2, 1) in paces[300:600]  # slow: the worker said so
-    assert (deep, deep // 2) in paces[800:]  # fast again
+    assert (deep, deep // 2) in paces[600:]  # fast again (by the end: it must first say so)
 
 
 class WhichWorker:
