@@ -128,7 +128,7 @@ class DataLoader(Generic[BatchT]):
     samplers included), ``batch_sampler`` (any iterable of lists of indices), ``drop_last``.
     ``num_workers`` (0 loads in this process), ``prefetch_factor`` (batches loaded ahead
     per worker: at most ``prefetch_factor * num_workers`` are in flight or waiting; up to
-    8 per worker for a worker whose batches are small arrays that load fast),
+    16 per worker for a worker whose batches are small arrays that load fast),
     ``in_order`` (False: yield batches as they arrive), ``timeout`` (seconds a batch may take;
     0 waits forever), ``worker_init_fn(worker_id)``, ``persistent_workers`` (keep the workers
     between epochs), ``start_method`` (``"fork"``, ``"spawn"``, ``"forkserver"``; None: the

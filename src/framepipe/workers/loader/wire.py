@@ -39,8 +39,8 @@ PACE_BATCHES = 4
 # A worker whose batches are fast and small (each one array under INLINE_MAX, sent inline)
 # may load up to DEEP_AHEAD of them ahead (at least prefetch_factor), and gets its credits
 # back in groups of half that: one wake-up loads half of what it may hold while the parent
-# takes the other half, whatever the order of the batches. Under 512 KiB a worker.
-DEEP_AHEAD = 8
+# takes the other half, whatever the order of the batches. Under 1 MiB a worker.
+DEEP_AHEAD = 16
 STACK_WAIT = 0.5  # seconds to wait for a stuck worker's stack
 STOP_GRACE = 1.0  # seconds workers get to exit by themselves before SIGTERM, then SIGKILL
 PUMP_EVERY = 0.02  # seconds between stderr pumps while batches keep arriving
