@@ -293,9 +293,13 @@ class Phases:
         return np.full(8, i, dtype=np.int32)
 
 
-def test_order_kept_while_batches_turn_slow_and_fast_again(engine):
+def test_order_kept_while_batches_turn_slow_and_fast_again(engine, monkeypatch):
     """Small batches that load fast run deeper than prefetch_factor, their credits going back
     in groups of half that depth; slow ones keep to prefetch_factor, one credit at a time."""
+    # the slow items take 200 us: fast below 50 us, slow above 100 us leaves a busy machine
+    # room (forked workers inherit the setting)
+    monkeypatch.setattr(loader_worker, "SLOW_BATCH", 1e-4)
+    monkeypatch.setattr(loader_worker, "FAST_BATCH", 5e-5)
     with DataLoader(Phases(), batch_size=None, num_workers=2, timeout=GUARD) as loader:
         it = iter(loader)
         got, paces = [], []

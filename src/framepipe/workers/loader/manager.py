@@ -343,7 +343,9 @@ class _Workers:
         otherwise ``prefetch_factor``. Its credits go back one at a time while its batches are
         slow, in groups of half its depth while they are fast (of its whole depth where that
         is under 4). The credits its new depth adds are owed to it (handed back now, with
-        ``grant``), those it removes are withheld from the next batches taken."""
+        ``grant``), those it removes are withheld from the next batches taken (so a worker
+        whose batches turn large goes back to ``prefetch_factor`` over its next ``deep``
+        batches)."""
         depth = self.deep if small and not slow else self.prefetch
         if slow:
             slot.group = 1
@@ -354,10 +356,9 @@ class _Workers:
             back = min(change, slot.withheld)
             slot.withheld -= back
             slot.owed += change - back
-        elif change < 0:
-            keep = min(-change, slot.owed)
-            slot.owed -= keep
-            slot.withheld += -change - keep
+        elif change < 0:  # (not from what it is owed: near the epoch's end, the batches
+            # taken no longer hand credits back, and what it is owed may be its last batches')
+            slot.withheld -= change
         if grant and slot.owed >= slot.group and not slot.exhausted:
             n, slot.owed = slot.owed, 0
             self.grant(slot, n)
