@@ -38,6 +38,7 @@ from framepipe.workers import loader as loader_module
 from framepipe.workers.loader import credits as loader_credits
 from framepipe.workers.loader import manager as loader_manager
 from framepipe.workers.loader import wire as loader_wire
+from framepipe.workers.loader import worker as loader_worker
 
 np = pytest.importorskip("numpy")
 
@@ -173,14 +174,20 @@ class UnevenArrays(Uneven):
         return np.full(1024, super().__getitem__(i), dtype=np.float32)
 
 
-class Counted:
-    """Item i is a small array of i; ``started`` (shared memory) counts the items the workers
-    began to load."""
+#: Bytes of an item too large to travel inline (see wire.INLINE_MAX): its worker keeps to
+#: prefetch_factor, however fast it loads.
+LARGE = 128 * 1024
 
-    def __init__(self, n: int, started, spin: float = 0.0) -> None:
+
+class Counted:
+    """Item i is an array of ``size`` bytes holding i (small by default); ``started`` (shared
+    memory) counts the items the workers began to load."""
+
+    def __init__(self, n: int, started, spin: float = 0.0, size: int = 128) -> None:
         self.n = n
         self.started = started
         self.spin = spin
+        self.size = size
 
     def __len__(self) -> int:
         return self.n
@@ -191,7 +198,7 @@ class Counted:
         end = time.perf_counter() + self.spin
         while time.perf_counter() < end:
             pass
-        return np.full(16, i, dtype=np.int64)
+        return np.full(self.size // 8, i, dtype=np.int64)
 
 
 class KillAt:
@@ -275,22 +282,27 @@ class Phases:
         return np.full(8, i, dtype=np.int32)
 
 
-def test_order_kept_while_batches_turn_slow_and_fast_again(engine):
-    """Credits go back in groups while batches are fast, one at a time while they are slow."""
+def test_order_kept_while_batches_turn_slow_and_fast_again(engine, monkeypatch):
+    """Small batches that load fast run deeper than prefetch_factor, their credits going back
+    in groups of half that depth; slow ones keep to prefetch_factor, one credit at a time."""
+    # the slow items take 200 us: fast below 50 us, slow above 100 us leaves a busy machine
+    # room (forked workers inherit the setting)
+    monkeypatch.setattr(loader_worker, "SLOW_BATCH", 1e-4)
+    monkeypatch.setattr(loader_worker, "FAST_BATCH", 5e-5)
     with DataLoader(Phases(), batch_size=None, num_workers=2, timeout=GUARD) as loader:
         it = iter(loader)
-        got, groups = [], []
+        got, paces = [], []
         for item in it:
             got.append(int(item[0]))
-            groups.append(it.workers.slots[0].group)
-    fast = it.workers.fast_group
+            paces.append((it.workers.slots[0].depth, it.workers.slots[0].group))
+    deep = it.workers.deep
     assert got == list(range(900))
-    assert fast == 2  # prefetch_factor: a block
+    assert deep == loader_wire.DEEP_AHEAD > loader.prefetch_factor == 2
     # Ranges, not single items: a fast batch the scheduler interrupts may count as slow for a
     # few batches on a busy machine.
-    assert fast in groups[200:300]  # fast
-    assert 1 in groups[300:600]  # slow: the worker said so
-    assert fast in groups[800:]  # fast again
+    assert (deep, deep // 2) in paces[200:300]  # fast
+    assert (2, 1) in paces[300:600]  # slow: the worker said so
+    assert (deep, deep // 2) in paces[600:]  # fast again (by the end: it must first say so)
 
 
 class WhichWorker:
@@ -690,23 +702,24 @@ def test_early_break_leaves_no_process_behind(engine):
 
 
 @pytest.mark.parametrize(
-    "workers, prefetch, in_order, spin",
+    "workers, prefetch, in_order, spin, size",
     [
-        (2, 2, True, 0.0),
-        (3, 1, True, 0.0),
-        (1, 4, True, 0.0),
-        (2, 3, False, 0.0),
-        (2, 2, True, 1e-4),
-        (2, 4, False, 1e-4),
+        (2, 2, True, 0.0, LARGE),
+        (3, 1, True, 0.0, LARGE),
+        (1, 4, True, 0.0, LARGE),
+        (2, 3, False, 0.0, LARGE),
+        (2, 2, True, 1e-4, 128),
+        (2, 4, False, 1e-4, 128),
     ],
 )
 def test_items_loaded_and_not_taken_never_exceed_the_window(
-    engine, workers, prefetch, in_order, spin
+    engine, workers, prefetch, in_order, spin, size
 ):
-    """Fast items (credits go back in groups) and slow ones (one at a time) alike."""
+    """Fast items (credits go back in groups) and slow ones (one at a time) alike: large
+    items, or small ones that load slowly, keep to prefetch_factor exactly."""
     started = multiprocessing.Value("q", 0)
     loader = DataLoader(
-        Counted(800, started, spin),
+        Counted(800, started, spin, size),
         batch_size=None,
         num_workers=workers,
         prefetch_factor=prefetch,
@@ -728,6 +741,46 @@ def test_items_loaded_and_not_taken_never_exceed_the_window(
     assert seen == list(range(800)) or not in_order
 
 
+@pytest.mark.parametrize(
+    "workers, prefetch, in_order, persistent",
+    [(2, 2, True, False), (3, 1, True, True), (2, 3, False, False), (1, 12, True, True)],
+)
+def test_small_fast_items_run_deeper_within_their_bound(
+    engine, monkeypatch, workers, prefetch, in_order, persistent
+):
+    """Small items that load fast: each worker loads up to max(prefetch_factor, DEEP_AHEAD)
+    ahead, never more, also in a second epoch of persistent workers."""
+    # every batch counts as fast (a busy machine may make a few slow; forked workers inherit
+    # the setting)
+    monkeypatch.setattr(loader_worker, "SLOW_BATCH", 60.0)
+    monkeypatch.setattr(loader_worker, "FAST_BATCH", 30.0)
+    started = multiprocessing.Value("q", 0)
+    loader = DataLoader(
+        Counted(800, started),
+        batch_size=None,
+        num_workers=workers,
+        prefetch_factor=prefetch,
+        in_order=in_order,
+        persistent_workers=persistent,
+        timeout=GUARD,
+    )
+    bound = workers * max(prefetch, loader_wire.DEEP_AHEAD)
+    taken = most = 0
+    with loader:
+        for _ in range(2 if persistent else 1):
+            seen = []
+            for k, item in enumerate(loader):
+                taken += 1
+                if k % 40 == 0:
+                    time.sleep(0.02)  # the workers run as far ahead as they may
+                most = max(most, started.value - taken)
+                seen.append(int(item[0]))
+            assert sorted(seen) == list(range(800))
+            assert seen == list(range(800)) or not in_order
+    assert started.value == taken
+    assert bound - workers <= most <= bound
+
+
 @pytest.fixture(params=["eventfd", "pipe"])
 def credits(request, monkeypatch):
     """Credits on an eventfd, or on the pipe used where there is none (forked workers inherit
@@ -742,7 +795,7 @@ def credits(request, monkeypatch):
 def test_credits_keep_the_window_across_epochs_on_either_counter(credits):
     started = multiprocessing.Value("q", 0)
     loader = DataLoader(
-        Counted(600, started),
+        Counted(600, started, size=LARGE),
         batch_size=None,
         num_workers=2,
         persistent_workers=True,
@@ -769,7 +822,7 @@ def test_credits_keep_the_window_across_epochs_on_either_counter(credits):
 def test_an_abandoned_epoch_on_persistent_workers_loads_nothing_more(engine):
     started = multiprocessing.Value("q", 0)
     loader = DataLoader(
-        Counted(1000, started),
+        Counted(1000, started, size=LARGE),
         batch_size=None,
         num_workers=2,
         persistent_workers=True,

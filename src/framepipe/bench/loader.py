@@ -6,7 +6,8 @@ processes (``np.full``, so every byte exists), delivered in order with ``batch_s
 
 ``framepipe DataLoader``
     :class:`framepipe.workers.DataLoader` with its defaults (2 workers, prefetch 2 per worker:
-    at most 4 items in flight or waiting);
+    at most 4 items in flight or waiting, 32 where they are arrays under 64 KiB that load
+    fast, such as the 4 KiB ones: see docs/loader.md);
 ``framepipe, prefetch 8``
     the same with ``prefetch_factor=8`` (16 in flight): how much of the gap to the bare
     transport at small items is the prefetch window;

@@ -15,8 +15,10 @@ no torch. How it works:
   takes that batch. So at most ``prefetch_factor * num_workers`` batches are loaded (or being
   loaded) and not yet taken, however far ahead the indices went: that bounds the parent's
   memory. Credits come back one at a time while a worker's batches are slow to load (it must
-  never wait), and in groups of ``prefetch_factor`` while they are fast (a credit costs a
-  write and a wake-up, which is most of what a fast batch costs); the worker reports which.
+  never wait), and in groups while they are fast (a credit costs a write and a wake-up, which
+  is most of what a fast batch costs); the worker reports which. A worker whose batches are
+  small arrays that load fast (each under 64 KiB, sent inline) may hold up to
+  ``max(prefetch_factor, DEEP_AHEAD)`` credits, their groups half that.
 - In order (the default), batches go to the workers round robin, torch's order (batch k to
   worker ``k % num_workers``; a worker whose part of an iterable dataset ended is skipped), so
   a seed reproduces an epoch; the parent reads each batch from the worker that holds it, and

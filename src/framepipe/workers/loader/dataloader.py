@@ -126,8 +126,9 @@ class DataLoader(Generic[BatchT]):
     an int groups ``batch_size`` indices and collates them with ``collate_fn`` (default
     :func:`default_collate`). ``shuffle``, ``sampler`` (any iterable of indices, torch's
     samplers included), ``batch_sampler`` (any iterable of lists of indices), ``drop_last``.
-    ``num_workers`` (0 loads in this process), ``prefetch_factor`` (batches requested ahead
-    per worker: at most ``prefetch_factor * num_workers`` are in flight or waiting),
+    ``num_workers`` (0 loads in this process), ``prefetch_factor`` (batches loaded ahead
+    per worker: at most ``prefetch_factor * num_workers`` are in flight or waiting; up to
+    16 per worker for a worker whose batches are small arrays that load fast),
     ``in_order`` (False: yield batches as they arrive), ``timeout`` (seconds a batch may take;
     0 waits forever), ``worker_init_fn(worker_id)``, ``persistent_workers`` (keep the workers
     between epochs), ``start_method`` (``"fork"``, ``"spawn"``, ``"forkserver"``; None: the
@@ -272,7 +273,8 @@ class DataLoader(Generic[BatchT]):
 
     @property
     def window(self) -> int:
-        """Batches in flight or waiting at most: ``prefetch_factor * num_workers``."""
+        """Batches in flight or waiting at most: ``prefetch_factor * num_workers`` (for
+        batches that are not small arrays loaded fast, see docs/loader.md)."""
         return self._prefetch * max(self.num_workers, 1)
 
     def _requests(self) -> Iterator[Any]:

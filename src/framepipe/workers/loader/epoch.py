@@ -186,23 +186,20 @@ class _Epoch:
     """One pass over the dataset (what ``iter(loader)`` returns).
 
     Batches are given to the workers a chunk at a time (``CHUNK``), ahead of when they are
-    loaded; credits decide when they are loaded. In order, a map-style epoch goes to the
-    workers in blocks of B = ``prefetch_factor`` batches, in turn: batch k to worker
-    ``(k // B) % num_workers``, always, so a seed reproduces an epoch. The credit a taken batch
-    k frees goes to the worker of batch k + W (W = ``prefetch_factor * num_workers``), so the
-    batches loaded and not taken are always among the next W; with blocks of
-    ``prefetch_factor`` that is the worker of batch k itself. While batches are fast (credits
-    written in groups of B), a worker loads its next block while the parent takes the other
-    workers' blocks: each wake-up loads a block, and no wake-up waits for the parent to drain
-    the whole window first (a block as large as the window would make the parent and the
-    workers take turns, each waiting for the other's wake-up). While they are slow (credits
-    one at a time), every worker stays busy. The parent reads each batch from the worker that
-    holds it: no reorder buffer, and what the other workers loaded waits in their own
-    channels.
+    loaded; credits decide when they are loaded. In order, batches go to the workers round
+    robin, torch's order: batch k to worker ``k % num_workers``, always (an iterable dataset
+    skips the workers whose part ended), so a seed reproduces an epoch. The credit a taken
+    batch frees goes back to its worker, for its batch ``depth`` turns further on: a worker
+    loads ``prefetch_factor`` batches ahead, or (its batches small arrays that load fast, see
+    ``_Workers.pace``) up to ``DEEP_AHEAD``, getting its credits back in groups of half that,
+    so that it loads its next half while the parent takes the other workers' batches and the
+    parent and the workers never take turns, each waiting for the other's wake-up. While
+    batches are slow (credits one at a time), every worker stays busy. The parent reads each
+    batch from the worker that holds it: no reorder buffer, and what the other workers loaded
+    waits in their own channels.
 
-    Iterable datasets go one batch per worker in turn (torch's order), and ``in_order=False``
-    gives each worker a new chunk when it runs low and takes whatever any worker has ready;
-    there, a worker's credit comes back to it.
+    ``in_order=False`` gives each worker a new chunk when it runs low and takes whatever any
+    worker has ready.
     """
 
     def __init__(
@@ -236,29 +233,22 @@ class _Epoch:
         self._finished = False
         self._ended: str | None = None  # why the epoch was ended from outside, before its end
         self._turns: collections.deque[_Slot] = collections.deque()  # in order: whose batch
-        prefetch = loader._prefetch
-        n = len(workers.slots)
-        self._window = window = prefetch * n
-        # credits follow the batches (to the worker of batch k + W): in order, map-style
+        self._n = n = len(workers.slots)
+        # the most a worker may load ahead (see _Workers.pace): batches are given this far
+        self._ahead = ahead = workers.deep
+        # in order, map-style, a credit is not handed back past the epoch's last batch
         self._positional = loader.in_order and not loader._iterable
-        self._block = block = 1  # torch's round robin: batch k to worker k % num_workers
-        workers.fast_group = prefetch
-        for slot in workers.slots:
-            if slot.group > 1:
-                slot.group = workers.fast_group
-        self._chunk = -(-max(CHUNK, prefetch) // block) * block
-        self._low = prefetch + self._chunk // 2  # a worker holding fewer batches gets more
+        self._chunk = max(CHUNK, ahead)
+        self._low = ahead + self._chunk // 2  # a worker holding fewer batches gets more
         self._low_all = self._low * n
-        self._prefetch = prefetch
         self._supply()
-        if self._positional:  # the first W batches' workers get their credits
-            for slot in workers.slots:
-                workers.grant(
-                    slot, sum(1 for s in itertools.islice(self._turns, window) if s is slot)
-                )
-        else:
-            for slot in workers.slots:
-                workers.grant(slot, prefetch)
+        while self._in_order and self._sampling and len(self._turns) < self._low_all:
+            self._supply()  # rounds cut short by batches of many indices
+        for slot in workers.slots:  # each worker's first batches, as far as its depth
+            depth = slot.depth
+            if self._positional:
+                depth = sum(1 for s in itertools.islice(self._turns, depth * n) if s is slot)
+            workers.grant(slot, depth)
 
     def __iter__(self) -> _Epoch:
         return self
@@ -289,28 +279,29 @@ class _Epoch:
             for slot in active:
                 if len(slot.held) < self._low and self._sampling:
                     requests = self._take(self._chunk, 1, CHUNK_INDICES)
-                    self._low = self._prefetch + max(1, len(requests) // 2)
+                    self._low = self._ahead + max(1, len(requests) // 2)
                     if requests:
                         first = workers.next_bid
                         workers.next_bid += len(requests)
                         workers.assign(slot, list(range(first, workers.next_bid)), requests)
             return
         k = len(active)
-        block = self._block
         # a multiple of the window (when the sampler has that many): the first round fills
         # the workers' credits, and each later one refills them
-        requests = self._take(k * self._chunk, k * self._prefetch, k * CHUNK_INDICES)
-        # the next round is given once half of this one is taken (the workers never run dry)
-        self._low_all = self._window + len(requests) // 2
+        requests = self._take(k * self._chunk, k, k * CHUNK_INDICES)
+        # the next round is given once half of this one is taken (the workers never run dry,
+        # and while the sampler goes on, the batch ``depth`` turns after the one taken is
+        # known: see _free)
+        self._low_all = self._ahead * k + len(requests) // 2 + 1
         if not requests:
             return
         first = workers.next_bid
         workers.next_bid += len(requests)
         if self._iterable:  # rounds start with the worker whose turn it is (a resumed epoch)
             shift = next((i for i, s in enumerate(active) if s.id >= self._rot), 0)
-        else:  # rounds hold whole blocks of every worker: batch k's worker is fixed
+        else:  # rounds hold a batch of every worker in turn: batch k's worker is fixed
             shift = self._offset
-        owners = [active[((j + shift) // block) % k] for j in range(len(requests))]
+        owners = [active[(j + shift) % k] for j in range(len(requests))]
         for slot in active:
             mine = [j for j in range(len(requests)) if owners[j] is slot]
             if mine:
@@ -330,7 +321,7 @@ class _Epoch:
         turns = self._turns
         while True:
             if self._in_order:
-                if self._sampling and len(turns) < self._low_all:
+                while self._sampling and len(turns) < self._low_all:
                     self._supply()
                 if not turns:
                     self._finish()
@@ -389,12 +380,12 @@ class _Epoch:
         return state
 
     def _free(self, slot: _Slot) -> None:
-        """The caller took a batch of ``slot``'s: its credit goes to the worker of the batch
-        W further on (in order, map-style), or back to ``slot``'s."""
+        """The caller took a batch of ``slot``'s: its credit goes back to ``slot``'s worker,
+        for its batch ``depth`` turns further on (in order, map-style: past the epoch's last
+        batch no credit is needed)."""
         if self._positional:
-            turns = self._turns
-            if len(turns) >= self._window:  # (past the last batch no credit is needed)
-                self.workers.give_back(turns[self._window - 1])
+            if len(self._turns) >= slot.depth * self._n:
+                self.workers.give_back(slot)
         elif not slot.exhausted:
             self.workers.give_back(slot)
 

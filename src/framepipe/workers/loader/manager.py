@@ -37,6 +37,7 @@ from .wire import (
     _ANSWERS,
     _CLOSE,
     _RESET,
+    DEEP_AHEAD,
     FETCH,
     INIT_FAILED,
     MANY,
@@ -64,6 +65,8 @@ class _Slot(_shm.Receiver):
         "backlog",
         "credit",
         "owed",
+        "withheld",
+        "depth",
         "group",
         "exhausted",
         "outbox",
@@ -100,6 +103,8 @@ class _Slot(_shm.Receiver):
         self.backlog: collections.deque[Any] = collections.deque()  # replies read, not taken
         self.credit = 0  # batches it may load and send before it needs more credit
         self.owed = 0  # batches taken whose credit is not handed back yet
+        self.withheld = 0  # credits to keep back (its depth shrank): the next ones taken
+        self.depth = 1  # batches it may load ahead: its credits, given and owed
         self.group = 1  # credits go back when this many are owed
         self.exhausted = False  # its part of an iterable dataset has ended
         # messages waiting for a sender thread (None: no thread; see _post)
@@ -197,12 +202,15 @@ class _Workers:
     """The worker processes of one loader and everything in flight to and from them.
 
     A batch a worker has loaded (or is loading) and the caller has not yet taken holds one
-    credit, and there are ``prefetch_factor * num_workers`` credits in all (see _Epoch for
-    who gets the one a taken batch frees). Credits are written one at a time while the
-    receiving worker's batches are slow to load (it must never wait for one), in groups of
-    ``fast_group`` while they are fast (one write then wakes it for that many batches, and
-    waking is what a fast batch costs most). Batch ids count up over the workers' life;
-    ``floor`` is the first of the current epoch.
+    credit, and a worker holds ``depth`` credits: ``prefetch_factor``, or ``deep`` while its
+    batches are small arrays that load fast (see :meth:`pace`); the credit a taken batch frees
+    goes back to its worker (torch's round robin: the worker of batch k is that of batch
+    k + its window). Credits are written one at a time while the receiving worker's batches
+    are slow to load (it must never wait for one), in groups while they are fast (one write
+    then wakes it for that many batches, and waking is what a fast batch costs most): of half
+    its depth, so that it loads half of what it may hold while the parent takes the other
+    half (of its whole depth where that is under 4). Batch ids count up over the workers'
+    life; ``floor`` is the first of the current epoch.
     """
 
     def __init__(
@@ -216,7 +224,7 @@ class _Workers:
         self.crashes: dict[int, int] = {}  # batch id -> workers that died loading it
         self.pinner = loader._pinner
         self.prefetch = loader._prefetch
-        self.fast_group = loader._prefetch  # credits per write while batches are fast
+        self.deep = max(loader._prefetch, DEEP_AHEAD)  # depth while they are small and fast
         self.next_bid = 0
         self.floor = 0  # the first batch id of the current epoch
         self.closed = False
@@ -246,7 +254,8 @@ class _Workers:
         try:
             for wid in range(loader.num_workers):
                 slot = _Slot(wid, *self.spawn(wid, None if resume is None else resume[wid]))
-                slot.group = self.fast_group
+                slot.depth = self.prefetch
+                self.pace(slot, slow=False, small=False, grant=False)  # as a worker starts
                 slot.pinner = self.pinner
                 self.slots.append(slot)
         except BaseException:
@@ -318,12 +327,41 @@ class _Workers:
 
     def give_back(self, slot: _Slot) -> None:
         """A credit for ``slot``'s worker (the caller took a batch), written in groups."""
+        if slot.withheld:
+            slot.withheld -= 1
+            return
         owed = slot.owed + 1
         if owed >= slot.group:
             slot.owed = 0
             self.grant(slot, owed)
         else:
             slot.owed = owed
+
+    def pace(self, slot: _Slot, slow: bool, small: bool, grant: bool = True) -> None:
+        """``slot``'s worker says its batches are ``slow`` to load (or fast) and ``small`` (one
+        array each, sent inline) or not: small and fast, it may load ``deep`` batches ahead;
+        otherwise ``prefetch_factor``. Its credits go back one at a time while its batches are
+        slow, in groups of half its depth while they are fast (of its whole depth where that
+        is under 4). The credits its new depth adds are owed to it (handed back now, with
+        ``grant``), those it removes are withheld from the next batches taken (so a worker
+        whose batches turn large goes back to ``prefetch_factor`` over its next ``deep``
+        batches)."""
+        depth = self.deep if small and not slow else self.prefetch
+        if slow:
+            slot.group = 1
+        else:  # (a depth under 4 would wake it for a credit or two)
+            slot.group = depth // 2 if depth >= 4 else depth
+        change, slot.depth = depth - slot.depth, depth
+        if change > 0:
+            back = min(change, slot.withheld)
+            slot.withheld -= back
+            slot.owed += change - back
+        elif change < 0:  # (not from what it is owed: near the epoch's end, the batches
+            # taken no longer hand credits back, and what it is owed may be its last batches')
+            slot.withheld -= change
+        if grant and slot.owed >= slot.group and not slot.exhausted:
+            n, slot.owed = slot.owed, 0
+            self.grant(slot, n)
 
     def settle(self) -> None:
         """Hand back every credit still owed (before waiting: a worker must never wait for a
@@ -345,7 +383,7 @@ class _Workers:
                 pass
             slot.held.clear()
             slot.backlog.clear()
-            slot.credit = slot.owed = 0
+            slot.credit = slot.owed = slot.withheld = 0
             slot.exhausted = False
             slot.answered, slot.wstate = 0, None
 
@@ -366,9 +404,7 @@ class _Workers:
             if kind in _ANSWERS:  # the answer to the oldest batch it holds
                 return self._answered(slot, msg)
             if kind == PACE:
-                slot.group = 1 if msg[1] else self.fast_group
-                if slot.owed >= slot.group:
-                    self.settle()
+                self.pace(slot, msg[1], msg[2], grant=not resetting)
                 continue
             if kind == RESET_DONE:
                 return msg
@@ -488,7 +524,8 @@ class _Workers:
 
     def in_flight(self) -> int:
         """Batches the workers may have loaded (or be loading) that the caller has not taken:
-        never more than ``prefetch_factor * num_workers``."""
+        never more than the workers' depths (``prefetch_factor`` each, or ``deep`` for a worker
+        whose batches are small and fast)."""
         return sum(s.credit for s in self.slots)
 
     def close(self, grace: float = STOP_GRACE) -> None:

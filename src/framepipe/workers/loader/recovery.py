@@ -110,7 +110,7 @@ def replace(workers: Any, slot: Any, resume: dict[str, Any] | None) -> None:
         old.close()
     slot.held.clear()
     slot.credit = 0
-    slot.group = workers.fast_group
+    workers.pace(slot, slow=False, small=False, grant=False)  # as the new worker starts
     if held:
         workers.assign(slot, [b for b, _ in held], [i for _, i in held])
     if credit > 0:

@@ -17,7 +17,8 @@ from .. import _shm
 FETCH, RESET, CLOSE, RETURN = 0, 1, 2, 3
 # Replies, worker to parent: (OK, batch id, data), (FAIL, batch id, exception blob, where),
 # (END, batch id) for an iterable dataset that is exhausted, (INIT_FAILED, exception blob),
-# (RESET_DONE,), (PACE, slow) when its batches turn slow or fast to load, and
+# (RESET_DONE,), (PACE, slow, small) when its batches turn slow or fast to load, or small
+# arrays sent inline (see INLINE_MAX) or not, and
 # (MANY, reply, reply, ...): replies written in one frame.
 OK, FAIL, END, INIT_FAILED, RESET_DONE, PACE, MANY = 0, 1, 2, 3, 4, 5, 6
 _ANSWERS = frozenset((OK, FAIL, END))
@@ -35,6 +36,11 @@ SLOW_BATCH, FAST_BATCH = 20e-6, 10e-6
 # only ever adds time (a fast batch it interrupted is not a slow batch), while batches that
 # really are slow are slow every time.
 PACE_BATCHES = 4
+# A worker whose batches are fast and small (each one array under INLINE_MAX, sent inline)
+# may load up to DEEP_AHEAD of them ahead (at least prefetch_factor), and gets its credits
+# back in groups of half that: one wake-up loads half of what it may hold while the parent
+# takes the other half, whatever the order of the batches. Under 1 MiB a worker.
+DEEP_AHEAD = 16
 STACK_WAIT = 0.5  # seconds to wait for a stuck worker's stack
 STOP_GRACE = 1.0  # seconds workers get to exit by themselves before SIGTERM, then SIGKILL
 PUMP_EVERY = 0.02  # seconds between stderr pumps while batches keep arriving

@@ -221,30 +221,30 @@ def _answer(
     indices: Any,
     pending: list[Any],
     state_of: Callable[[], Any] | None = None,
-) -> None:
+) -> bool:
     """Load batch ``bid`` and answer it. A small array's reply (see :data:`INLINE_MAX`) is
     added to ``pending``, to go out with the replies around it in one frame (:func:`_flush`);
     any other reply is written at once, after what is pending. With ``state_of`` (an
     iterable dataset's ``state_dict``), the reply carries the dataset's state after the batch
-    (see NOTE [ Resuming an epoch ])."""
+    (see NOTE [ Resuming an epoch ]). True when the reply was such a small array."""
     try:
         data = fetcher.fetch(indices)
         state = None if state_of is None else state_of()
     except StopIteration:
         _flush(conn, pending)
         conn.send((END, bid))
-        return
+        return False
     except BaseException as exc:  # noqa: BLE001 - raised in the parent
         _flush(conn, pending)
         _send_failure(conn, bid, exc, fetcher.where)
-        return
+        return False
     try:
         inline = None if state_of is not None else _inline_parts(bid, data)
     except Exception:  # noqa: BLE001 - an array this path cannot read goes the usual way
         inline = None
     if inline is not None:
         pending += inline
-        return
+        return True
     _flush(conn, pending)
     wire.used = []
     try:
@@ -262,6 +262,7 @@ def _answer(
         err.__cause__ = exc
         wire.give_back(wire.used)  # the parent never saw these arrays
         _send_failure(conn, bid, err, "the batch")
+    return False
 
 
 def _flush(conn: Any, pending: list[Any]) -> None:
@@ -285,8 +286,9 @@ def loader_loop(ctx: ChildContext) -> None:
     separately the right to load them: credits, one per batch, on the credit counter.
     The worker loads the next batch it was given only while it holds a credit, so batches it
     has loaded and the parent has not yet taken never exceed the credits the parent handed
-    out (``prefetch_factor``), whatever the chunk size. It tells the parent when its batches
-    turn slow or fast to load (``PACE``), which decides how the credits come back.
+    out, whatever the chunk size. It tells the parent when its batches turn slow or fast to
+    load, or small or large (``PACE``), which decides how many credits it gets and how they
+    come back.
     ``RESET`` drops what is queued (an abandoned epoch) and is acknowledged after every batch
     loaded before it.
     """
@@ -357,6 +359,7 @@ class _Loop:
         # seconds a batch took, for the last few; whether the least of them is slow
         self.recent: collections.deque[float] = collections.deque(maxlen=PACE_BATCHES)
         self.slow = False
+        self.small = False  # its last batches were small arrays, sent inline (INLINE_MAX)
         self.pending: list[Any] = []
 
     def run(self) -> None:
@@ -385,20 +388,21 @@ class _Loop:
         conn, queue, beacon, pending = self.conn, self.queue, self.beacon, self.pending
         clock = time.perf_counter
         start = clock()
+        small = True
         for _ in range(count):
             bid, indices = queue.popleft()
             if beacon is not None:
                 _BEACON.pack_into(beacon, 0, bid)
-            _answer(conn, self.fetcher, self.wire, bid, indices, pending, self.state_of)
+            small &= _answer(conn, self.fetcher, self.wire, bid, indices, pending, self.state_of)
         # the loading only: the write below costs what the engine costs, whatever the
         # batches are
         self.recent.append((clock() - start) / count)
         pace = min(self.recent)
         _flush(conn, pending)
-        slow = self.slow
-        if slow != (pace > (FAST_BATCH if slow else SLOW_BATCH)):
-            self.slow = not slow
-            conn.send((PACE, self.slow))
+        slow = pace > (FAST_BATCH if self.slow else SLOW_BATCH)
+        if slow != self.slow or small != self.small:
+            self.slow, self.small = slow, small
+            conn.send((PACE, slow, small))
 
     def handle(self, data: bytes) -> bool:
         """One message from the parent; False on CLOSE."""
