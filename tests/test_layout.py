@@ -634,6 +634,27 @@ def test_the_version_is_declared_only_in_version_py() -> None:
     assert version not in init
 
 
+def test_every_package_is_declared_for_the_install() -> None:
+    # A package missing from pyproject's list is left out of the wheel: every test that
+    # imports it fails against the installed framepipe, and so does every user.
+    root = Path(__file__).resolve().parents[1]
+    pyproject = root / "pyproject.toml"
+    if not (root / "src" / "framepipe").is_dir() or not pyproject.exists():
+        pytest.skip("not a source tree")
+    text = pyproject.read_text(encoding="utf-8")
+    line = next(x for x in text.splitlines() if x.startswith("packages = ["))
+    declared = set(re.findall(r'"([\w.]+)"', line))
+    src = root / "src"
+    found = {
+        ".".join(init.parent.relative_to(src).parts)
+        for init in src.glob("framepipe/**/__init__.py")
+    }
+    assert found == declared, f"pyproject.toml's packages = [...] must list {sorted(found)}"
+    # and the framepipe under test has them all (an install from before a package was added)
+    for name in found:
+        assert (PACKAGE.parent / name.replace(".", "/") / "__init__.py").exists(), name
+
+
 # --- framepipe.guard, the module that can be called -------------------------------------------
 
 
