@@ -140,6 +140,11 @@ def many_lines(rank: int, count: int) -> int:
 def main(mode: str) -> None:
     from framepipe.workers import Std, WorkerGroup
 
+    # Started from a background job of a shell without job control, this process inherits
+    # SIGINT ignored (and Python then leaves it so): behave as a program run from a terminal,
+    # where Ctrl-C raises KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     if mode == "tee":
         group = WorkerGroup(
             many_lines, 2, args={0: (0, 3000), 1: (1, 3000)}, tee=Std.ALL, start_method="fork"
