@@ -701,6 +701,33 @@ def test_early_break_leaves_no_process_behind(engine):
     assert time.monotonic() - start < 3.0
 
 
+def _take_and_measure(epoch, started, taken: int, floor: int) -> tuple[list[int], int, int]:
+    """One epoch (a loader or its iterator) of ``Counted`` items: what came, the running count of items taken
+    (from ``taken``) and the most items the workers had loaded ahead of the caller. Every 40
+    items the caller pauses until the workers are ``floor`` items ahead or have stopped loading
+    for a while (their credits spent), however slowly a busy machine runs them."""
+    seen, most = [], 0
+    for k, item in enumerate(epoch):
+        taken += 1
+        if k % 40 == 0:
+            _let_them_load(started, taken, floor)
+        most = max(most, started.value - taken)
+        seen.append(int(item[0]))
+    return seen, taken, most
+
+
+def _let_them_load(started, taken: int, floor: int, quiet: float = 0.1) -> None:
+    end = time.monotonic() + 10.0
+    last, since = started.value, time.monotonic()
+    while time.monotonic() < end and started.value - taken < floor:
+        now = started.value
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return
+        time.sleep(0.002)
+
+
 @pytest.mark.parametrize(
     "workers, prefetch, in_order, spin, size",
     [
@@ -726,15 +753,9 @@ def test_items_loaded_and_not_taken_never_exceed_the_window(
         in_order=in_order,
         timeout=GUARD,
     )
-    taken = most = 0
-    seen = []
     with loader:
-        for k, item in enumerate(loader):
-            taken += 1
-            if k % 40 == 0:
-                time.sleep(0.02)  # the workers run as far ahead as they may
-            most = max(most, started.value - taken)
-            seen.append(int(item[0]))
+        seen, taken, most = _take_and_measure(loader, started, 0, loader.window - workers)
+    assert started.value == taken
     assert most <= loader.window
     assert most >= loader.window - workers  # the pauses let them fill the window (or nearly)
     assert sorted(seen) == list(range(800))
@@ -768,13 +789,8 @@ def test_small_fast_items_run_deeper_within_their_bound(
     taken = most = 0
     with loader:
         for _ in range(2 if persistent else 1):
-            seen = []
-            for k, item in enumerate(loader):
-                taken += 1
-                if k % 40 == 0:
-                    time.sleep(0.02)  # the workers run as far ahead as they may
-                most = max(most, started.value - taken)
-                seen.append(int(item[0]))
+            seen, taken, deepest = _take_and_measure(loader, started, taken, bound - workers)
+            most = max(most, deepest)
             assert sorted(seen) == list(range(800))
             assert seen == list(range(800)) or not in_order
     assert started.value == taken
@@ -807,12 +823,9 @@ def test_credits_keep_the_window_across_epochs_on_either_counter(credits):
             it = iter(loader)
             fifo = stat.S_ISFIFO(os.fstat(it.workers.slots[0].credits).st_mode)
             assert fifo == (credits == "pipe")
-            for k, item in enumerate(it):
-                assert int(item[0]) == k
-                taken += 1
-                if k % 60 == 0:
-                    time.sleep(0.02)  # the workers fill the window
-                most = max(most, started.value - taken)
+            seen, taken, deepest = _take_and_measure(it, started, taken, loader.window - 2)
+            assert seen == list(range(600))
+            most = max(most, deepest)
     finally:
         loader.close()
     assert taken == started.value == 1200
