@@ -12,7 +12,7 @@ from _worker_tasks import getpid, identity, kill_self_if
 from framepipe.workers import Pool, Worker, WorkerCrashed, _atexit
 from framepipe.workers._lifecycle import IllegalMove, State
 from framepipe.workers._options import ProcessOptions
-from framepipe.workers._policy import ActorPolicy, PoolPolicy
+from framepipe.workers._policy import ActorPolicy, GroupPolicy, LoaderPolicy, PoolPolicy
 
 WAIT = 60  # a hang guard only
 
@@ -78,6 +78,29 @@ def test_what_the_policies_answer_differs_where_an_actor_and_a_pool_differ():
     assert actor.broken("w", reason) is reason
     assert pool.finishes_at_exit and not actor.finishes_at_exit
     assert pool.kept_at_cancel(3) == 3 and actor.kept_at_cancel(3) == 0
+
+
+def test_a_loader_and_a_group_answer_the_same_questions():
+    pool, actor = PoolPolicy(), ActorPolicy()
+    never, twice = LoaderPolicy.of(0), LoaderPolicy.of(2)
+    group = GroupPolicy()
+    # a loader's batch runs again on worker_crash_retries fresh workers, then the loader fails
+    assert not never.replaces_crashed and not never.retries(1)
+    assert twice.replaces_crashed and [twice.retries(n) for n in (1, 2, 3)] == [True, True, False]
+    # a rank is never run alone again, nor replaced: the group is one whole
+    assert not group.retries(1) and group.replacements(2, True, True) == 0
+    # an unretried crash stops every worker of a loader or a group, one task or call of the rest
+    assert never.crash_stops_all and group.crash_stops_all
+    assert not pool.crash_stops_all and not actor.crash_stops_all
+    # round robin (a seed reproduces an epoch) and one entry point per rank: nothing balances
+    assert pool.balances and not (never.balances or group.balances or actor.balances)
+    assert not (never.finishes_at_exit or group.finishes_at_exit)
+    assert [p.label for p in (pool, actor, never, group)] == [
+        "a Pool",
+        "a Worker",
+        "a DataLoader",
+        "a WorkerGroup",
+    ]
 
 
 def test_a_workers_record_moves_through_the_lifecycle_states(engine):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import multiprocessing
 import os
 import pickle
 import random
@@ -26,6 +27,9 @@ from framepipe.workers import (
     _pin,
     get_worker_info,
 )
+from framepipe.workers._lifecycle import State
+from framepipe.workers._options import ProcessOptions
+from framepipe.workers._policy import LoaderPolicy
 
 np = pytest.importorskip("numpy")
 
@@ -403,6 +407,48 @@ def test_a_retried_crash_yields_every_batch_once_in_order(engine, tmp_path, how)
         assert err.signal_name == "SIGKILL"
     assert "item 13 crashes this worker" in err.stderr_tail
     assert "retry 1 of 1" in str(err)
+
+
+def test_a_worker_that_died_is_replaced_by_a_new_record(engine, tmp_path):
+    """The dead process's lifecycle record ends DEAD; the fresh one in its place has its own,
+    which goes from STARTING to READY, and every record is DEAD once the loader is closed."""
+    loader = _loader(
+        CrashAt(24, 9, "kill", str(tmp_path)),
+        num_workers=2,
+        worker_crash_retries=1,
+        on_worker_crash=lambda err: None,
+    )
+    it = iter(loader)
+    workers = it.workers
+    assert workers.policy == LoaderPolicy.of(1)
+    first = [slot.life for slot in workers.slots]
+    got = [next(it), next(it)]  # one from each worker: both said they are ready
+    assert all(slot.state is State.READY for slot in workers.slots)
+    got += list(it)
+    assert got == list(range(24))
+    lives = [slot.life for slot in workers.slots]
+    replaced = [k for k in range(2) if lives[k] is not first[k]]
+    assert replaced == [9 % 2]  # item 9's worker, and only it, is a new process
+    assert first[9 % 2].state is State.DEAD
+    loader.close()
+    assert all(life.state is State.DEAD for life in first + lives)
+
+
+@pytest.mark.parametrize("method", [None, "spawn", "forkserver"])
+def test_a_loader_starts_its_workers_from_one_options_record(method):
+    loader = _loader(list(range(6)), num_workers=2, start_method=method)
+    with loader:
+        it = iter(loader)
+        assert list(it) == list(range(6))
+        options = it.workers.process
+        assert isinstance(options, ProcessOptions)
+        expected = multiprocessing.get_context(method).get_start_method()
+        assert options.start_method == expected
+        assert options.name == "DataLoader-worker"
+        assert [s.proc.name for s in it.workers.slots] == [
+            "DataLoader-worker-0",
+            "DataLoader-worker-1",
+        ]
 
 
 def test_a_retried_crash_warns_without_a_callback(engine, tmp_path):

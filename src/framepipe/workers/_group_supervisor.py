@@ -32,6 +32,7 @@ from ._child import FdHandle, main_without_pseudo_file, new_process
 from ._group_report import group_outcome
 from ._group_stop import StopControl
 from ._lifecycle import State
+from ._policy import GroupPolicy
 from ._rank import Rank, RankBoot, Std
 from ._stderr import OutputPipe, open_output
 from .errors import WorkerStartError
@@ -80,6 +81,7 @@ class Supervisor:
     def __init__(self, group: GroupPlan, ranks: list[Rank]) -> None:
         self.group = group
         self.ranks = ranks
+        self.policy = GroupPolicy()  # what a failed rank fails: the group (see _policy)
         self.control = StopControl(group.grace)
         self.launched: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.done: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -348,6 +350,6 @@ class Supervisor:
         for p in r.pipes:
             if p.fd is not None:
                 self._on_output(p)
-        if not r.succeeded(self.group.is_command):
+        if not r.succeeded(self.group.is_command) and self.policy.crash_stops_all:
             group = self.group
             self.control.begin(self.ranks, group.death_sig, group.grace, f"rank {r.rank} failed")

@@ -1,8 +1,10 @@
-"""What differs between an actor and a pool, asked of one object instead of tested by name.
+"""What differs between the worker classes, asked of one object instead of tested by name.
 
-The dispatch core is the same under :class:`~framepipe.workers.Worker` (an actor: one process
-whose state the calls build on) and :class:`~framepipe.workers.Pool` (an Executor: workers
-that hold no state of the caller's). Where the two differ, the core asks its policy:
+Every supervisor of worker processes asks its policy where the classes differ: the dispatch
+core under :class:`~framepipe.workers.Worker` (an actor: one process whose state the calls
+build on) and :class:`~framepipe.workers.Pool` (an Executor: workers that hold no state of the
+caller's), the loader's workers (:class:`~framepipe.workers.DataLoader`) and a group's ranks
+(:class:`~framepipe.workers.WorkerGroup`):
 
 ===========================  =====================================  ===========================
 question                     PoolPolicy                             ActorPolicy
@@ -21,6 +23,20 @@ at interpreter exit          the tasks it was given finish first    its process 
 errors                       as an Executor's (``PoolBroken``, a    as the call raised them
                              ``BrokenExecutor``)
 ===========================  =====================================  ===========================
+
+===========================  =====================================  ===========================
+question                     LoaderPolicy                           GroupPolicy
+===========================  =====================================  ===========================
+what a crash fails           the loader (``WorkerCrashed`` from     the group: every rank is
+                             ``next()``), unless the batch may      stopped (``GroupFailed``);
+                             run again (``worker_crash_retries``)   torchrun's agent may start
+                                                                    the group again
+when a worker is replaced    at once, in the dead one's place,      never: the group is started
+                             given every batch it held              again as a whole, or not
+feeding                      round robin, torch's order; never      one entry point per rank
+                             moved (a seed reproduces an epoch)
+at interpreter exit          batches nobody will take are dropped   its ranks are stopped
+===========================  =====================================  ===========================
 """
 
 from __future__ import annotations
@@ -30,7 +46,7 @@ from typing import ClassVar
 
 from .errors import PoolBroken
 
-__all__ = ["ActorPolicy", "Policy", "PoolPolicy"]
+__all__ = ["ActorPolicy", "GroupPolicy", "LoaderPolicy", "Policy", "PoolPolicy"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +68,9 @@ class Policy:
     balances: ClassVar[bool]
     # At interpreter exit the tasks it was given are finished before its workers stop.
     finishes_at_exit: ClassVar[bool]
+    # A crash that is not run again ends the whole: every worker is stopped and the error is
+    # the caller's (a loader's epoch, a group), instead of failing the one task or call.
+    crash_stops_all: ClassVar[bool] = False
 
     # The crash loop that breaks the core: more than max_restarts workers dying in a row within
     # restart_window seconds with no task finished between them (None: never).
@@ -141,3 +160,48 @@ class ActorPolicy(Policy):
         if not calls_waiting and any_running:
             return 0
         return max(0, need)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderPolicy(Policy):
+    """The workers of a :class:`~framepipe.workers.DataLoader`: a batch whose worker died runs
+    again on a fresh worker in its place ``worker_crash_retries`` times
+    (``max_task_crashes = worker_crash_retries + 1``), and any other crash ends the loader."""
+
+    label: ClassVar[str] = "a DataLoader"
+    executor: ClassVar[bool] = False
+    crash_fails_queued: ClassVar[bool] = False
+    starts_on_call: ClassVar[bool] = False
+    balances: ClassVar[bool] = False  # round robin: batch k goes to worker k % num_workers
+    finishes_at_exit: ClassVar[bool] = False
+    crash_stops_all: ClassVar[bool] = True
+
+    @classmethod
+    def of(cls, worker_crash_retries: int) -> LoaderPolicy:
+        return cls(max_task_crashes=worker_crash_retries + 1)
+
+    @property
+    def replaces_crashed(self) -> bool:
+        """Whether a worker that died is replaced (its batches run again) at all."""
+        return self.retries(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPolicy(Policy):
+    """The ranks of a :class:`~framepipe.workers.WorkerGroup`: each runs its entry point once;
+    the first that fails stops the others, as torchrun's agent does (which may then start the
+    whole group again: ``max_restarts`` there)."""
+
+    label: ClassVar[str] = "a WorkerGroup"
+    executor: ClassVar[bool] = False
+    crash_fails_queued: ClassVar[bool] = False
+    starts_on_call: ClassVar[bool] = False
+    balances: ClassVar[bool] = False
+    finishes_at_exit: ClassVar[bool] = False
+    crash_stops_all: ClassVar[bool] = True
+
+    def retries(self, crashes: int) -> bool:
+        return False  # a rank is one part of a whole: it is never run alone again
+
+    def replacements(self, need: int, calls_waiting: bool, any_running: bool) -> int:
+        return 0

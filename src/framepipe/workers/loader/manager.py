@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import math
 import mmap
 import multiprocessing
@@ -22,6 +23,9 @@ from ...errors import ReadTimeout, WriterDied
 from ...remote import loads_exception
 from .. import _atexit, _byvalue, _pin, _shm
 from .._child import FdHandle
+from .._lifecycle import Lifecycle, State
+from .._options import ProcessOptions
+from .._policy import LoaderPolicy
 from .._process import WorkerProcess, register_parent_side
 from ..errors import WorkerError
 from . import recovery
@@ -40,6 +44,7 @@ from .wire import (
     DEEP_AHEAD,
     FETCH,
     INIT_FAILED,
+    KILL_GRACE,
     MANY,
     PACE,
     POST_MAX,
@@ -54,11 +59,16 @@ from .worker import loader_loop
 
 
 class _Slot(_shm.Receiver):
-    """The parent's view of one worker."""
+    """The parent's view of one worker: its place in the round robin (``id``) and what it
+    holds, and the process in that place now (``proc``) with the record of that process's
+    lifecycle (``life``: a :class:`~framepipe.workers._lifecycle.Lifecycle`, STARTING until
+    it says it is ready, READY, then STOPPING and DEAD; a fresh process that takes a dead
+    one's place, see :func:`.recovery.replace`, has a new record)."""
 
     __slots__ = (
         "id",
         "proc",
+        "life",
         "conn",
         "credits",
         "held",
@@ -89,6 +99,7 @@ class _Slot(_shm.Receiver):
         super().__init__(fdsock)
         self.id = wid
         self.proc = proc
+        self.life = Lifecycle()
         self.conn = proc.conn
         self.credits = credits  # the parent's end of the worker's credit counter
         self.beacon = beacon  # the batch id the worker is loading (worker_crash_retries)
@@ -146,6 +157,7 @@ class _Slot(_shm.Receiver):
         if sender is not None and sender.is_alive():
             sender.join(STOP_GRACE)  # its writes to the dead worker fail at once
         self.close_fds()
+        self.life = Lifecycle()
         self.fdsock = fdsock
         self.memfds = []
         self.returned = collections.deque()
@@ -153,6 +165,11 @@ class _Slot(_shm.Receiver):
         self.backlog.clear()
         self.outbox, self.sender = None, None
         self.lock = threading.Lock()
+
+    @property
+    def state(self) -> State:
+        """The lifecycle state of the process in this place now."""
+        return self.life.state
 
     def attention(self, message: bytes | None = None) -> None:
         """Make the worker read its channel (after ``message``, posted there)."""
@@ -219,6 +236,7 @@ class _Workers:
         self.base_seed = base_seed
         self.slots: list[_Slot] = []
         self.retries = loader.worker_crash_retries
+        self.policy = LoaderPolicy.of(self.retries)  # what a crash fails (see _policy)
         self.on_crash = loader.on_worker_crash
         self.reports = loader.crash_reports
         self.crashes: dict[int, int] = {}  # batch id -> workers that died loading it
@@ -230,7 +248,12 @@ class _Workers:
         self.closed = False
         self.broken: BaseException | None = None
         self._last_pump = self._last_rss = 0.0  # the first reply samples the workers' peak RSS
-        self._ctx = multiprocessing.get_context(loader.start_method)
+        # how the workers start and stop (the start method's default: that of multiprocessing)
+        ctx = multiprocessing.get_context(loader.start_method)
+        self.process = ProcessOptions(
+            name="DataLoader-worker", start_method=ctx.get_start_method(), kill_grace=KILL_GRACE
+        )
+        self._ctx = self.process.context()
         self.common = {
             "num_workers": loader.num_workers,
             "base_seed": base_seed,
@@ -272,16 +295,18 @@ class _Workers:
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         fdsock = None if theirs is None else FdHandle(theirs.fileno())
         worker_end, parent_end = _credit_fds()
-        beacon_fd = _beacon_fd() if self.retries else -1
+        beacon_fd = _beacon_fd() if self.policy.replaces_crashed else -1
         beacon = None
         try:
             if beacon_fd >= 0:
                 beacon = mmap.mmap(beacon_fd, _BEACON.size)
                 _BEACON.pack_into(beacon, 0, -1)
+            name = f"{self.process.name}-{wid}"
             proc = WorkerProcess(
                 self._ctx,
-                f"DataLoader-worker-{wid}",
+                name,
                 loader_loop,
+                dataclasses.replace(self.process, name=name),
                 options={
                     **self.common,
                     "worker_id": wid,
@@ -416,7 +441,7 @@ class _Workers:
                 )
                 err.__cause__ = cause
                 raise self.fail(err)
-            # "ready": the worker started
+            slot.life.to(State.READY)  # "ready": the worker started
 
     def _next_message(
         self, slot: _Slot, timeout: float | None, resetting: bool, waited: list[float]
@@ -441,7 +466,8 @@ class _Workers:
             self._wait_long([slot], waited[0], timeout)
             return None
         except WriterDied as died:
-            if not self.retries:
+            slot.life.to(State.DEAD)
+            if not self.policy.replaces_crashed:
                 raise recovery.crashed(self, slot, died) from None
             if resetting:  # between epochs: nothing is lost, a new worker is reset
                 slot.held.clear()
@@ -536,6 +562,8 @@ class _Workers:
         self.closed = True
         _atexit.unregister(self)
         for slot in self.slots:
+            if slot.life.alive:
+                slot.life.to(State.STOPPING)
             sender = slot.sender
             if slot.outbox is not None and sender is not None:
                 # its channel is jammed (a message still going out): no close request can
@@ -557,8 +585,9 @@ class _Workers:
                 with contextlib.suppress(Exception):
                     proc.join(max(0.0, deadline - time.monotonic()))
         for slot in self.slots:
-            slot.proc.stop(timeout=0.0, grace=0.5)
+            slot.proc.stop(timeout=0.0, grace=self.process.kill_grace)
             slot.proc.close()
+            slot.life.to(State.DEAD)
             slot.close_fds()
             slot.held.clear()
 

@@ -70,9 +70,10 @@ def retry(workers: Any, slot: Any, died: WriterDied) -> None:
         bid = loading
     indices = dict(held)[bid]
     count = workers.crashes[bid] = workers.crashes.get(bid, 0) + 1
+    again = workers.policy.retries(count)
     text = batch_text(workers, bid, indices)
     why = f"DataLoader worker {slot.id}; it died loading {text}"
-    if count > workers.retries:
+    if not again:
         why += (
             f", which has now crashed {count} workers (worker_crash_retries="
             f"{workers.retries}); the reports of the earlier crashes are in err.crashes"
@@ -83,7 +84,7 @@ def retry(workers: Any, slot: Any, died: WriterDied) -> None:
     err.worker_id = slot.id
     err.batches = {bid: indices}
     err.queued = {b: i for b, i in held if b != bid}
-    if count > workers.retries:
+    if not again:
         err.crashes = list(workers.reports)
         raise workers.fail(err)
     resume = None
@@ -106,7 +107,7 @@ def replace(workers: Any, slot: Any, resume: dict[str, Any] | None) -> None:
     held, credit = list(slot.held), slot.credit
     slot.rebind(*workers.spawn(slot.id, resume))
     with contextlib.suppress(Exception):
-        old.stop(timeout=0.0, grace=0.5)
+        old.stop(timeout=0.0, grace=workers.process.kill_grace)
         old.close()
     slot.held.clear()
     slot.credit = 0

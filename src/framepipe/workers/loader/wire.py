@@ -43,6 +43,7 @@ PACE_BATCHES = 4
 DEEP_AHEAD = 16
 STACK_WAIT = 0.5  # seconds to wait for a stuck worker's stack
 STOP_GRACE = 1.0  # seconds workers get to exit by themselves before SIGTERM, then SIGKILL
+KILL_GRACE = 0.5  # seconds between that SIGTERM and SIGKILL
 PUMP_EVERY = 0.02  # seconds between stderr pumps while batches keep arriving
 WAIT_SLICE = 0.25  # seconds: while waiting for a batch, stderr is pumped this often
 RSS_EVERY = 0.1  # seconds between samples of the workers' peak RSS (for the OOM hint)
