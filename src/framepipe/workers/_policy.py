@@ -57,17 +57,17 @@ class Policy:
     label: ClassVar[str]
     # Errors are an Executor's: a task's error revived as concurrent.futures gives it, a broken
     # core raises PoolBroken (a BrokenExecutor) with the reason as its cause.
-    executor: ClassVar[bool]
+    executor: ClassVar[bool] = False
     # A crash fails every call queued and those made until a caller is handed it, instead of
     # the running task only (see NOTE [an actor's crash]).
-    crash_fails_queued: ClassVar[bool]
+    crash_fails_queued: ClassVar[bool] = False
     # A worker is started when a call waits for one, not kept running at strength.
-    starts_on_call: ClassVar[bool]
+    starts_on_call: ClassVar[bool] = False
     # The balance rules of NOTE [ Feeding ahead and balance ]: nothing more is queued behind a
     # task that runs long, and idle workers take over the tasks others have not started.
-    balances: ClassVar[bool]
+    balances: ClassVar[bool] = False
     # At interpreter exit the tasks it was given are finished before its workers stop.
-    finishes_at_exit: ClassVar[bool]
+    finishes_at_exit: ClassVar[bool] = False
     # A crash that is not run again ends the whole: every worker is stopped and the error is
     # the caller's (a loader's epoch, a group), instead of failing the one task or call.
     crash_stops_all: ClassVar[bool] = False
@@ -119,8 +119,6 @@ class PoolPolicy(Policy):
 
     label: ClassVar[str] = "a Pool"
     executor: ClassVar[bool] = True
-    crash_fails_queued: ClassVar[bool] = False
-    starts_on_call: ClassVar[bool] = False
     balances: ClassVar[bool] = True
     finishes_at_exit: ClassVar[bool] = True
 
@@ -146,11 +144,8 @@ class ActorPolicy(Policy):
     """One process whose state the calls build on (:class:`~framepipe.workers.Worker`)."""
 
     label: ClassVar[str] = "a Worker"
-    executor: ClassVar[bool] = False
     crash_fails_queued: ClassVar[bool] = True
     starts_on_call: ClassVar[bool] = True
-    balances: ClassVar[bool] = False
-    finishes_at_exit: ClassVar[bool] = False
 
     def retries(self, crashes: int) -> bool:
         return False  # the state it ran against is gone
@@ -169,11 +164,6 @@ class LoaderPolicy(Policy):
     (``max_task_crashes = worker_crash_retries + 1``), and any other crash ends the loader."""
 
     label: ClassVar[str] = "a DataLoader"
-    executor: ClassVar[bool] = False
-    crash_fails_queued: ClassVar[bool] = False
-    starts_on_call: ClassVar[bool] = False
-    balances: ClassVar[bool] = False  # round robin: batch k goes to worker k % num_workers
-    finishes_at_exit: ClassVar[bool] = False
     crash_stops_all: ClassVar[bool] = True
 
     @classmethod
@@ -193,11 +183,6 @@ class GroupPolicy(Policy):
     whole group again: ``max_restarts`` there)."""
 
     label: ClassVar[str] = "a WorkerGroup"
-    executor: ClassVar[bool] = False
-    crash_fails_queued: ClassVar[bool] = False
-    starts_on_call: ClassVar[bool] = False
-    balances: ClassVar[bool] = False
-    finishes_at_exit: ClassVar[bool] = False
     crash_stops_all: ClassVar[bool] = True
 
     def retries(self, crashes: int) -> bool:
