@@ -157,6 +157,45 @@ def test_readme_is_short():
     )
 
 
+def _modules_in_the_map() -> set[str]:
+    """The modules named in the table of docs/architecture.md ("Where each thing lives"), as
+    paths below src/framepipe/: a name without a folder in a cell shares the folder of the
+    cell's first name; a folder (``bench/``) stands for every module in it."""
+    text = (DOCS / "architecture.md").read_text()
+    table = text.split("## Where each thing lives", 1)[1].split("\n## ", 1)[0]
+    named: set[str] = set()
+    for line in table.splitlines():
+        if not line.startswith("| `"):
+            continue
+        folder = ""
+        for name in re.findall(r"`([\w/.]+)`", line.split(" | ")[0]):
+            if "/" in name:
+                folder = name[: name.rindex("/") + 1] if not name.endswith("/") else ""
+            named.add(name if "/" in name or not folder else folder + name)
+    return named
+
+
+def test_the_architecture_page_maps_every_module():
+    """Each module of the package is in the architecture page's map, and each name there is a
+    module (a renamed or moved module makes the page wrong)."""
+    src = ROOT / "src" / "framepipe"
+    if not src.is_dir():
+        pytest.skip("not a source tree")
+    named = _modules_in_the_map()
+    folders = {n for n in named if n.endswith("/")}
+    modules = {
+        str(p.relative_to(src))
+        for p in src.rglob("*.py")
+        if "__pycache__" not in p.parts
+        and not (p.name == "__init__.py" and p.parent != src and p.parent.name != "workers")
+    }
+    modules |= {str(p.relative_to(src)) for p in src.glob("*.pyx")}
+    unmapped = sorted(m for m in modules - named if not any(m.startswith(f) for f in folders))
+    assert not unmapped, f"modules missing from docs/architecture.md's map: {unmapped}"
+    missing = sorted(n for n in named if not (src / n).exists())
+    assert not missing, f"docs/architecture.md's map names modules that do not exist: {missing}"
+
+
 @pytest.mark.parametrize("path", EXAMPLE_FILES, ids=_rel)
 def test_markers_sit_where_they_mean_something(path):
     """A fragment marker is on a python block; an output marker follows a program."""
