@@ -698,7 +698,7 @@ def test_early_break_leaves_no_process_behind(engine):
     assert len(pids) == 2
     start = time.monotonic()
     assert all(gone(pid) for pid in pids)
-    assert time.monotonic() - start < 3.0
+    assert time.monotonic() - start < 4.5  # stopped, not left to load the rest of the epoch
 
 
 def _take_and_measure(epoch, started, taken: int, floor: int) -> tuple[list[int], int, int]:
@@ -873,7 +873,7 @@ def test_early_break_with_batches_queued_stops_the_workers(engine, in_order):
     assert len(pids) == 2
     start = time.monotonic()
     assert all(gone(pid) for pid in pids)
-    assert time.monotonic() - start < 3.0
+    assert time.monotonic() - start < 4.5  # stopped, not left to load the rest of the epoch
 
 
 def test_a_message_larger_than_any_buffer_never_blocks_the_parent(engine):
@@ -922,7 +922,7 @@ def test_close_while_a_message_is_still_going_out_to_a_busy_worker(engine):
     assert it.workers.slots[0].outbox is not None
     start = time.monotonic()
     loader.close()
-    assert time.monotonic() - start < 3.0
+    assert time.monotonic() - start < 4.5  # stopped, not waited for (an item takes 5 s)
     assert all(gone(pid) for pid in pids)
 
 
