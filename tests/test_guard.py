@@ -277,17 +277,34 @@ def test_an_error_looked_at_after_close_still_names_the_guard(no_leftover_proces
     assert str(again) == str(err) and again.label == "shard-9" and again.lost_bytes == 5
 
 
+_LAST_PID = "/proc/sys/kernel/ns_last_pid"
+
+
 def _process_with_pid(pid: int) -> Any:
-    """A sleeping child given ``pid`` (through ns_last_pid), or None where that cannot be done."""
+    """A sleeping child given ``pid`` (through ns_last_pid), or None where that cannot be done.
+
+    The pid counter is shared by every process here, the tests running beside this one
+    included: it is wound back only for the child's fork and then put back, or the processes
+    started after it would be given the pids of processes that just died (a test that checks
+    a replacement worker has another pid than the dead one would see the same)."""
     ctx = multiprocessing.get_context("fork")
     for _ in range(5):
         try:
-            with open("/proc/sys/kernel/ns_last_pid", "w", encoding="ascii") as file:
+            with open(_LAST_PID, encoding="ascii") as file:
+                last = int(file.read())
+            with open(_LAST_PID, "w", encoding="ascii") as file:
                 file.write(str(pid - 1))
-        except OSError:
+        except (OSError, ValueError):
             return None
-        process = ctx.Process(target=time.sleep, args=(WAIT,), daemon=True)
-        process.start()
+        try:
+            process = ctx.Process(target=time.sleep, args=(WAIT,), daemon=True)
+            process.start()
+        finally:
+            with open(_LAST_PID, encoding="ascii") as file:
+                now = int(file.read())
+            if now < last:  # (unless other processes went past it meanwhile)
+                with open(_LAST_PID, "w", encoding="ascii") as file:
+                    file.write(str(last))
         if process.pid == pid:
             return process
         process.kill()  # another process forked in between: try again
