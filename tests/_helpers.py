@@ -118,6 +118,14 @@ def started(proc):
     failures included, kill it if it is still running (SIGKILL also ends a stopped process)
     and join it."""
     proc.start()
+    with reaped(proc):
+        yield proc
+
+
+@contextlib.contextmanager
+def reaped(proc):
+    """On the way out, failures included, kill the started process object ``proc`` if it is
+    still running and join it."""
     try:
         yield proc
     finally:
@@ -127,6 +135,35 @@ def started(proc):
             except (OSError, ValueError):
                 pass
         proc.join(60.0)
+
+
+LAST_PID = "/proc/sys/kernel/ns_last_pid"
+
+
+def at_pid(pid: int, start):
+    """Call ``start()``, which starts one process, with the pid counter wound back so that the
+    process gets ``pid`` if it is free (through ns_last_pid), and then put the counter back:
+    the tests running beside this one go on getting fresh pids, not the pids of processes that
+    just died (a test that checks that a replacement worker's pid is not its dead
+    predecessor's would see the same). ``(True, start())``; ``(False, None)``, ``start`` not
+    called, where the counter cannot be set. Whether the process got ``pid`` is the caller's
+    to check: another process may start in between."""
+    try:
+        with open(LAST_PID, encoding="ascii") as file:
+            last = int(file.read())
+        with open(LAST_PID, "w", encoding="ascii") as file:
+            file.write(str(pid - 1))
+    except (OSError, ValueError):
+        return False, None
+    try:
+        return True, start()
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            with open(LAST_PID, encoding="ascii") as file:
+                now = int(file.read())
+            if now < last:  # (unless other processes went past it meanwhile)
+                with open(LAST_PID, "w", encoding="ascii") as file:
+                    file.write(str(last))
 
 
 def running(method: str, target, *args):

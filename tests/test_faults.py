@@ -35,7 +35,17 @@ from _fault_children import (
     wire,
     write_in_thread,
 )
-from _helpers import START_METHODS, child_env, header, payload, running, wait_until, write_all
+from _helpers import (
+    START_METHODS,
+    at_pid,
+    child_env,
+    header,
+    payload,
+    reaped,
+    running,
+    wait_until,
+    write_all,
+)
 
 import framepipe.connection as fpc
 from framepipe import ReadTimeout, WriterDied
@@ -606,15 +616,6 @@ def _start_tick(pid: int) -> str | None:
     return proc_stat(pid, 22)  # starttime
 
 
-def _set_last_pid(pid: int) -> bool:
-    try:
-        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
-            f.write(str(pid))
-        return True
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("use_pidfd", [True, False], ids=["pidfd", "portable"])
 def test_recycled_pid_does_not_revive_a_dead_writer(impl, use_pidfd):
     # The watched writer dies and is reaped; a new process gets the very same pid and holds
@@ -630,9 +631,13 @@ def test_recycled_pid_does_not_revive_a_dead_writer(impl, use_pidfd):
         first.join(WAIT)
     try:
         for _attempt in range(50):
-            if not _set_last_pid(pid - 1):
+            second = multiprocessing.get_context("fork").Process(
+                target=block_until_killed, args=(w,), daemon=True
+            )
+            settable, _ = at_pid(pid, second.start)
+            if not settable:
                 pytest.skip("cannot choose the next pid here (ns_last_pid is not writable)")
-            with running("fork", block_until_killed, w) as second:
+            with reaped(second):
                 if second.pid != pid or _start_tick(pid) == first_start:
                     # Not our pid, or started in the same clock tick as the first one (which
                     # nothing but a pidfd can tell apart): try again.

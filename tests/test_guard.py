@@ -21,7 +21,7 @@ import traceback
 from typing import Any
 
 import pytest
-from _helpers import frame_names, run_guarded
+from _helpers import at_pid, frame_names, run_guarded
 
 from framepipe._liveness import start_time
 from framepipe.errors import WriterDied
@@ -277,34 +277,14 @@ def test_an_error_looked_at_after_close_still_names_the_guard(no_leftover_proces
     assert str(again) == str(err) and again.label == "shard-9" and again.lost_bytes == 5
 
 
-_LAST_PID = "/proc/sys/kernel/ns_last_pid"
-
-
 def _process_with_pid(pid: int) -> Any:
-    """A sleeping child given ``pid`` (through ns_last_pid), or None where that cannot be done.
-
-    The pid counter is shared by every process here, the tests running beside this one
-    included: it is wound back only for the child's fork and then put back, or the processes
-    started after it would be given the pids of processes that just died (a test that checks
-    a replacement worker has another pid than the dead one would see the same)."""
+    """A sleeping child given ``pid`` (see ``at_pid``), or None where that cannot be done."""
     ctx = multiprocessing.get_context("fork")
     for _ in range(5):
-        try:
-            with open(_LAST_PID, encoding="ascii") as file:
-                last = int(file.read())
-            with open(_LAST_PID, "w", encoding="ascii") as file:
-                file.write(str(pid - 1))
-        except (OSError, ValueError):
+        process = ctx.Process(target=time.sleep, args=(WAIT,), daemon=True)
+        settable, _ = at_pid(pid, process.start)
+        if not settable:
             return None
-        try:
-            process = ctx.Process(target=time.sleep, args=(WAIT,), daemon=True)
-            process.start()
-        finally:
-            with open(_LAST_PID, encoding="ascii") as file:
-                now = int(file.read())
-            if now < last:  # (unless other processes went past it meanwhile)
-                with open(_LAST_PID, "w", encoding="ascii") as file:
-                    file.write(str(last))
         if process.pid == pid:
             return process
         process.kill()  # another process forked in between: try again

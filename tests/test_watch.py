@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from _fault_children import die
-from _helpers import exit_code, fork, run_python
+from _helpers import at_pid, exit_code, fork, run_python
 
 from framepipe.errors import WriterDied
 from framepipe.watch import (
@@ -380,15 +380,12 @@ def test_pid_reaped_by_someone_else_during_the_watch(use_pidfd: bool) -> None:
 
 
 def _force_pid(pid: int) -> int | None:
-    """Fork a sleeping child with exactly `pid` through ns_last_pid, or None when the system
-    does not allow it."""
+    """Fork a sleeping child with exactly `pid` (see ``at_pid``), or None when the system does
+    not allow it."""
     for _ in range(50):
-        try:
-            with open("/proc/sys/kernel/ns_last_pid", "w") as f:
-                f.write(str(pid - 1))
-        except OSError:
+        settable, new = at_pid(pid, fork_sleeper)
+        if not settable:
             return None
-        new = fork_sleeper()
         if new == pid:
             return new
         kill_and_reap(new)
