@@ -171,6 +171,11 @@ class LoaderPolicy(Policy):
         return cls(max_task_crashes=worker_crash_retries + 1)
 
     @property
+    def crash_retries(self) -> int:
+        """``worker_crash_retries``: the fresh workers a batch whose worker died runs on."""
+        return self.max_task_crashes - 1
+
+    @property
     def replaces_crashed(self) -> bool:
         """Whether a worker that died is replaced (its batches run again) at all."""
         return self.retries(1)

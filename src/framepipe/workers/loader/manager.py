@@ -235,8 +235,7 @@ class _Workers:
     ) -> None:
         self.base_seed = base_seed
         self.slots: list[_Slot] = []
-        self.retries = loader.worker_crash_retries
-        self.policy = LoaderPolicy.of(self.retries)  # what a crash fails (see _policy)
+        self.policy = LoaderPolicy.of(loader.worker_crash_retries)  # what a crash fails
         self.on_crash = loader.on_worker_crash
         self.reports = loader.crash_reports
         self.crashes: dict[int, int] = {}  # batch id -> workers that died loading it
@@ -253,7 +252,7 @@ class _Workers:
         self.process = ProcessOptions(
             name="DataLoader-worker", start_method=ctx.get_start_method(), kill_grace=KILL_GRACE
         )
-        self._ctx = self.process.context()
+        self._ctx = ctx
         self.common = {
             "num_workers": loader.num_workers,
             "base_seed": base_seed,

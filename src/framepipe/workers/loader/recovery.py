@@ -71,15 +71,16 @@ def retry(workers: Any, slot: Any, died: WriterDied) -> None:
     indices = dict(held)[bid]
     count = workers.crashes[bid] = workers.crashes.get(bid, 0) + 1
     again = workers.policy.retries(count)
+    retries = workers.policy.crash_retries
     text = batch_text(workers, bid, indices)
     why = f"DataLoader worker {slot.id}; it died loading {text}"
     if not again:
         why += (
             f", which has now crashed {count} workers (worker_crash_retries="
-            f"{workers.retries}); the reports of the earlier crashes are in err.crashes"
+            f"{retries}); the reports of the earlier crashes are in err.crashes"
         )
     else:
-        why += f"; the batch goes to a fresh worker (retry {count} of {workers.retries})"
+        why += f"; the batch goes to a fresh worker (retry {count} of {retries})"
     err = slot.proc.crash_error(died, text, None, why)
     err.worker_id = slot.id
     err.batches = {bid: indices}
