@@ -76,6 +76,42 @@ def test_parallel_runs_on_framepipe_workers():
         assert fj._shared[1] is pool
 
 
+@pytest.mark.parametrize(
+    ("size", "took", "expected"),
+    [
+        (16, 0.001, 64),  # tiny tasks: four times the last size (joblib's own: twice)
+        (1, 0.000001, 4),
+        (16, 0.15, 42),  # near 0.2 s a batch: joblib's estimate of the ideal caps it
+        (16, 0.5, 16),  # 0.2-2 s: kept
+        (16, 3.0, 2),  # over 2 s: shrunk as joblib shrinks it
+    ],
+)
+def test_batches_grow_to_joblib_size_in_fewer_steps(size, took, expected):
+    backend = fj.FramepipeBackend()
+    backend.parallel = joblib.Parallel()  # what configure() sets: its verbosity is read
+    backend._effective_batch_size = size
+    backend._smoothed_batch_duration = took
+    assert backend.compute_batch_size() == expected
+    assert backend._effective_batch_size == expected
+
+
+def _tasks_run(pool) -> int:
+    return sum(row["calls"] for row in pool.stats())
+
+
+def test_a_call_of_tiny_tasks_sends_few_batches():
+    """10,000 tiny calls: about 44 batches (joblib's doubling needs 64 or more: NOTE [ Batch
+    growth ]), counted by the workers."""
+    with joblib.parallel_config(backend="framepipe", n_jobs=2, start_method="fork"):
+        assert joblib.Parallel()(joblib.delayed(abs)(-i) for i in range(5)) == list(range(5))
+        pool = fj._shared[1]
+        before = _tasks_run(pool)
+        out = joblib.Parallel()(joblib.delayed(abs)(-i) for i in range(10_000))
+        assert out == list(range(10_000))
+        batches = _tasks_run(pool) - before
+        assert 24 <= batches < 60, batches
+
+
 def test_a_crash_fails_the_call_with_worker_crashed():
     with joblib.parallel_config(backend="framepipe", n_jobs=2, start_method="fork"):
         with pytest.raises(WorkerCrashed) as info:
