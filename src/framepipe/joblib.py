@@ -29,6 +29,7 @@ import concurrent.futures
 import multiprocessing
 import os
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -144,7 +145,7 @@ class FramepipeBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[
         self.parallel = parallel
         # See NOTE [ Results in order ]
         self.supports_retrieve_callback = not getattr(parallel, "return_ordered", False)
-        self._first_error: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._call = _Call(parallel)
         return n_jobs
 
     def submit(self, func: Any, callback: Any = None) -> concurrent.futures.Future[Any]:
@@ -154,7 +155,7 @@ class FramepipeBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[
             if self.supports_retrieve_callback:
                 future.add_done_callback(callback)
             else:
-                future.add_done_callback(_InOrder(callback, self._first_error))
+                future.add_done_callback(_InOrder(callback, self._call))
         return future
 
     def retrieve_result_callback(self, future: concurrent.futures.Future[Any]) -> Any:
@@ -183,9 +184,17 @@ class FramepipeBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[
         """A batch's results, waited for in joblib's main thread (results in order); the
         error of another batch as soon as one failed; joblib's TimeoutError after
         ``timeout``."""
-        first_error = self._first_error
+        call = self._call
+        first_error = call.first_error
         if out.done() and not first_error.done():  # most batches: ended before joblib asks
             return out.result()
+        if call.whole and not call.settled.done():  # see NOTE [ A list waits once ]
+            deadline = None if timeout is None else time.monotonic() + timeout
+            concurrent.futures.wait(
+                (call.settled, first_error), timeout, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            if deadline is not None:
+                timeout = max(0.0, deadline - time.monotonic())
         done, _ = concurrent.futures.wait(
             (out, first_error), timeout, return_when=concurrent.futures.FIRST_COMPLETED
         )
@@ -233,25 +242,83 @@ class FramepipeBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[
 # ``"generator_unordered"`` keeps the callback (joblib hands batches out as they end there).
 
 
-class _InOrder:
-    """The done-callback of a batch when joblib's main thread retrieves the results: joblib's
-    callback (which dispatches the next batch) after a batch that ended well; after one that
-    failed, its error to ``first_error``, and no new batch."""
+# NOTE [ A list waits once ]
+# joblib's main thread and the thread that runs the batches' callbacks (here the pool's manager,
+# which also runs joblib's dispatch and with it the caller's generator) share one interpreter
+# lock. Woken at every batch that ends, the main thread takes the lock from the manager once or
+# twice a batch, and where the two threads run on different CPUs each hand-off is a wake-up
+# across CPUs. A call that returns a list (``return_as="list"``, the default) hands out nothing
+# before its end, so there its main thread, finding the next batch still running, sleeps until
+# the call has settled (``_Call.settled``: every batch dispatched and ended, a batch failed, or
+# joblib is aborting; a callback that raised settles it too) and then takes the results of
+# every batch at once. ``timeout=`` keeps its meaning: the batch waited for is given that long.
+# Measured on 2 CPUs, 10,000 tiny calls: the main thread's voluntary context switches a call
+# 42 -> 1-3, the manager's 22 -> 3-18; calls 4% faster (median of 40 alternating pairs, in
+# each of three runs). A generator (``"generator"``) is read as it goes, so its main thread
+# still wakes at each batch.
 
-    __slots__ = ("callback", "first_error")
 
-    def __init__(self, callback: Any, first_error: concurrent.futures.Future[Any]) -> None:
-        self.callback = callback
-        self.first_error = first_error
+class _Call:
+    """One ``Parallel`` call, as its batches' callbacks and joblib's main thread see it."""
 
-    def __call__(self, future: concurrent.futures.Future[Any]) -> None:
-        exc = concurrent.futures.CancelledError() if future.cancelled() else future.exception()
-        if exc is None:
-            self.callback(future)
-            return
+    __slots__ = ("parallel", "first_error", "settled", "whole")
+
+    def __init__(self, parallel: Any) -> None:
+        self.parallel = parallel
+        self.first_error: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self.settled: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        # see NOTE [ A list waits once ]
+        self.whole = getattr(parallel, "return_generator", True) is False
+
+    def failed(self, exc: BaseException) -> None:
         with _lock:
             if not self.first_error.done():
                 self.first_error.set_result(exc)
+
+    def settle(self) -> None:
+        with _lock:
+            if not self.settled.done():
+                self.settled.set_result(None)
+
+    def batch_ended(self) -> None:
+        """After joblib's callback of a batch: settled when nothing is left to run (or joblib
+        stops the call)."""
+        p = self.parallel
+        try:
+            ended = p._aborting or (
+                not p._iterating and p.n_completed_tasks >= p.n_dispatched_tasks
+            )
+        except AttributeError:  # another joblib: the main thread waits batch by batch
+            ended = True
+        if ended:
+            self.settle()
+
+
+class _InOrder:
+    """The done-callback of a batch when joblib's main thread retrieves the results: joblib's
+    callback (which dispatches the next batch) after a batch that ended well; after one that
+    failed, its error to the call's ``first_error``, and no new batch."""
+
+    __slots__ = ("callback", "call")
+
+    def __init__(self, callback: Any, call: _Call) -> None:
+        self.callback = callback
+        self.call = call
+
+    def __call__(self, future: concurrent.futures.Future[Any]) -> None:
+        exc = concurrent.futures.CancelledError() if future.cancelled() else future.exception()
+        if exc is not None:
+            self.call.failed(exc)
+            return
+        if not self.call.whole:
+            self.callback(future)
+            return
+        try:
+            self.callback(future)
+        except BaseException:
+            self.call.settle()  # the main thread goes back to waiting batch by batch
+            raise
+        self.call.batch_ended()
 
 
 def register() -> None:
