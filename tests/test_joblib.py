@@ -140,6 +140,26 @@ def test_a_list_call_wakes_its_main_thread_once():
     assert seen["generator"] >= 10, seen  # measured: 21-38
 
 
+def _calls_then_fail(n: int):
+    for i in range(n):
+        yield joblib.delayed(abs)(-i)
+    raise LookupError("the generator gave out")
+
+
+@pytest.mark.parametrize("n", [1, 50])
+def test_a_generator_that_raises_fails_a_list_call(n):
+    """The caller's generator raises: as the call starts (1 item), or in the manager thread
+    that runs joblib's dispatch as a batch ends, with no other batch running (50 items, one
+    batch at a time): the main thread, asleep until the call settles (NOTE [ A list waits
+    once ]), raises it."""
+    with joblib.parallel_config(backend="framepipe", n_jobs=2, start_method="fork"):
+        start = time.monotonic()
+        with pytest.raises(LookupError, match="gave out"):
+            joblib.Parallel(batch_size=1, pre_dispatch=1)(_calls_then_fail(n))
+        assert time.monotonic() - start < WAIT
+        assert joblib.Parallel()(joblib.delayed(abs)(-i) for i in range(5)) == list(range(5))
+
+
 def test_a_crash_fails_the_call_with_worker_crashed():
     with joblib.parallel_config(backend="framepipe", n_jobs=2, start_method="fork"):
         with pytest.raises(WorkerCrashed) as info:
