@@ -87,23 +87,24 @@ def bench_joblib(calls: int, repeat: int) -> dict[str, float]:
     import framepipe.joblib  # noqa: F401 - registers the backend
 
     rates = {}
-    # the floor: joblib's own work in this process (making the calls, batching, results)
-    run = lambda: joblib.Parallel(n_jobs=1)(joblib.delayed(abs)(-i) for i in range(calls))  # noqa: E731
-    rates["joblib Parallel(n_jobs=1), in this process"] = _median_rate(calls, run, repeat)
-    # the two backends alternate, run by run, so that a burst of load elsewhere on the machine
-    # falls on both alike
-    times: dict[str, list[float]] = {"framepipe": [], "loky": []}
+    # The floor, joblib's own work in this process (making the calls, batching, results), and
+    # the two backends, in turn, run by run, so that a burst of load elsewhere on the machine
+    # falls on all three alike.
+    runs = {
+        "joblib Parallel(n_jobs=1), in this process": ("sequential", 1),
+        "joblib Parallel(n_jobs=2), framepipe backend": ("framepipe", 2),
+        "joblib Parallel(n_jobs=2), loky backend": ("loky", 2),
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for i in range(repeat + 1):
-        for backend, backend_times in times.items():
-            with joblib.parallel_config(backend=backend, n_jobs=2):
+        for name, (backend, n_jobs) in runs.items():
+            with joblib.parallel_config(backend=backend, n_jobs=n_jobs):
                 start = time.perf_counter()
                 joblib.Parallel()(joblib.delayed(abs)(-i) for i in range(calls))
                 if i:  # the first run of each starts its workers
-                    backend_times.append(time.perf_counter() - start)
-    for backend, backend_times in times.items():
-        rates[f"joblib Parallel(n_jobs=2), {backend} backend"] = calls / statistics.median(
-            backend_times
-        )
+                    times[name].append(time.perf_counter() - start)
+    for name, run_times in times.items():
+        rates[name] = calls / statistics.median(run_times)
     return rates
 
 
