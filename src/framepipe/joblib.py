@@ -8,12 +8,14 @@ Importing this module registers the backend under the name ``"framepipe"``::
     with joblib.parallel_config(backend="framepipe", n_jobs=4):
         results = joblib.Parallel()(joblib.delayed(f)(x) for x in data)
 
-Batches are joblib's own (the auto-batching of its process backends); ``timeout=``,
-``return_as="generator"`` and ``"generator_unordered"`` work as with loky. A worker that dies
-fails the call with :class:`framepipe.workers.WorkerCrashed` (which worker, its signal or exit
-code, the batch it ran, its last stderr lines), not with a bare ``TerminatedWorkerError``; the
-workers are then replaced before the next call. Functions joblib cannot send by reference
-(lambdas, closures) go by value, once per worker (see :mod:`framepipe.workers`).
+Batches are joblib's auto-batching, reaching their size in fewer steps (NOTE [ Batch growth ]);
+``timeout=``, ``return_as="generator"`` and ``"generator_unordered"`` work as with loky, and a
+call that returns a list wakes joblib's main thread once (NOTE [ A list waits once ]). A worker
+that dies fails the call with :class:`framepipe.workers.WorkerCrashed` (which worker, its
+signal or exit code, the batch it ran, its last stderr lines), not with a bare
+``TerminatedWorkerError``; the workers are then replaced before the next call. Functions joblib
+cannot send by reference (lambdas, closures) go by value, once per worker (see
+:mod:`framepipe.workers`).
 
 Keyword arguments given to ``parallel_config(backend="framepipe", ...)`` go to
 :class:`framepipe.workers.Pool` (``start_method``, ``task_timeout``, ``max_tasks_per_worker``,
@@ -226,7 +228,7 @@ class FramepipeBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[
 # most twice the last size, so a call of tiny tasks starts with batches of 1 and needs a dozen
 # doublings to reach a useful size. This backend keeps joblib's estimate and its cap and lets
 # a batch grow four times instead: the same size is reached in half the batches (10,000 tiny
-# calls: about 40 batches, not 65), and each batch saved is the parent's work for one submit,
+# calls: 43-44 batches, not 63-71), and each batch saved is the parent's work for one submit,
 # result and callback, which is what bounds tiny calls (the parent's one core runs joblib's
 # own per-call work too). The cap on work per batch is unchanged, so slow tasks are batched as
 # loky batches them.
@@ -253,7 +255,7 @@ class FramepipeBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[
 # joblib is aborting; a callback that raised settles it too) and then takes the results of
 # every batch at once. ``timeout=`` keeps its meaning: the batch waited for is given that long.
 # Measured on 2 CPUs, 10,000 tiny calls: the main thread's voluntary context switches a call
-# 42 -> 1-3, the manager's 22 -> 3-18; calls 4% faster (median of 40 alternating pairs, in
+# 42 -> 1-7, the manager's 22 -> 2-18; calls 4% faster (median of 40 alternating pairs, in
 # each of three runs). A generator (``"generator"``) is read as it goes, so its main thread
 # still wakes at each batch.
 
