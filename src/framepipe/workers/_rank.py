@@ -18,7 +18,7 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 from ..guard import ERROR_FILE_ENV, write_error_file
 from ..remote import dumps_exception, format_exception_text
@@ -72,22 +72,23 @@ class RankBoot(Boot):
 
     def run(self) -> None:
         assert self.fn is not None
-        self.result.send(("ready",))
         try:
+            # Inside the try: the parent may read "ready" and forward a SIGINT before this
+            # send returns here, and that interrupt ends the rank as quietly as one in fn.
+            self.result.send(("ready",))
             value = self.fn(*self.args)
         except SystemExit as exc:
             if exc.code not in (0, None):
                 self._failed(exc, exc.code if isinstance(exc.code, int) else 1)
             value = None
         except KeyboardInterrupt:
-            flush_std()  # the group forwarded SIGINT: end quietly, as the signal would
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
-            os._exit(128 + signal.SIGINT)
+            _end_by_sigint()
         except BaseException as exc:  # noqa: BLE001 - reported, then the rank exits with code 1
             self._failed(exc, 1)
         try:
             self.result.send(("ok", value))
+        except KeyboardInterrupt:
+            _end_by_sigint()
         except Exception as exc:  # noqa: BLE001 - e.g. a value that does not pickle
             self._failed(exc, 1)
         self.result.close()
@@ -110,6 +111,14 @@ class RankBoot(Boot):
                 sys.stderr.write(exc.code + "\n")
         flush_std()
         os._exit(code)
+
+
+def _end_by_sigint() -> NoReturn:
+    """The group forwarded SIGINT: end quietly, as the signal itself would (no traceback)."""
+    flush_std()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+    os._exit(128 + signal.SIGINT)
 
 
 def flush_std() -> None:
