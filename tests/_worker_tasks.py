@@ -260,6 +260,13 @@ def may_spin(_=None):
     return spin_allowed()
 
 
+def spin_window(_=None):
+    """How long this worker's reads may spin now, in seconds (see framepipe._spin.SPIN_ALONE)."""
+    from framepipe._spin import spin_window as window
+
+    return window()
+
+
 class SpinDataset:
     """Each item: whether the loader worker that loaded it may spin (see may_spin)."""
 

@@ -199,8 +199,56 @@ def test_each_engine_hears_allow_spin_at_once(impl):
         assert engine._may_spin() is False
         allow_spin(True)
         assert engine._may_spin() is (several_cpus() and _spin.SPIN > 0)
+        assert engine._spin_window_now() == _spin.SPIN
+        allow_spin(True, 3e-3)
+        assert engine._spin_window_now() == 3e-3
+        allow_spin(True)
+        assert engine._spin_window_now() == _spin.SPIN
     finally:
         allow_spin(True)
+
+
+@pytest.mark.skipif(
+    not (_spin.several_cpus() and _spin.SPIN > 0), reason="reads spin only with 2+ CPUs"
+)
+def test_a_longer_spin_window_keeps_a_reader_awake_for_a_writer_slower_than_spin(
+    impl, no_leftover_processes
+):
+    # A writer that answers every 300 us: longer than SPIN (50 us), so a reader with the usual
+    # window sleeps in the kernel for every message (a voluntary context switch each); with a
+    # window of 5 ms (what SPIN_ALONE is for: a pool's worker waiting for its caller's next
+    # round trip) the reader spins through them. Counted, not timed: a reader that spins does
+    # not block, so its thread's voluntary switches stay few.
+    import resource
+
+    from framepipe._spin import allow_spin
+
+    def switches_over(rounds: int) -> int:
+        r, w = impl.pipe(duplex=False)
+        proc = FORK.Process(target=_send_late, args=(w, [300e-6] * rounds), daemon=True)
+        proc.start()
+        try:
+            w.close()
+            for _ in range(20):
+                assert r.recv_bytes() == b"late"  # the average wait settles
+            before = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+            for _ in range(rounds - 20):
+                assert r.recv_bytes() == b"late"
+            return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - before
+        finally:
+            _stop(proc)
+            r.close()
+
+    rounds = 220
+    try:
+        allow_spin(True)
+        usual = switches_over(rounds)
+        allow_spin(True, 5e-3)
+        longer = switches_over(rounds)
+    finally:
+        allow_spin(True)
+    assert usual >= (rounds - 20) * 0.8, f"{usual} sleeps in {rounds - 20} reads with SPIN"
+    assert longer <= (rounds - 20) * 0.2, f"{longer} sleeps in {rounds - 20} reads, 5 ms window"
 
 
 def test_a_reader_that_never_waits_keeps_its_average_wait_out_of_subnormal_numbers(impl):
@@ -229,7 +277,7 @@ def test_pool_workers_spin_only_when_they_leave_no_cpu_short(
     # [ Spinning while the pool is idle ]): a task submitted while no worker has one in hand,
     # after the caller read the last answer itself, lets its worker spin; a task submitted
     # while another is in hand sets every worker it reaches back.
-    from _worker_tasks import may_spin, wait_for_file
+    from _worker_tasks import may_spin, spin_window, wait_for_file
 
     from framepipe.workers import Pool
 
@@ -241,6 +289,9 @@ def test_pool_workers_spin_only_when_they_leave_no_cpu_short(
         # spin: the first that spins ends the loop)
         trips = (pool.submit(may_spin).result(TIMEOUT) for _ in range(1000))
         assert any(trips) is spins
+        if spins:  # and for longer than its usual spin (see SPIN_ALONE)
+            windows = {pool.submit(spin_window).result(TIMEOUT) for _ in range(100)}
+            assert _spin.SPIN_ALONE in windows, windows
         # tasks submitted a little apart, their answers waited for only at the end: the
         # manager reads them, so every task but the first goes with another in hand or after
         # the manager read the last answer, an idle pool or not
@@ -260,6 +311,9 @@ def test_pool_workers_spin_only_when_they_leave_no_cpu_short(
             behind = [pool.submit(may_spin) for _ in range(2 * cpus)]
             assert held.result(TIMEOUT) is True
             assert [f.result(TIMEOUT) for f in behind] == [True] * len(behind)
+            # workers that fit spin as any reader does, round trips or not
+            windows = {pool.submit(spin_window).result(TIMEOUT) for _ in range(100)}
+            assert windows == {_spin.SPIN}, windows
 
 
 def test_loader_workers_spin_only_when_they_leave_no_cpu_short(engine, no_leftover_processes):

@@ -229,14 +229,21 @@ if hasattr(os, "register_at_fork"):
 
 # _spin.may_spin, with its state in C: a read that may spin asks at every wait.
 cdef bint _spin_allowed = True  # what allow_spin() last said
+cdef double _spin_window = _SPIN  # the longest spin (see SPIN_ALONE)
 cdef bint _spin_cpus = False  # several CPUs, when last looked up
 cdef int _spin_checks = 0  # decisions left before the next look-up
 cdef int SPIN_CPU_CHECKS = _SPIN_CPU_CHECKS
 
 
-def _allow_spin(bint allowed):
-    global _spin_allowed
+def _allow_spin(bint allowed, double window):
+    global _spin_allowed, _spin_window
     _spin_allowed = allowed
+    _spin_window = window
+
+
+def _spin_window_now():
+    """The longest spin now (for tests: the pure-Python engine's is _spin.spin_window)."""
+    return _spin_window
 
 
 on_allow_spin(_allow_spin)
@@ -1024,14 +1031,19 @@ cdef class Engine:
 
     cdef bint _spin_ready(self, int fd, double deadline) except -1:
         """Before a wait for ``fd`` sleeps: look without sleeping until it is readable, for
-        up to SPIN seconds (never past the deadline), when that pays (see SPIN). Whether it
-        became readable meanwhile."""
+        up to the spin window seconds (SPIN, or SPIN_ALONE; never past the deadline), when
+        that pays (see SPIN). Whether it became readable meanwhile."""
         cdef int rc, err
         cdef double begun, until
-        if SPIN <= 0.0 or self._dead or not SPIN_FLOOR <= self._waited < SPIN or not may_spin():
+        if (
+            SPIN <= 0.0
+            or self._dead
+            or not SPIN_FLOOR <= self._waited < _spin_window
+            or not may_spin()
+        ):
             return False
         begun = fp_now()
-        until = begun + SPIN
+        until = begun + _spin_window
         if 0.0 <= deadline < until:
             if deadline <= begun:
                 return False  # only a look: the caller's own

@@ -30,12 +30,12 @@ from ._args import check_send_args, check_timeout, poll_ms
 from ._spin import (
     DEATH_GRACE,
     DEATH_SPIN,
-    SPIN,
     SPIN_AVERAGE_ZERO,
     SPIN_FLOOR,
     SPIN_LONGEST_SAMPLE,
     SPIN_WEIGHT,
     may_spin,
+    spin_window,
 )
 from ._stream_errors import (
     bad_header,
@@ -86,6 +86,7 @@ __all__ = ["ENGINE", "Engine"]
 
 ENGINE = "python"
 _may_spin = may_spin  # whether a read may spin now (the compiled engine has its own)
+_spin_window_now = spin_window  # the longest spin now (the compiled engine keeps its own)
 
 _READ_CHUNK = READ_BUFFER  # read-ahead buffer: many small frames per read(), a whole record
 _DIRECT_MIN = 16 * 1024  # a remainder at least this large is read straight into its frame
@@ -867,13 +868,14 @@ class Engine:
             self._waited = 0.0
 
     def _spin(self, fd: int, deadline: float) -> bool:
-        """Before a read of ``fd`` sleeps: look without sleeping for up to SPIN seconds
-        (never past the deadline), when that pays (see SPIN). True when ``fd`` became
-        readable meanwhile."""
-        if self._dead or not SPIN_FLOOR <= self._waited < SPIN or not may_spin():
+        """Before a read of ``fd`` sleeps: look without sleeping for up to the spin window
+        (SPIN, or SPIN_ALONE; never past the deadline), when that pays (see SPIN). True when
+        ``fd`` became readable meanwhile."""
+        window = spin_window()
+        if self._dead or not SPIN_FLOOR <= self._waited < window or not may_spin():
             return False
         begun = time.monotonic()
-        until = begun + SPIN
+        until = begun + window
         if 0.0 <= deadline < until:
             if deadline <= begun:
                 return False  # only a look: the caller's own

@@ -83,18 +83,16 @@ class Answers(CoreBase):
         self._progress_at = now
         slot.avg = slot.avg * 0.7 + per_task * 0.3
         slot.head_since = slot.active_at = now
-        if (
-            not slot.outstanding
-            and self.policy.balances
-            and not self._pending
-            and any(len(s.outstanding) > 1 for s in self._slots)
-        ):
-            # Idle now, while another worker holds tasks it has not started: the
-            # manager looks at taking them over (see NOTE [ Feeding ahead and
-            # balance ]); woken for it when a caller read this.
-            self._timers = True
-            if threading.get_ident() != self._manager_id:
-                self.wake()
+        if not slot.outstanding and self.policy.balances and not self._pending:
+            for other in self._slots:
+                if len(other.outstanding) > 1:
+                    # Idle now, while another worker holds tasks it has not started: the
+                    # manager looks at taking them over (see NOTE [ Feeding ahead and
+                    # balance ]); woken for it when a caller read this.
+                    self._timers = True
+                    if threading.get_ident() != self._manager_id:
+                        self.wake()
+                    break
         if slot.outstanding and threading.get_ident() != self._manager_id:
             # Read by a caller: the manager sleeps until the deadline it knew of; a
             # new head task with a shorter one must wake it.

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._spin import allow_spin
+from .._spin import SPIN_ALONE, allow_spin
 from ..remote import dumps_exception
 from . import _byvalue, _process, _shm
 from ._process import ChildContext
@@ -119,10 +119,10 @@ def _spin_switch(op: int, spinning: bool, may_spin: bool) -> tuple[int, bool]:
     """A worker's spin for its next message (see NOTE [ Spinning while the pool is idle ] in
     _submitting): on after a task sent ALONE, back to ``may_spin`` (what the pool allowed at
     start) after any other message but a RETURN. The op to run (CALL for ALONE) and whether
-    reads spin now."""
+    reads spin now. Its spin is the longer one, SPIN_ALONE (see there)."""
     if op == ALONE:
         if not spinning:
-            allow_spin(True)
+            allow_spin(True, SPIN_ALONE)
         return CALL, True
     if op == RETURN:
         return op, spinning

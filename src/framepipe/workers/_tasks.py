@@ -19,8 +19,13 @@ from typing import Any, Protocol
 from .._lazy import asyncio  # imported on first use (see _lazy)
 from .errors import WorkerCrashed, unpicklable_error
 
+_PENDING = concurrent.futures._base.PENDING
+_RUNNING = concurrent.futures._base.RUNNING
 _FINISHED = concurrent.futures._base.FINISHED
-_PENDING_STATES = (concurrent.futures._base.PENDING, concurrent.futures._base.RUNNING)
+_PENDING_STATES = (_PENDING, _RUNNING)
+_DONE_STATES = frozenset(
+    (concurrent.futures._base.CANCELLED, concurrent.futures._base.CANCELLED_AND_NOTIFIED, _FINISHED)
+)
 
 
 class FutureOwner(Protocol):
@@ -76,6 +81,37 @@ class _Future(concurrent.futures.Future):  # type: ignore[type-arg]
     # the worker (a _slot.Slot, which imports this module) the task was last sent to
     _slot: Any = None
     _actor: FutureOwner | None = None  # an actor's call: handing out its crash is noted
+
+    # The two state changes of every task, as concurrent.futures makes them but with the
+    # condition's own acquire and release (the lock's, bound when the condition is made) in place
+    # of its Python-level ``with``: they are on the round trip of every submit.
+
+    def set_running_or_notify_cancel(self) -> bool:
+        cond = self._condition
+        cond.acquire()
+        try:
+            if self._state == _PENDING:
+                self._state = _RUNNING
+                return True
+        finally:
+            cond.release()
+        return super().set_running_or_notify_cancel()  # cancelled (or a state it refuses)
+
+    def set_result(self, result: Any) -> None:
+        cond = self._condition
+        cond.acquire()
+        try:
+            if self._state in _DONE_STATES:
+                raise concurrent.futures.InvalidStateError(f"{self._state}: {self!r}")
+            self._result = result
+            self._state = _FINISHED
+            for waiter in self._waiters:
+                waiter.add_result(self)
+            cond.notify_all()
+        finally:
+            cond.release()
+        if self._done_callbacks:  # type: ignore[attr-defined]
+            self._invoke_callbacks()
 
     def _invoke_callbacks(self) -> None:
         # Completed by a caller that reads its worker's channel: its done-callbacks run in the
