@@ -911,6 +911,28 @@ def test_a_result_timeout_while_reading_gives_the_channel_back(engine):
         assert pool.submit(add, 3, 4).result(WAIT) == 7
 
 
+def test_a_caller_reading_its_answer_spins_only_while_answers_come_quickly(engine):
+    # NOTE [ A caller's spin ] (in _lending): a caller lent the channel looks for its answer
+    # without sleeping for up to SPIN, only while its waits on that worker have been shorter
+    # than that on average. Tasks of 30 ms push the average past SPIN: the caller then sleeps
+    # at once, and waiting for them costs its thread almost no CPU (one that spun through
+    # every wait would burn most of the 0.3 s).
+    from framepipe import _spin
+
+    with Pool(1, start_method="fork") as pool:
+        for i in range(50):
+            assert pool.submit(add, i, 1).result(WAIT) == i + 1
+        (slot,) = pool._core.slots()
+        lends = _spy_lends(pool)
+        cpu = time.thread_time()
+        for _ in range(10):
+            assert pool.submit(sleep_for, 0.03).result(WAIT) == 0.03
+        cpu = time.thread_time() - cpu
+        assert len(lends) == 10, "the caller did not read the answers itself"
+        assert slot.caller_waited > _spin.SPIN, slot.caller_waited
+        assert cpu < 0.1, f"{cpu * 1000:.1f} ms of CPU time in 0.3 s of waiting"
+
+
 def test_done_callbacks_run_in_the_manager_thread_not_in_a_reading_caller(engine):
     with Pool(1, start_method="fork") as pool:
         assert pool.submit(add, 1, 1).result(WAIT) == 2

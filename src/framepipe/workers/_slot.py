@@ -78,6 +78,9 @@ class Slot(Lifecycle):
         self.poke_fd = -1  # a caller reading this channel also waits on this eventfd
         self.out_fds: list[int] = []  # its fds out of the manager's set while it is lent
         self.help_poller: Any = None
+        # how long a caller reading this channel waited for an answer, a moving average (see
+        # NOTE [ A caller's spin ] in _lending)
+        self.caller_waited = 0.0
 
     def poke(self) -> None:
         if self.poke_fd >= 0:  # (none where callers never read a channel: no LEND)

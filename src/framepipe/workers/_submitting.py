@@ -143,8 +143,9 @@ class Submitting(CoreBase):
     # transport's: 14-16 us); busy (load 5-10): medians 64-95 us -> 40-60 us; submit and map
     # rates unchanged within the noise. The rest of a round trip is the caller's own work (about
     # 25 us: pickling, the Future, the locks, taking the worker's fd out of the manager's epoll
-    # set and back, the reads). The caller does not spin: tried, a caller and a worker both
-    # spinning on two busy CPUs made runs 2-3x slower.
+    # set and back, the reads). Such a worker spins longer than a read usually does (SPIN_ALONE,
+    # see framepipe._spin), and the caller spins for its answer too, briefly and without
+    # yielding its CPU (NOTE [ A caller's spin ] in _lending).
 
     def _call_op(self) -> int:
         """ALONE when no worker has a task in hand and none is pending, and the last answer
