@@ -177,6 +177,7 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
                 "workers.errors",
             },
             "workers._lending": {
+                "_spin",
                 "workers._corebase",
                 "workers._poller",
                 "workers._slot",

@@ -132,6 +132,8 @@ class Scheduling(CoreBase):
                     continue  # nothing more behind a task that runs long
             if self.max_tasks is not None and slot.sent >= self.max_tasks:
                 continue
+            if not n:
+                return slot  # idle: none is less busy, and any share lets it take one
             if best is None or n < len(best.outstanding):
                 best = slot
         if best is not None and len(best.outstanding) >= self._share(queued, held):

@@ -23,6 +23,7 @@ _PENDING = concurrent.futures._base.PENDING
 _RUNNING = concurrent.futures._base.RUNNING
 _FINISHED = concurrent.futures._base.FINISHED
 _PENDING_STATES = (_PENDING, _RUNNING)
+_MAKING = threading.Lock()  # see NOTE [ A future's condition, made on first use ]
 _DONE_STATES = frozenset(
     (concurrent.futures._base.CANCELLED, concurrent.futures._base.CANCELLED_AND_NOTIFIED, _FINISHED)
 )
@@ -82,13 +83,47 @@ class _Future(concurrent.futures.Future):  # type: ignore[type-arg]
     _slot: Any = None
     _actor: FutureOwner | None = None  # an actor's call: handing out its crash is noted
 
-    # The two state changes of every task, as concurrent.futures makes them but with the
-    # condition's own acquire and release (the lock's, bound when the condition is made) in place
-    # of its Python-level ``with``: they are on the round trip of every submit.
+    # NOTE [ A future's condition, made on first use ]
+    #
+    # concurrent.futures makes a Condition for every Future (1.1 of its 1.2 us), for threads that
+    # wait on it; a caller that reads its own answer (see _lending) never does. A _Future makes
+    # it when something first asks for ``_condition`` (a wait in result(), add_done_callback(),
+    # cancel(), wait() and as_completed(), ...), under _MAKING; until then its two state changes
+    # on every round trip (running, then its result) are made under _MAKING instead, which
+    # serialises them with the making: a thread that made the condition finds the new state
+    # when it looks under it, and one that changes the state finds the condition (and takes it,
+    # as concurrent.futures does) once it was made. No waiter and no callback can be there
+    # before the condition is, so none is missed. Its other changes (an exception, a cancel)
+    # take the condition as concurrent.futures does.
+
+    def __init__(self) -> None:
+        # concurrent.futures.Future.__init__ but for the condition (see the NOTE above; a test
+        # checks that it sets the same fields)
+        self._state = _PENDING
+        self._result = None
+        self._exception = None
+        self._waiters: list[Any] = []
+        self._done_callbacks: list[Any] = []
+        self._made: threading.Condition | None = None
+
+    @property
+    def _condition(self) -> threading.Condition:  # type: ignore[override]
+        cond = self._made
+        if cond is None:
+            with _MAKING:
+                cond = self._made
+                if cond is None:
+                    cond = self._made = threading.Condition()
+        return cond
 
     def set_running_or_notify_cancel(self) -> bool:
+        if self._made is None:
+            with _MAKING:
+                if self._made is None and self._state == _PENDING:
+                    self._state = _RUNNING
+                    return True
         cond = self._condition
-        cond.acquire()
+        cond.acquire()  # (the lock's own, bound when the condition was made: no Python frame)
         try:
             if self._state == _PENDING:
                 self._state = _RUNNING
@@ -98,6 +133,14 @@ class _Future(concurrent.futures.Future):  # type: ignore[type-arg]
         return super().set_running_or_notify_cancel()  # cancelled (or a state it refuses)
 
     def set_result(self, result: Any) -> None:
+        if self._made is None:
+            with _MAKING:
+                done = self._made is None and self._state not in _DONE_STATES
+                if done:
+                    self._result = result
+                    self._state = _FINISHED
+            if done:
+                return  # no condition yet: nobody waits and no callback was added
         cond = self._condition
         cond.acquire()
         try:
@@ -110,8 +153,10 @@ class _Future(concurrent.futures.Future):  # type: ignore[type-arg]
             cond.notify_all()
         finally:
             cond.release()
-        if self._done_callbacks:  # type: ignore[attr-defined]
-            self._invoke_callbacks()
+        self._invoke_callbacks()
+
+    def done(self) -> bool:
+        return self._state in _DONE_STATES  # one read: no need for the condition
 
     def _invoke_callbacks(self) -> None:
         # Completed by a caller that reads its worker's channel: its done-callbacks run in the
@@ -119,7 +164,7 @@ class _Future(concurrent.futures.Future):  # type: ignore[type-arg]
         # waits for another result (which a slow callback would hold up) or that holds a
         # channel the manager needs (a callback that shuts the pool down would wait forever).
         core = self._core
-        if _reading.slot is not None and core is not None and self._done_callbacks:  # type: ignore[attr-defined]
+        if _reading.slot is not None and core is not None and self._done_callbacks:
             core.call_soon(self)
         else:
             super()._invoke_callbacks()  # type: ignore[misc]
