@@ -5,7 +5,8 @@ throughput rows at each count and prints a scaling table).
 Rows: no-op tasks/s through ``submit`` and through ``map(chunksize=1)``; mixed durations (a
 burst of 2,000 no-op tasks, then ``40 * N`` tasks of 2 ms: the ideal time over the time taken,
 the median of 5 runs); the round trip of one task (median, p99) beside the bare transport's (a
-send and a receive on a framepipe ``Pipe`` between two processes); 1 MiB and 16 MiB NumPy
+send and a receive on a framepipe ``Pipe`` between two processes; for framepipe's Pool, measured
+in turns with its round trips, see ROUND_TRIP_TURNS); 1 MiB and 16 MiB NumPy
 results (MB/s); a worker SIGKILLed mid-task (time to
 the failed future, time until the pool serves again, what became of the 20 tasks queued behind
 it); a task raising an exception whose constructor takes two arguments; a 0.5 s task timeout
@@ -320,39 +321,72 @@ def mixed(a: Adapter, runs: int) -> float:
     return statistics.median(effs)
 
 
-def bare_round_trip(n: int) -> float:
-    """The median round trip of a small object on a framepipe ``Pipe`` between this process
-    and a spawned one (send, receive): what a pool's round trip is measured against."""
-    here, there = Pipe()
-    child = multiprocessing.get_context("spawn").Process(target=echo, args=(there,))
-    child.start()
-    there.close()
-    try:
-        times = []
-        for i in range(n + 100):
-            t0 = time.perf_counter()
-            here.send(i)
-            here.recv()
-            times.append(time.perf_counter() - t0)
-        here.send(None)
-        here.recv()
-    finally:
-        child.join(5)
-        if child.is_alive():
-            child.kill()
-            child.join()
-        here.close()
-    return statistics.median(times[100:])
+class BareEcho:
+    """The bare transport a pool's round trip is measured against: a framepipe ``Pipe``
+    between this process and a spawned one that sends back what comes (send, receive)."""
 
+    def __enter__(self) -> BareEcho:
+        self.here, there = Pipe()
+        self.child = multiprocessing.get_context("spawn").Process(target=echo, args=(there,))
+        self.child.start()
+        there.close()
+        for i in range(100):  # warm up: imports, the reads' spin
+            self.trip(i)
+        return self
 
-def round_trip(a: Adapter, n: int) -> tuple[float, float]:
-    times = []
-    for i in range(n):
+    def trip(self, i: int) -> float:
+        """One round trip, in seconds."""
         t0 = time.perf_counter()
-        a.result(a.submit(noop, i), 60)
-        times.append(time.perf_counter() - t0)
+        self.here.send(i)
+        self.here.recv()
+        return time.perf_counter() - t0
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.here.send(None)
+            self.here.recv()
+        finally:
+            self.child.join(5)
+            if self.child.is_alive():
+                self.child.kill()
+                self.child.join()
+            self.here.close()
+
+
+def bare_round_trip(n: int) -> float:
+    """The median of ``n`` round trips on the bare transport (see BareEcho)."""
+    with BareEcho() as bare:
+        return statistics.median([bare.trip(i) for i in range(n)])
+
+
+# A pool's round trip and the bare transport's are measured in turns, ROUND_TRIP_TURNS blocks of
+# each, so that a change in the machine's speed during the run (other work, a VM's neighbours)
+# falls on both medians alike instead of on one of them.
+ROUND_TRIP_TURNS = 10
+
+
+def round_trip(
+    a: Adapter, n: int, bare: BareEcho | None = None
+) -> tuple[float, float, float | None]:
+    """One task's round trip on the idle pool ``a``: its median and p99 over ``n`` trips, and
+    the bare transport's median over as many, measured in turns with them (None without
+    ``bare``)."""
+    times: list[float] = []
+    bare_times: list[float] = []
+    turns = ROUND_TRIP_TURNS if bare is not None else 1
+    for _ in range(turns):
+        if bare is not None:
+            bare_times += [bare.trip(i) for i in range(n // turns)]
+        for i in range(n // turns):
+            t0 = time.perf_counter()
+            a.result(a.submit(noop, i), 60)
+            times.append(time.perf_counter() - t0)
     times.sort()
-    return statistics.median(times), times[int(len(times) * 0.99)]
+    return (
+        statistics.median(times),
+        times[int(len(times) * 0.99)],
+        statistics.median(bare_times) if bare_times else None,
+    )
 
 
 def array_rate(a: Adapter, nbytes: int, count: int, repeat: int) -> float | None:
@@ -553,7 +587,14 @@ def run(
             def speed(a: Adapter, row: dict[str, Any] = row) -> None:
                 row["submit"], row["map"] = tasks_per_second(a, n, repeat)
                 row["mixed"] = mixed(a, mixed_runs)
-                row["rt_median"], row["rt_p99"] = round_trip(a, 1000 if quick else 3000)
+                trips = 1000 if quick else 3000
+                if isinstance(a, FramepipePool):  # beside the bare transport, in turns
+                    with BareEcho() as echo_end:
+                        row["rt_median"], row["rt_p99"], row["bare_rt"] = round_trip(
+                            a, trips, echo_end
+                        )
+                else:
+                    row["rt_median"], row["rt_p99"], _ = round_trip(a, trips)
                 row["mb1"] = array_rate(a, 1 << 20, 32 if quick else 64, repeat)
                 row["mb16"] = array_rate(a, 16 << 20, 4 if quick else 16, repeat)
 
@@ -572,7 +613,11 @@ def run(
                 late = (None, None)
             row["timeout_late"], row["timeout_stack"] = late
             rows[name] = row
-    bare = bare_round_trip(1000 if quick else 3000) if len(counts) == 1 else None
+    bare = None
+    if len(counts) == 1:  # framepipe's, measured in turns with its pool's round trip
+        bare = rows.get(FramepipePool.name, {}).get("bare_rt")
+        if bare is None:
+            bare = bare_round_trip(1000 if quick else 3000)
     elapsed = time.monotonic() - started
     progress(f"done in {elapsed:.1f} s")
     gone = [p for p in peers.missing("workers") if p.module != "matplotlib"]
@@ -793,7 +838,7 @@ def format_report(report: dict[str, Any]) -> str:
     if report.get("bare_rt"):
         lines.append(
             f"{'bare transport':<21}{'':>24}{report['bare_rt'] * 1e6:>6.0f}us"
-            "  (send + recv on a framepipe Pipe)"
+            "  (send + recv on a framepipe Pipe, in turns)"
         )
     lines += [
         "",
