@@ -60,9 +60,10 @@ SPIN_CPU_CHECKS = 4096
 # caller's own Python between two round trips (reading the answer, pickling the next call),
 # which on a slow CPU comes near SPIN. There a worker that stopped spinning made each round
 # trip longer by its wake-up, so its waits grew and it never spun again: one process ran its
-# round trips at 41-48 us, the next at 56-78 us. Measured on a 2-CPU VM, the same pools
-# alternating in one run (round trip medians of 2,000): 43-74 us (median 52) with SPIN, 32-43
-# us (median 40) with SPIN_ALONE.
+# round trips at 41-48 us, the next at 56-78 us. Measured on a 2-CPU VM, six processes with
+# each window in turn (the workers' spin set from the environment; round trip medians of 2,000):
+# 43-74 us (median 52) with SPIN, 32-43 us (median 40) with SPIN_ALONE. Set by a task in one
+# pool, alternating, the two were alike in a fast phase (28-33 us) and beside 3 CPU hogs.
 SPIN_ALONE = 4.0 * SPIN
 
 

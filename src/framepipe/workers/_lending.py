@@ -41,8 +41,9 @@ from .errors import WorkerError
 # machine a sched_yield() hands it to any other runnable process for a whole time slice, and the
 # caller waits that long for its answer. Measured on a 2-CPU VM, alternating rounds of 1,000
 # trips in one process (medians of 5 rounds, three runs): quiet, 33.4-36.4 us with the spin,
-# 34.9-40.9 us without; beside 3 CPU hogs, 40-60 us either way, and means no worse. Waits for
-# longer tasks push the average past SPIN: the caller then sleeps at once, as before.
+# 34.9-40.9 us without; beside 3 CPU hogs, medians 40-60 us either way and means 130-180 us
+# with, 146-165 us without. Waits for longer tasks push the average past SPIN: the caller then
+# sleeps at once, as before.
 
 
 class Lending(CoreBase):
