@@ -30,11 +30,9 @@ from ._args import check_send_args, check_timeout, poll_ms
 from ._spin import (
     DEATH_GRACE,
     DEATH_SPIN,
-    SPIN_AVERAGE_ZERO,
     SPIN_FLOOR,
-    SPIN_LONGEST_SAMPLE,
-    SPIN_WEIGHT,
     may_spin,
+    next_average,
     spin_window,
 )
 from ._stream_errors import (
@@ -863,9 +861,7 @@ class Engine:
 
     def _note_wait(self, waited: float) -> None:
         """Count a wait for data of ``waited`` seconds into the average that decides spins."""
-        self._waited += (min(waited, SPIN_LONGEST_SAMPLE) - self._waited) * SPIN_WEIGHT
-        if self._waited < SPIN_AVERAGE_ZERO:
-            self._waited = 0.0
+        self._waited = next_average(self._waited, waited)
 
     def _spin(self, fd: int, deadline: float) -> bool:
         """Before a read of ``fd`` sleeps: look without sleeping for up to the spin window

@@ -67,6 +67,13 @@ SPIN_CPU_CHECKS = 4096
 SPIN_ALONE = 4.0 * SPIN
 
 
+def next_average(average: float, waited: float) -> float:
+    """The moving average of a reader's waits (see SPIN_WEIGHT) after one of ``waited``
+    seconds, counted up to SPIN_LONGEST_SAMPLE, and 0 under SPIN_AVERAGE_ZERO."""
+    average += (min(waited, SPIN_LONGEST_SAMPLE) - average) * SPIN_WEIGHT
+    return average if average >= SPIN_AVERAGE_ZERO else 0.0
+
+
 def usable_cpus() -> int:
     """How many CPUs this process may run on."""
     try:

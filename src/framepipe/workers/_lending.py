@@ -31,12 +31,12 @@ from .errors import WorkerError
 #
 # A caller that finds no answer on the channel it was lent looks again without sleeping (a
 # poll() that does not wait) for up to SPIN seconds before it sleeps in poll(), when its waits on
-# that worker have lately been shorter than SPIN on average (``Slot.caller_waited``: each wait
-# counted up to SPIN_LONGEST_SAMPLE, with SPIN_WEIGHT, as a read of either engine decides; see
-# framepipe._spin) and this process may spin at all (``_spin.may_spin``: two CPUs or more). In a
-# round trip on an idle pool the worker answers a few microseconds after the caller's write,
-# while the caller takes its channel from the manager; a caller asleep by then is woken by the
-# worker's write, which costs both of them (on a VM, the worker's send was 15% of its samples).
+# that worker have lately been shorter than SPIN on average (``Slot.caller_waited``, kept by
+# ``_spin.next_average`` as the pure-Python engine keeps a read's) and this process may spin
+# at all (``_spin.may_spin``: two CPUs or more). In a round trip on an idle pool the worker
+# answers a few microseconds after the caller's write, while the caller takes its channel from
+# the manager; a caller asleep by then is woken by the worker's write, which costs both of them
+# (on a VM, the worker's send was 15% of its samples).
 # Unlike a read of the engines, the spin does not yield the CPU between looks: on a loaded
 # machine a sched_yield() hands it to any other runnable process for a whole time slice, and the
 # caller waits that long for its answer. Measured on a 2-CPU VM, alternating rounds of 1,000
@@ -189,8 +189,7 @@ class Lending(CoreBase):
                     return []
                 events = poller.poll(left * 1000.0)
         if events:  # (a poke counts too: it ended the wait)
-            waited = min(monotonic() - begun, _spin.SPIN_LONGEST_SAMPLE)
-            slot.caller_waited += (waited - slot.caller_waited) * _spin.SPIN_WEIGHT
+            slot.caller_waited = _spin.next_average(slot.caller_waited, monotonic() - begun)
         return events
 
     def _interrupted(self, slot: Slot, exc: BaseException) -> None:

@@ -44,8 +44,7 @@ class Submitting(CoreBase):
         timeout: float | None = None,
         window: int = 0,
     ) -> Task:
-        if self.broken is not None or self.closing:
-            self._check_open()  # before the arguments are pickled: a closed pool refuses any
+        self._check_open()  # before the arguments are pickled: a closed pool refuses any
         future: concurrent.futures.Future[Any] = _Future()
         if _poller.LEND:
             future._core = self  # type: ignore[attr-defined]
@@ -55,13 +54,8 @@ class Submitting(CoreBase):
         if not task.payload:
             return task  # failed already: what it takes could not be pickled
         with self._submit_lock:  # never held by the manager: submitting never waits for it
-            if self.broken is not None or self.closing:
-                self._check_open()  # again: it may have been shut down meanwhile
-            crashed = (
-                self._behind_crash(task)
-                if self._crash_hold is not None or self._unseen_crash is not None
-                else False
-            )
+            self._check_open()  # again: it may have been shut down meanwhile
+            crashed = self._behind_crash(task)
             # Nothing queued ahead of it and nobody dispatching: straight to a hungry worker.
             direct = (
                 not crashed and not self._pending and self._dispatch_lock.acquire(blocking=False)

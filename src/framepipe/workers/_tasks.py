@@ -122,15 +122,7 @@ class _Future(concurrent.futures.Future):  # type: ignore[type-arg]
                 if self._made is None and self._state == _PENDING:
                     self._state = _RUNNING
                     return True
-        cond = self._condition
-        cond.acquire()  # (the lock's own, bound when the condition was made: no Python frame)
-        try:
-            if self._state == _PENDING:
-                self._state = _RUNNING
-                return True
-        finally:
-            cond.release()
-        return super().set_running_or_notify_cancel()  # cancelled (or a state it refuses)
+        return super().set_running_or_notify_cancel()  # under the condition, made by now
 
     def set_result(self, result: Any) -> None:
         if self._made is None:
@@ -141,19 +133,7 @@ class _Future(concurrent.futures.Future):  # type: ignore[type-arg]
                     self._state = _FINISHED
             if done:
                 return  # no condition yet: nobody waits and no callback was added
-        cond = self._condition
-        cond.acquire()
-        try:
-            if self._state in _DONE_STATES:
-                raise concurrent.futures.InvalidStateError(f"{self._state}: {self!r}")
-            self._result = result
-            self._state = _FINISHED
-            for waiter in self._waiters:
-                waiter.add_result(self)
-            cond.notify_all()
-        finally:
-            cond.release()
-        self._invoke_callbacks()
+        super().set_result(result)  # under the condition: its waiters, its callbacks
 
     def done(self) -> bool:
         return self._state in _DONE_STATES  # one read: no need for the condition
