@@ -136,7 +136,10 @@ def test_a_list_call_wakes_its_main_thread_once():
             )
             assert list(out) == list(range(20))
             seen[return_as] = switches() - before
-    assert seen["list"] <= 5, seen  # measured: 1, also beside 3 CPU hogs
+    # Waking at every batch would be 20 switches or more. A quiet machine shows 1; a loaded one
+    # a few more, each a hand-off of the interpreter lock with the pool's manager thread (8 seen
+    # in a CI run beside the rest of the suite).
+    assert seen["list"] < 10, seen
     assert seen["generator"] >= 10, seen  # measured: 21-38
 
 
