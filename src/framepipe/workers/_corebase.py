@@ -72,6 +72,7 @@ class CoreBase:
         # see NOTE [ Spinning while the pool is idle ] (in _submitting)
         self._spin_alone = not self._loop_options["spin"]  # tasks may go ALONE
         self._caller_read = False  # the last answer read, by the caller waiting for it
+        self._want_back = False  # channels kept out go back to the manager's set (_lending)
         self._loop = loop
         self.task_timeout = task_timeout
         self.kill_grace = options.kill_grace
@@ -267,6 +268,12 @@ class CoreBase:
         def _count_crash(self, err: WorkerCrashed) -> None: ...
 
         def _park(self, slot: Slot, fd: int) -> None: ...
+
+        def _put_back(self, slot: Slot) -> None: ...
+
+        def _put_back_all(self, busy_only: bool = False) -> None: ...
+
+        def want_back(self) -> None: ...
 
         @staticmethod
         def _still_readable(slot: Slot) -> bool: ...

@@ -197,6 +197,7 @@ class Core(Submitting, Scheduling, Lending, Answers, Failures, CoreBase):
                     add(pidfd, slot, _DATA)
                     # a caller reads it: it comes back with the channel
                     add(data, slot, _DATA, polled=not slot.lent)
+                    slot.kept_out = False  # (in the set now unless lent)
                     if slot.lent:
                         slot.out_fds = [] if data is None else [data]
                     if not slot.health_eof:
@@ -220,6 +221,9 @@ class Core(Submitting, Scheduling, Lending, Answers, Failures, CoreBase):
         """One turn of the manager: a short loop of named phases (see the module docstring)."""
         if self._version != self._version_seen:
             self._rebuild_poller()
+        if self._want_back:
+            self._want_back = False  # before the look: a later ask wakes this thread again
+            self._put_back_all()
         events = self._wait(self._next_timeout())
         if events:
             self._handle_events(events)
@@ -367,6 +371,12 @@ class Core(Submitting, Scheduling, Lending, Answers, Failures, CoreBase):
                 slot.last_rss_sample = now
                 if slot.outstanding:
                     slot.proc.sample_rss()
+            if slot.kept_out and slot.outstanding:
+                # A task nobody came to read (see NOTE [ A channel kept out ]): its answer, if
+                # it is there, is read before its deadline is looked at again.
+                self._put_back(slot)
+                self._timers = True
+                continue
             if slot.stop_reason is not None or not slot.outstanding:
                 continue
             head = slot.outstanding[0]

@@ -99,6 +99,8 @@ class Scheduling(CoreBase):
             slot.proc.conn.send_bytes(task.payload)
         except (OSError, ValueError):
             task.delivered = False  # the worker is gone: its death reschedules it
+        if slot.kept_out and (task.timeout is not None or task.stream is not None):
+            self._put_back(slot)  # the manager reads it: see NOTE [ A channel kept out ]
         return True
 
     def kick(self) -> None:
@@ -171,6 +173,8 @@ class Scheduling(CoreBase):
             except (OSError, ValueError):
                 for t in batch:
                     t.delivered = False  # the worker is gone: its death reschedules these
+            if slot.kept_out:
+                self._put_back(slot)  # the manager reads it: see NOTE [ A channel kept out ]
 
     def _take_for(self, slot: Slot) -> list[Task]:
         """Move the pending tasks that ``slot`` has room for into its queue (lock held): one

@@ -77,6 +77,9 @@ class Slot(Lifecycle):
         self.stale = False
         self.poke_fd = -1  # a caller reading this channel also waits on this eventfd
         self.out_fds: list[int] = []  # its fds out of the manager's set while it is lent
+        # its data fd stays out of the manager's set between two round trips (see NOTE [ A
+        # channel kept out ] in _lending)
+        self.kept_out = False
         self.help_poller: Any = None
         # how long a caller reading this channel waited for an answer, a moving average (see
         # NOTE [ A caller's spin ] in _lending)

@@ -219,6 +219,7 @@ class Submitting(CoreBase):
             self._pending.clear()
             per_slot = [(s, list(s.outstanding)) for s in self._slots if s.outstanding]
         err = WorkerCancelled("cancelled before it started")
+        self.want_back()  # the answers of the tasks cancelled (NOTE [ A channel kept out ])
         for task in pending:
             task.fail(err)
         count = len(pending)
@@ -269,6 +270,7 @@ class Submitting(CoreBase):
             task.future.cancel()
             if task.stream is not None:
                 task.stream.put(_Failure(concurrent.futures.CancelledError()))
+        self.want_back()  # the manager reads every answer now (NOTE [ A channel kept out ])
         self.wake()
         if wait and threading.current_thread() is not self._thread:
             self._thread.join()

@@ -38,6 +38,8 @@ class FutureOwner(Protocol):
 
     def crash_seen(self, exc: BaseException) -> None: ...
 
+    def want_back(self) -> None: ...
+
 
 _names: dict[Any, str] = {}
 
@@ -114,7 +116,16 @@ class _Future(concurrent.futures.Future):  # type: ignore[type-arg]
                 cond = self._made
                 if cond is None:
                     cond = self._made = threading.Condition()
+            self._read_by_manager()
         return cond
+
+    def _read_by_manager(self) -> None:
+        """Waited on or looked at without a caller reading its answer: the manager is to
+        read it, if its worker's channel was kept out of its set (see NOTE [ A channel kept
+        out ] in _lending)."""
+        slot = self._slot
+        if slot is not None and slot.kept_out and self._core is not None:
+            self._core.want_back()
 
     def set_running_or_notify_cancel(self) -> bool:
         if self._made is None:
@@ -136,7 +147,10 @@ class _Future(concurrent.futures.Future):  # type: ignore[type-arg]
         super().set_result(result)  # under the condition: its waiters, its callbacks
 
     def done(self) -> bool:
-        return self._state in _DONE_STATES  # one read: no need for the condition
+        if self._state in _DONE_STATES:  # one read: no need for the condition
+            return True
+        self._read_by_manager()
+        return False
 
     def _invoke_callbacks(self) -> None:
         # Completed by a caller that reads its worker's channel: its done-callbacks run in the
