@@ -17,16 +17,24 @@ import threading
 
 import pytest
 from _helpers import Background, eventually
-from _worker_tasks import add, sleep_for, sleep_then_die, square
+from _worker_tasks import add, getpid, sleep_for, sleep_then_die, square
 
-from framepipe.workers import Pool, Worker, WorkerCancelled, WorkerCrashed, _dispatch
+from framepipe.workers import (
+    Pool,
+    Worker,
+    WorkerCancelled,
+    WorkerCrashed,
+    _dispatch,
+    _scheduling,
+)
 
 GUARD = 20.0  # a hang guard only
 
 
 @pytest.fixture
 def no_net(monkeypatch):
-    monkeypatch.setattr(_dispatch, "RSS_PERIOD", 3600.0)
+    monkeypatch.setattr(_dispatch, "RSS_PERIOD", 3600.0)  # its periodic look
+    monkeypatch.setattr(_scheduling, "RSS_PERIOD", 3600.0)  # and the wake-up for a new one
 
 
 def _in_set(pool, slot) -> bool:
@@ -75,14 +83,31 @@ def test_a_round_trip_keeps_the_channel_out_and_a_queued_batch_puts_it_back(engi
         assert _kept_out_after_round_trips(pool) is slot
 
 
-WAYS = ["wait", "as_completed", "callback", "asyncio", "done", "exception", "another_thread"]
+WAYS = [
+    "wait",
+    "as_completed",
+    "callback",
+    "asyncio",
+    "done",
+    "exception",
+    "another_thread",
+    "acall",
+]
 
 
 @pytest.mark.parametrize("how", WAYS)
 def test_every_way_of_waiting_gets_the_answer_of_a_kept_out_channel(engine, no_net, how):
     with Pool(1, start_method="fork") as pool:
-        _kept_out_after_round_trips(pool)
+        slot = _kept_out_after_round_trips(pool)
+        if how == "acall":
+
+            async def call():
+                return await asyncio.wait_for(pool.acall(add, 2, 3), GUARD)
+
+            assert asyncio.run(call()) == 5
+            return
         fut = pool.submit(add, 2, 3)
+        assert fut._slot is slot and slot.kept_out  # sent to it, and nothing read it yet
         if how == "wait":
             done, _ = cf.wait([fut], GUARD)
             assert fut in done
@@ -113,6 +138,20 @@ def test_a_map_and_imap_unordered_after_round_trips(engine, no_net):
         assert sorted(pool.imap_unordered(square, range(50))) == [x * x for x in range(50)]
         _kept_out_after_round_trips(pool)
         assert list(pool.imap(square, range(50))) == [x * x for x in range(50)]
+
+
+def test_a_worker_past_max_rss_is_replaced_while_the_pool_is_idle(engine, no_net):
+    # its RECYCLE comes after its answer: that channel is never kept out, so the manager
+    # reads it without a caller or a new task, and replaces the worker at once
+    from _worker_tasks import hold_memory
+
+    with Pool(1, start_method="fork", max_rss=200 << 20) as pool:
+        for i in range(20):
+            assert pool.submit(add, i, 1).result(GUARD) == i + 1
+            assert not any(s.kept_out for s in pool._core.slots())
+        first = pool.submit(hold_memory, 300 << 20).result(GUARD)
+        assert eventually(lambda: pool.pids and first not in pool.pids, GUARD)
+        assert pool.submit(getpid).result(GUARD) != first
 
 
 def test_a_future_nobody_looks_at_completes_all_the_same(engine):

@@ -73,6 +73,8 @@ class CoreBase:
         self._spin_alone = not self._loop_options["spin"]  # tasks may go ALONE
         self._caller_read = False  # the last answer read, by the caller waiting for it
         self._want_back = False  # channels kept out go back to the manager's set (_lending)
+        # not where a worker may write after its answer (a RECYCLE past max_rss): see _lending
+        self._may_keep_out = max_rss is None
         self._loop = loop
         self.task_timeout = task_timeout
         self.kill_grace = options.kill_grace
@@ -271,7 +273,7 @@ class CoreBase:
 
         def _put_back(self, slot: Slot) -> None: ...
 
-        def _put_back_all(self, busy_only: bool = False) -> None: ...
+        def _put_back_all(self) -> None: ...
 
         def want_back(self) -> None: ...
 

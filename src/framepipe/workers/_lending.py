@@ -62,9 +62,12 @@ from .errors import WorkerError
 #   (``want_back``: a flag and a wake-up, no lock);
 # - a task that has a deadline or streams its items, or is sent from the queue (a batch, a
 #   map's items), puts the channel back as it is sent; shutdown and cancel_all ask for all;
-# - and the manager, which wakes every RSS_PERIOD while a worker holds a task, puts back any
-#   channel kept out whose worker holds one (and reads its answer before it looks at that
-#   task's deadline): a future nobody looks at still completes, within that period.
+# - a worker that may write after its answer (a RECYCLE, once past ``max_rss``) never has its
+#   channel kept out: that message is read at once, and the worker replaced while it is idle;
+# - and the manager, which wakes every RSS_PERIOD while a worker holds a task (a task sent
+#   while it sleeps longer than that wakes it: Scheduling._busy), puts back any channel kept out
+#   whose worker holds one (and reads its answer before it looks at that task's deadline): a
+#   future nobody looks at still completes, within that period.
 #
 # Those that send a task or look at a future check ``kept_out`` without a lock, after the task
 # is in ``outstanding``; a take-back sets it, then looks at ``outstanding`` once more and puts
@@ -155,7 +158,12 @@ class Lending(CoreBase):
             if not slot.dead and not self._closed_poller():
                 conn = slot.proc.conn
                 bulk = conn._pending_bulk_fd
-                if not slot.outstanding and bulk is None and out == [conn.fileno()]:
+                if (
+                    not slot.outstanding
+                    and self._may_keep_out
+                    and bulk is None
+                    and out == [conn.fileno()]
+                ):
                     slot.kept_out = True
                     # A task sent meanwhile by a thread that looked at kept_out before it was
                     # set (they look without a lock, after they appended): it is read by the
@@ -280,13 +288,13 @@ class Lending(CoreBase):
             self._want_back = True
             self.wake()
 
-    def _put_back_all(self, busy_only: bool = False) -> None:
-        """(Manager thread.) Every channel kept out back in the set; ``busy_only``: those
-        whose worker holds a task."""
+    def _put_back_all(self) -> None:
+        """(Manager thread.) Every channel kept out whose worker holds a task back in the set
+        (one that holds none may stay out: nothing is due on it)."""
         with self._lock:
             slots = list(self._slots)
         for slot in slots:
-            if slot.kept_out and (slot.outstanding or not busy_only):
+            if slot.kept_out and slot.outstanding:
                 self._put_back(slot)
 
     # -- the manager thread -----------------------------------------------------------------

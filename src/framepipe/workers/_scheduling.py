@@ -13,9 +13,9 @@ import pickle
 import time
 from typing import Any
 
-from ._corebase import _INF, CoreBase
+from ._corebase import CoreBase
 from ._protocol import BATCH, MAP
-from ._slot import RSS_LINGER, STEAL_AFTER, Slot
+from ._slot import RSS_LINGER, RSS_PERIOD, STEAL_AFTER, Slot
 from ._tasks import Task, _Future
 from .errors import WorkerError
 
@@ -227,16 +227,16 @@ class Scheduling(CoreBase):
 
     def _busy(self, slot: Slot, task: Task) -> None:
         """``slot`` was idle and has ``task`` now: its deadline and RSS samples start. The
-        manager is woken when it would not know of them: it sleeps without a deadline only
-        once every worker has been idle for ``RSS_LINGER`` seconds (so calls that come now and
-        then do not each wake it)."""
+        manager is woken when it would not know of them: it sleeps without a deadline, or past
+        the next sample's, only once every worker has been idle for ``RSS_LINGER`` seconds (so
+        calls that come now and then do not each wake it)."""
         now = time.monotonic()
         slot.head_since = now
         if now - slot.active_at >= RSS_LINGER:
             slot.last_rss_sample = now  # a new series of samples, the first one period away
         slot.active_at = now
         self._timers = True
-        if task.timeout is not None or self._sleep_until == _INF:
+        if task.timeout is not None or self._sleep_until > now + RSS_PERIOD:
             self.wake()
 
     # -- taking queued tasks back from a slow worker --
