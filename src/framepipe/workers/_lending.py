@@ -61,7 +61,8 @@ from .errors import WorkerError
 #   ``cancel()``, ``running()``): the future then asks the manager for the channel back
 #   (``want_back``: a flag and a wake-up, no lock);
 # - a task that has a deadline or streams its items, or is sent from the queue (a batch, a
-#   map's items), puts the channel back as it is sent; shutdown and cancel_all ask for all;
+#   map's items), puts the channel back as it is sent; shutdown and cancel_all ask for every
+#   channel kept out whose worker holds a task;
 # - a worker that may write after its answer (a RECYCLE, once past ``max_rss``) never has its
 #   channel kept out: that message is read at once, and the worker replaced while it is idle;
 # - and the manager, which wakes every RSS_PERIOD while a worker holds a task (a task sent
