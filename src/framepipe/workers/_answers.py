@@ -81,7 +81,7 @@ class Answers(CoreBase):
         now = time.monotonic()
         per_task = (now - slot.head_since) / answered
         self._progress_at = now
-        slot.avg = slot.avg * 0.7 + per_task * 0.3
+        slot.timed(per_task)
         slot.head_since = slot.active_at = now
         if not slot.outstanding and self.policy.balances and not self._pending:
             for other in self._slots:

@@ -64,7 +64,7 @@ class Scheduling(CoreBase):
             self.wake()
         # A worker with work in hand gets more from the manager, in batches, as its answers
         # arrive; only a hungry one is fed from here.
-        if any(s.usable and len(s.outstanding) < LOW_WATER for s in self._slots):
+        if any(len(s.outstanding) < LOW_WATER and s.usable for s in self._slots):
             self._dispatch_wanted = True
 
     def _send_direct(self, task: Task) -> bool:
@@ -124,9 +124,10 @@ class Scheduling(CoreBase):
         for slot in self._slots:
             n = len(slot.outstanding)
             held += n
-            if not slot.usable or slot.revoking:
+            # the cheapest look first: at many workers, most of them hold all they may
+            if n and (n >= slot.cap or slot.out_bytes + task.size > PIPE_ROOM):
                 continue
-            if n and (n >= slot.cap() or slot.out_bytes + task.size > PIPE_ROOM):
+            if not slot.usable or slot.revoking:
                 continue
             if n and self.policy.balances:
                 now = now or time.monotonic()
@@ -185,7 +186,7 @@ class Scheduling(CoreBase):
         outstanding = slot.outstanding
         pending = self._pending
         share = self._share(len(pending), sum(len(s.outstanding) for s in self._slots))
-        room = max(1, min(slot.cap(), share) - len(outstanding))
+        room = max(1, min(slot.cap, share) - len(outstanding))
         owed = slot.sent_bytes - slot.done_bytes
         max_tasks = self.max_tasks
         while pending and len(batch) < room:

@@ -35,6 +35,12 @@ RSS_PERIOD = 0.05  # a busy worker's peak RSS (and memory cgroup) is read this o
 RSS_LINGER = 1.0  # the manager's samples go on this long after a worker's last work
 
 
+def _cap(avg: float) -> int:
+    """The tasks a worker taking ``avg`` seconds a task is given ahead: QUEUE_SECONDS of them,
+    at least 2 and at most MAX_INFLIGHT."""
+    return max(2, min(MAX_INFLIGHT, int(QUEUE_SECONDS / max(avg, 1e-7))))
+
+
 class Slot(Lifecycle):
     """The manager's view of one worker. Its ``state`` (see :mod:`._lifecycle`) is STARTING
     until the worker says it is ready, READY while it may be given work (idle or not: what it
@@ -61,7 +67,8 @@ class Slot(Lifecycle):
         self.kill_at: float | None = None
         self.sent = 0
         self.head_since = 0.0
-        self.avg = 0.001
+        self.avg = 0.001  # its recent time per task, a moving average (see timed)
+        self.cap = _cap(self.avg)  # the tasks it may hold: see NOTE [ Feeding ahead and balance ]
         self.stderr_eof = False
         self.partial = False
         self.health_waiters: dict[int, concurrent.futures.Future[Any]] = {}
@@ -154,8 +161,12 @@ class Slot(Lifecycle):
 
     # -- feeding it --
 
-    def cap(self) -> int:
-        return max(2, min(MAX_INFLIGHT, int(QUEUE_SECONDS / max(self.avg, 1e-7))))
+    def timed(self, per_task: float) -> None:
+        """A batch of its answers took ``per_task`` seconds a task: its average, and the
+        number of tasks it may hold (kept, not worked out at every look: a pool's dispatch
+        looks at every worker's)."""
+        self.avg = avg = self.avg * 0.7 + per_task * 0.3
+        self.cap = _cap(avg)
 
     def slow_at(self) -> float:
         """When its head task will have run longer than its tasks take (see SLOW_HEAD)."""
