@@ -296,11 +296,30 @@ def cgroup_oom_file(pid: int) -> str | None:
     mounted with a different root (a container without a cgroup namespace) the path is tried
     with its leading components removed, down to the mount root.
     """
-    try:
-        with open(f"/proc/{pid}/cgroup", encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
+    try:  # raw reads: a pool looks at each busy worker's every RSS_PERIOD
+        fd = os.open(f"/proc/{pid}/cgroup", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = read_all(fd)
+        finally:
+            os.close(fd)
     except OSError:
         return None
+    found = _OOM_FILES.get(data)
+    if found is None:
+        found = _oom_file_of(data.decode("utf-8", "replace").splitlines())
+        if found is not None:  # (not found: looked for again next time)
+            if len(_OOM_FILES) >= 256:
+                _OOM_FILES.clear()
+            _OOM_FILES[data] = found
+    return found
+
+
+# the file found for each content of /proc/<pid>/cgroup seen: where a cgroup's counter lies
+# does not change while it exists
+_OOM_FILES: dict[bytes, str] = {}
+
+
+def _oom_file_of(lines: list[str]) -> str | None:
     v1_path = v2_path = None
     for line in lines:
         parts = line.split(":", 2)

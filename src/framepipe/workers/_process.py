@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import connection as _connection
+from .._faults import read_all
 from .._liveness import cgroup_oom_file as _cgroup_oom_file
 from .._liveness import read_oom_kills as _read_oom_kills
 from .._spin import allow_spin
@@ -254,14 +255,18 @@ def current_rss(pid: int) -> int | None:
 
 def peak_rss(pid: int) -> int | None:
     """The high-water resident size of a live ``pid`` in bytes (VmHWM), None if unknown."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"VmHWM:"):
-                    return int(line.split()[1]) * 1024
+    try:  # raw reads: a pool samples each busy worker's every RSS_PERIOD
+        fd = os.open(f"/proc/{pid}/status", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = read_all(fd)
+        finally:
+            os.close(fd)
+        at = data.find(b"\nVmHWM:")
+        if at < 0:
+            return None
+        return int(data[at + 7 : data.index(b"\n", at + 7)].split()[0]) * 1024
     except (OSError, ValueError, IndexError):
-        pass
-    return None
+        return None
 
 
 def _serve_health(ctx: ChildContext, parent_pid: int) -> None:
