@@ -123,6 +123,7 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
             "workers._stderr": set(),
             "workers._child": {"workers._launch"},
             "workers._process": {
+                "_faults",
                 "_liveness",
                 "_spin",
                 "connection",
