@@ -184,6 +184,16 @@ def read_fault(pid: int) -> Fault | None:
     return fault
 
 
+def read_path(path: str) -> bytes:
+    """Every byte of the file at ``path``, in raw reads (no io stack: for /proc and cgroup
+    files read often). Raises OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return read_all(fd)
+    finally:
+        os.close(fd)
+
+
 def read_all(fd: int) -> bytes:
     """Every byte from ``fd`` to its end of file."""
     chunks: list[bytes] = []

@@ -31,7 +31,7 @@ import types
 from multiprocessing.connection import wait as _mp_wait
 from typing import TYPE_CHECKING, Any
 
-from ._faults import Fault, fault_path, peek_fault, read_all, remove_fault
+from ._faults import Fault, fault_path, peek_fault, read_path, remove_fault
 from .errors import WriterDied
 
 if TYPE_CHECKING:
@@ -297,11 +297,7 @@ def cgroup_oom_file(pid: int) -> str | None:
     with its leading components removed, down to the mount root.
     """
     try:  # raw reads: a pool looks at each busy worker's every RSS_PERIOD
-        fd = os.open(f"/proc/{pid}/cgroup", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            data = read_all(fd)
-        finally:
-            os.close(fd)
+        data = read_path(f"/proc/{pid}/cgroup")
     except OSError:
         return None
     found = _OOM_FILES.get(data)
@@ -349,12 +345,7 @@ def read_oom_kills(file: str | None) -> int | None:
     if file is None:
         return None
     try:  # raw reads: this runs on the way to every WriterDied of a SIGKILLed writer
-        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            data = read_all(fd)
-        finally:
-            os.close(fd)
-        for line in data.split(b"\n"):
+        for line in read_path(file).split(b"\n"):
             key, _, value = line.partition(b" ")
             if key == b"oom_kill":
                 return int(value)

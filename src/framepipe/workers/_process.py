@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import connection as _connection
-from .._faults import read_all
+from .._faults import read_path
 from .._liveness import cgroup_oom_file as _cgroup_oom_file
 from .._liveness import read_oom_kills as _read_oom_kills
 from .._spin import allow_spin
@@ -256,11 +256,7 @@ def current_rss(pid: int) -> int | None:
 def peak_rss(pid: int) -> int | None:
     """The high-water resident size of a live ``pid`` in bytes (VmHWM), None if unknown."""
     try:  # raw reads: a pool samples each busy worker's every RSS_PERIOD
-        fd = os.open(f"/proc/{pid}/status", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            data = read_all(fd)
-        finally:
-            os.close(fd)
+        data = read_path(f"/proc/{pid}/status")
         at = data.find(b"\nVmHWM:")
         if at < 0:
             return None
