@@ -64,8 +64,10 @@ class Scheduling(CoreBase):
             self.wake()
         # A worker with work in hand gets more from the manager, in batches, as its answers
         # arrive; only a hungry one is fed from here.
-        if any(len(s.outstanding) < LOW_WATER and s.usable for s in self._slots):
-            self._dispatch_wanted = True
+        for s in self._slots:
+            if len(s.outstanding) < LOW_WATER and s.usable:
+                self._dispatch_wanted = True
+                return
 
     def _send_direct(self, task: Task) -> bool:
         """Send ``task`` alone to the least busy worker if one is hungry (dispatch lock held);
@@ -119,27 +121,33 @@ class Scheduling(CoreBase):
         waiting for one: never one already holding its share (see NOTE [ Feeding ahead and
         balance ])."""
         best = None
+        fewest = 0  # what ``best`` holds
         now = 0.0
         held = 0
+        size = task.size
+        balances = self.policy.balances
+        max_tasks = self.max_tasks
         for slot in self._slots:
             n = len(slot.outstanding)
             held += n
-            # the cheapest look first: at many workers, most of them hold all they may
-            if n and (n >= slot.cap or slot.out_bytes + task.size > PIPE_ROOM):
+            # the cheapest looks first: at many workers, most of them hold all they may, and
+            # one that holds no fewer than the best so far cannot be better
+            if n and (n >= slot.cap or (best is not None and n >= fewest)):
+                continue
+            if n and slot.sent_bytes - slot.done_bytes + size > PIPE_ROOM:
                 continue
             if not slot.usable or slot.revoking:
                 continue
-            if n and self.policy.balances:
+            if n and balances:
                 now = now or time.monotonic()
-                if slot.slow(now):
+                if now > slot.head_since + slot.slow_after:
                     continue  # nothing more behind a task that runs long
-            if self.max_tasks is not None and slot.sent >= self.max_tasks:
+            if max_tasks is not None and slot.sent >= max_tasks:
                 continue
             if not n:
                 return slot  # idle: none is less busy, and any share lets it take one
-            if best is None or n < len(best.outstanding):
-                best = slot
-        if best is not None and len(best.outstanding) >= self._share(queued, held):
+            best, fewest = slot, n
+        if best is not None and fewest >= self._share(queued, held):
             return None
         return best
 
@@ -185,8 +193,11 @@ class Scheduling(CoreBase):
         nbytes = 0
         outstanding = slot.outstanding
         pending = self._pending
-        share = self._share(len(pending), sum(len(s.outstanding) for s in self._slots))
-        room = max(1, min(slot.cap, share) - len(outstanding))
+        room = slot.cap
+        if len(pending) < self._n * room:  # else its share is its cap, whatever the others hold
+            held = sum(len(s.outstanding) for s in self._slots)
+            room = min(room, self._share(len(pending), held))
+        room = max(1, room - len(outstanding))
         owed = slot.sent_bytes - slot.done_bytes
         max_tasks = self.max_tasks
         while pending and len(batch) < room:

@@ -41,6 +41,11 @@ def _cap(avg: float) -> int:
     return max(2, min(MAX_INFLIGHT, int(QUEUE_SECONDS / max(avg, 1e-7))))
 
 
+def _slow_after(avg: float) -> float:
+    """How long a head task runs before its worker is slow (see SLOW_HEAD)."""
+    return max(SLOW_HEAD, 4.0 * avg)
+
+
 class Slot(Lifecycle):
     """The manager's view of one worker. Its ``state`` (see :mod:`._lifecycle`) is STARTING
     until the worker says it is ready, READY while it may be given work (idle or not: what it
@@ -69,6 +74,9 @@ class Slot(Lifecycle):
         self.head_since = 0.0
         self.avg = 0.001  # its recent time per task, a moving average (see timed)
         self.cap = _cap(self.avg)  # the tasks it may hold: see NOTE [ Feeding ahead and balance ]
+        # it is slow once its head task has run this long: given nothing more (see SLOW_HEAD)
+        self.slow_after = _slow_after(self.avg)
+        self.usable = False  # it may be given work: READY (kept by ``to``, read at every dispatch)
         self.stderr_eof = False
         self.partial = False
         self.health_waiters: dict[int, concurrent.futures.Future[Any]] = {}
@@ -144,10 +152,9 @@ class Slot(Lifecycle):
         """It said it is ready once (it may have stopped or died since)."""
         return self.said_ready
 
-    @property
-    def usable(self) -> bool:
-        """It may be given work."""
-        return self.state is State.READY
+    def to(self, new: State) -> None:
+        super().to(new)
+        self.usable = new is State.READY
 
     @property
     def working(self) -> bool:
@@ -162,18 +169,12 @@ class Slot(Lifecycle):
     # -- feeding it --
 
     def timed(self, per_task: float) -> None:
-        """A batch of its answers took ``per_task`` seconds a task: its average, and the
-        number of tasks it may hold (kept, not worked out at every look: a pool's dispatch
-        looks at every worker's)."""
+        """A batch of its answers took ``per_task`` seconds a task: its average, the number of
+        tasks it may hold and when its head task makes it slow (kept, not worked out at every
+        look: a pool's dispatch looks at every worker's)."""
         self.avg = avg = self.avg * 0.7 + per_task * 0.3
         self.cap = _cap(avg)
-
-    def slow_at(self) -> float:
-        """When its head task will have run longer than its tasks take (see SLOW_HEAD)."""
-        return self.head_since + max(SLOW_HEAD, 4.0 * self.avg)
-
-    def slow(self, now: float) -> bool:
-        return now > self.slow_at()
+        self.slow_after = _slow_after(avg)
 
     def steal_at(self) -> float:
         """When the tasks it holds behind its head may be taken over by an idle worker: at
