@@ -260,6 +260,14 @@ def may_spin(_=None):
     return spin_allowed()
 
 
+def spin_state(_=None):
+    """This worker's pid, whether its reads may spin and for how long at most."""
+    from framepipe._spin import may_spin as spin_allowed
+    from framepipe._spin import spin_window as window
+
+    return os.getpid(), spin_allowed(), window()
+
+
 def spin_window(_=None):
     """How long this worker's reads may spin now, in seconds (see framepipe._spin.SPIN_ALONE)."""
     from framepipe._spin import spin_window as window

@@ -4,8 +4,10 @@ poll() first, bulk), and a reader whose writer is slow burns almost no CPU while
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import signal
 import sys
 import time
 
@@ -275,46 +277,97 @@ def test_pool_workers_spin_only_when_they_leave_no_cpu_short(
 ):
     # A worker spinning for its next task would take a CPU that the parent, or a dying
     # worker's teardown, waits for: a pool whose workers and parent need more CPUs than there
-    # are turns the spin off in its workers, except in round trips on an idle pool (NOTE
-    # [ Spinning while the pool is idle ]): a task submitted while no worker has one in hand,
-    # after the caller read the last answer itself, lets its worker spin; a task submitted
+    # are lets only as many of them spin as leave the parent a CPU (NOTE [ Which workers spin
+    # ]), and the others only in round trips on an idle pool (NOTE [ Spinning while the pool is
+    # idle ]): a task submitted while no worker has one in hand, after the caller read the last
+    # answer itself, lets its worker spin, longer than a read usually does; a task submitted
     # while another is in hand sets every worker it reaches back.
-    from _worker_tasks import may_spin, spin_window, wait_for_file
+    from _worker_tasks import may_spin, spin_state, wait_for_file
 
-    from framepipe.workers import Pool
+    from framepipe.workers import Pool, WorkerCrashed
 
     cpus = _spin.usable_cpus()
     spins = cpus >= 2 and _spin.SPIN > 0
-    release = tmp_path / "release"
-    with Pool(max_workers=cpus) as pool:
-        # (a worker starting meanwhile, whose "ready" the manager reads, can cost a trip its
-        # spin: the first that spins ends the loop)
-        trips = (pool.submit(may_spin).result(TIMEOUT) for _ in range(1000))
-        assert any(trips) is spins
-        if spins:  # and for longer than its usual spin (see SPIN_ALONE)
-            windows = {pool.submit(spin_window).result(TIMEOUT) for _ in range(100)}
-            assert _spin.SPIN_ALONE in windows, windows
+    workers = cpus + 1
+    with Pool(max_workers=workers) as pool:
+        deadline = time.monotonic() + TIMEOUT
+        while len(pool.pids) < workers:  # started as the first task comes
+            assert time.monotonic() < deadline, pool.pids
+            pool.submit(may_spin).result(TIMEOUT)
+        slots = pool._core._slots
+        assert [s.spins for s in slots] == [i < cpus - 1 for i in range(workers)]
+        spinners = {s.proc.pid for s in slots if s.spins}
+
+        def answers_behind(rounds: int) -> dict[int, set[tuple[bool, float]]]:
+            """(may spin, window) as each worker reports it, from tasks submitted while
+            another task is in hand: never sent ALONE."""
+            seen: dict[int, set[tuple[bool, float]]] = {}
+            for k in range(rounds):
+                release = tmp_path / f"release-{k}"
+                held = pool.submit(wait_for_file, str(release))
+                behind = [pool.submit(spin_state) for _ in range(10 * workers)]
+                release.touch()
+                assert held.result(TIMEOUT) is True
+                for pid, allowed, window in (f.result(TIMEOUT) for f in behind):
+                    seen.setdefault(pid, set()).add((allowed, window))
+                if len(seen) == workers:
+                    break
+            return seen
+
+        seen = answers_behind(50)
+        assert set(seen) <= set(pool.pids)
+        for pid, states in seen.items():
+            assert states == {(spins and pid in spinners, _spin.SPIN)}, (pid, states)
+        assert len(seen) >= 2, seen  # the spinners' answers and the others'
+        # round trips on the idle pool go to its first worker, which spins, and longer
+        trips = [pool.submit(spin_state).result(TIMEOUT) for _ in range(200)]
+        if spins:
+            assert any(allowed and window == _spin.SPIN_ALONE for _, allowed, window in trips)
+            assert {pid for pid, _, _ in trips} & spinners, trips
         # tasks submitted a little apart, their answers waited for only at the end: the
         # manager reads them, so every task but the first goes with another in hand or after
         # the manager read the last answer, an idle pool or not
         spaced = []
         for _ in range(10):
-            spaced.append(pool.submit(may_spin))
+            spaced.append(pool.submit(spin_state))
             time.sleep(0.005)
-        assert [f.result(TIMEOUT) for f in spaced][1:] == [False] * 9
-        held = pool.submit(wait_for_file, str(release))
-        behind = [pool.submit(may_spin) for _ in range(2 * cpus)]  # each with one in hand
-        release.touch()
-        assert held.result(TIMEOUT) is True
-        assert [f.result(TIMEOUT) for f in behind] == [False] * len(behind)
+        for pid, allowed, _ in [f.result(TIMEOUT) for f in spaced][1:]:
+            assert allowed is (spins and pid in spinners), (pid, allowed)
+
+        # A spinner that dies is replaced by one that spins: the count stays.
+        if spinners:
+            victim = next(iter(spinners))
+            os.kill(victim, signal.SIGKILL)
+            deadline = time.monotonic() + TIMEOUT
+            while victim in pool.pids or len(pool.pids) < workers:
+                assert time.monotonic() < deadline, pool.pids
+                with contextlib.suppress(WorkerCrashed):  # sent to the victim as it died
+                    pool.submit(may_spin).result(TIMEOUT)
+                time.sleep(0.01)
+            live = [s for s in pool._core._slots if not s.dead]
+            assert sum(s.spins for s in live) == cpus - 1
+            assert live[-1].spins  # the replacement, last in the dispatch's order
+            spinners = {s.proc.pid for s in live if s.spins}
+            seen = answers_behind(50)
+            for pid, states in seen.items():
+                assert states == {(spins and pid in spinners, _spin.SPIN)}, (pid, states)
+            # round trips now go first to a worker that does not spin otherwise: it spins in
+            # them, the longer way
+            trips = [pool.submit(spin_state).result(TIMEOUT) for _ in range(200)]
+            assert any(
+                allowed and window == _spin.SPIN_ALONE and pid not in spinners
+                for pid, allowed, window in trips
+            ), trips
     if spins:
+        release = tmp_path / "release"
+        release.touch()
         with Pool(max_workers=cpus - 1) as pool:
             held = pool.submit(wait_for_file, str(release))  # there already: returns at once
             behind = [pool.submit(may_spin) for _ in range(2 * cpus)]
             assert held.result(TIMEOUT) is True
             assert [f.result(TIMEOUT) for f in behind] == [True] * len(behind)
             # workers that fit spin as any reader does, round trips or not
-            windows = {pool.submit(spin_window).result(TIMEOUT) for _ in range(100)}
+            windows = {pool.submit(spin_state).result(TIMEOUT)[2] for _ in range(100)}
             assert windows == {_spin.SPIN}, windows
 
 

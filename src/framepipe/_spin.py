@@ -2,7 +2,7 @@
 policy (when a read that finds nothing tries again without sleeping before it sleeps in the
 kernel). Both engines read these settings; the compiled one keeps ``allow_spin``'s answer in C
 (see ``on_allow_spin``), and a worker pool turns spinning off in workers that would crowd the
-CPUs (see ``workers_may_spin``)."""
+CPUs (see ``workers_may_spin`` and ``spinners``)."""
 
 from __future__ import annotations
 
@@ -121,9 +121,16 @@ def spin_window() -> float:
 
 
 def workers_may_spin(workers: int) -> bool:
-    """Whether ``workers`` worker processes and this one fit on this process's CPUs: a pool or
-    loader lets its workers spin (see allow_spin) only then."""
+    """Whether ``workers`` worker processes and this one fit on this process's CPUs: a loader
+    lets its workers spin (see allow_spin) only then."""
     return workers + 1 <= usable_cpus()
+
+
+def spinners() -> int:
+    """How many of a pool's workers may spin: as many as leave this process a CPU. A pool of
+    more workers lets its first ones spin (a replacement takes the place of one that died), and
+    its dispatch, which gives a task to the first idle worker, hands most small tasks to them."""
+    return usable_cpus() - 1
 
 
 def may_spin() -> bool:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from .._spin import workers_may_spin
+from .._spin import spinners, workers_may_spin
 from ..errors import WriterDied
 from . import _atexit, _byvalue, _process
 from ._mainguard import refuse_during_main_import
@@ -202,6 +202,16 @@ class CoreBase:
     def health_notify(self, slot: Slot, op: str, *args: Any) -> None:
         with contextlib.suppress(OSError, ValueError):
             slot.proc.notify((op, 0, *args))
+
+    def _new_worker_spins(self) -> bool:
+        """Whether the worker about to start may spin for its next task: all of them where they
+        fit, else while fewer than ``spinners()`` live ones do (see NOTE [ Which workers spin ]
+        in _submitting)."""
+        if self._loop_options["spin"]:
+            return True
+        with self._lock:
+            spinning = sum(1 for s in self._slots if s.spins and not s.dead)
+        return spinning < spinners()
 
     def _closed_poller(self) -> bool:
         return self._poller is None or self._wake_r < 0

@@ -107,6 +107,7 @@ class Core(Submitting, Scheduling, Lending, Answers, Failures, CoreBase):
     def _spawn(self) -> Slot:
         index = next(self._names)
         loop_options = dict(self._loop_options)
+        loop_options["spin"] = self._new_worker_spins()
         mine = theirs = None
         if _shm.HAVE_MEMFD:
             # large arrays in results travel in memfds the worker passes over this socket
@@ -117,6 +118,7 @@ class Core(Submitting, Scheduling, Lending, Answers, Failures, CoreBase):
             self._mp, f"{self.name}-{index}", self._loop, self._start_options, options=loop_options
         )
         slot = Slot(proc, index, _shm.Receiver(mine))
+        slot.spins = loop_options["spin"]
         if _poller.LEND:
             slot.poke_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         if mine is not None:

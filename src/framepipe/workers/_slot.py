@@ -77,6 +77,7 @@ class Slot(Lifecycle):
         # it is slow once its head task has run this long: given nothing more (see SLOW_HEAD)
         self.slow_after = _slow_after(self.avg)
         self.usable = False  # it may be given work: READY (kept by ``to``, read at every dispatch)
+        self.spins = False  # its reads may spin between tasks (see NOTE [ Which workers spin ])
         self.stderr_eof = False
         self.partial = False
         self.health_waiters: dict[int, concurrent.futures.Future[Any]] = {}

@@ -118,28 +118,42 @@ class Submitting(CoreBase):
                 return Task(tid, future, name, b"", timeout, stream)
         return Task(tid, future, name, payload, timeout, stream)
 
+    # NOTE [ Which workers spin ]
+    #
+    # A worker whose reads spin for its next task (see framepipe._spin) gets it without a
+    # wake-up, but holds a CPU while it spins: one the parent, another worker or a dying
+    # worker's teardown may need. So no more of a pool's workers spin than leave this process a
+    # CPU (``_spin.spinners``: the CPUs it may use, less one): all of them where they fit
+    # (``workers_may_spin``), else the first ones started, a replacement taking the place of one
+    # that died (``_new_worker_spins``, ``Slot.spins``). The dispatch gives a task to the first idle
+    # worker, so small tasks go mostly to those. It was all or none: with 16 workers on 16 CPUs
+    # none spun, with 15 all did. Measured on 2 CPUs (1 worker of 2, 4 or 16 spins now, none
+    # before), the two alternating in one process: submit, map, round trip and crash rows alike
+    # within the noise (Pool(2) round trip medians of 8 pools: 33.1 and 32.7 us; crash to the
+    # failed future, 12 pools: 3.88 and 3.85 ms). What a spin is worth where a worker has a CPU
+    # of its own, Pool(1) on 2 CPUs with its worker's spin turned off and on: 54-88k and 79-95k
+    # no-op tasks/s through submit().
+    #
     # NOTE [ Spinning while the pool is idle ]
     #
-    # Where the workers and this process need more CPUs than there are (``workers_may_spin``:
-    # two workers on two CPUs), workers do not spin for their next message: one spinning would
-    # take the CPU the parent or another worker needs. But a caller's round trip on an idle pool
-    # (submit, then result) keeps two things busy, the caller and one worker, and a worker
-    # asleep in read() costs the hop a wake-up: the caller's write wakes it on a halted CPU, or
-    # it preempts the caller mid-write. So a task goes as ALONE (``_call_op``) when no worker
-    # has a task in hand, nothing is pending, and the last answer read was read by the caller
-    # that waited for it (``_caller_read``, set by ``Lending.wait_for`` after its ``_serve``,
-    # cleared by the manager's ``_step`` before it drains a worker: a round trip; in a burst of
-    # submits the manager reads the answers); a worker that ran one may spin
-    # (``_taskloop._spin_switch``, under the usual policy of ``_spin``: only while its recent
-    # waits were short, at most SPIN) until any other message but a RETURN comes, which sets it
-    # back to what the pool allowed at start. So spinning stops as soon as the pool has a second
-    # thing to do. Measured on a 2-CPU VM, quiet: round trip 47 us -> 37 us (the bare
-    # transport's: 14-16 us); busy (load 5-10): medians 64-95 us -> 40-60 us; submit and map
-    # rates unchanged within the noise. The rest of a round trip is the caller's own work (about
-    # 25 us: pickling, the Future, the locks, taking the worker's fd out of the manager's epoll
-    # set and back, the reads). Such a worker spins longer than a read usually does (SPIN_ALONE,
-    # see framepipe._spin), and the caller spins for its answer too, briefly and without
-    # yielding its CPU (NOTE [ A caller's spin ] in _lending).
+    # Where not all the workers may spin (NOTE [ Which workers spin ]: two workers on two CPUs), the
+    # others sleep at once for their next message. But a caller's round trip on an idle pool
+    # (submit, then result) keeps two things busy, the caller and one worker, and a worker asleep in
+    # read() costs the hop a wake-up: the caller's write wakes it on a halted CPU, or it preempts
+    # the caller mid-write. So a task goes as ALONE (``_call_op``) when no worker has a task in
+    # hand, nothing is pending, and the last answer read was read by the caller that waited for it
+    # (``_caller_read``, set by ``Lending.wait_for`` after its ``_serve``, cleared by the manager's
+    # ``_step`` before it drains a worker: a round trip; in a burst of submits the manager reads the
+    # answers); a worker that ran one may spin, and one that spins anyway spins longer
+    # (``_taskloop._spin_switch``, under the usual policy of ``_spin``: only while its recent waits
+    # were short), until any other message but a RETURN comes, which sets it back to what the pool
+    # allowed at start. So spinning stops as soon as the pool has a second thing to do. Measured on
+    # a 2-CPU VM, quiet: round trip 47 us -> 37 us (the bare transport's: 14-16 us); busy (load
+    # 5-10): medians 64-95 us -> 40-60 us; submit and map rates unchanged within the noise. The rest
+    # of a round trip is the caller's own work (about 25 us: pickling, the Future, the locks, taking
+    # the worker's fd out of the manager's epoll set and back, the reads). Such a worker spins
+    # longer than a read usually does (SPIN_ALONE, see framepipe._spin), and the caller spins for
+    # its answer too, briefly and without yielding its CPU (NOTE [ A caller's spin ] in _lending).
 
     def _call_op(self) -> int:
         """ALONE when no worker has a task in hand and none is pending, and the last answer

@@ -65,7 +65,8 @@ def task_loop(ctx: ChildContext) -> None:
     wire = _wire(ctx)
     perf = time.perf_counter
     inbox: collections.deque[Any] = collections.deque()
-    may_spin = spinning = ctx.options.get("spin") is not False  # spinning: see _spin_switch
+    may_spin = ctx.options.get("spin") is not False
+    alone = False  # its reads spin the longer way, after a task sent ALONE: see _spin_switch
     while True:
         if inbox:
             msg = inbox.popleft()
@@ -77,8 +78,8 @@ def task_loop(ctx: ChildContext) -> None:
             if msg is None:
                 continue  # a frame of several tasks (or one that failed to load): in the inbox
         op = msg[0]
-        if op == ALONE or spinning is not may_spin:
-            op, spinning = _spin_switch(op, spinning, may_spin)
+        if op == ALONE or alone:
+            op, alone = _spin_switch(op, alone, may_spin)
         if (op == CALL or op == STREAM or op == _UNLOADABLE) and not ctx.take_turn():
             continue  # the parent took it back (see Scheduling._steal)
         if op != CALL:
@@ -115,19 +116,19 @@ def task_loop(ctx: ChildContext) -> None:
             _recycle_if_large(ctx, max_rss)
 
 
-def _spin_switch(op: int, spinning: bool, may_spin: bool) -> tuple[int, bool]:
+def _spin_switch(op: int, alone: bool, may_spin: bool) -> tuple[int, bool]:
     """A worker's spin for its next message (see NOTE [ Spinning while the pool is idle ] in
-    _submitting): on after a task sent ALONE, back to ``may_spin`` (what the pool allowed at
-    start) after any other message but a RETURN. The op to run (CALL for ALONE) and whether
-    reads spin now. Its spin is the longer one, SPIN_ALONE (see there)."""
+    _submitting): the longer one, SPIN_ALONE (see there), after a task sent ALONE; back to
+    ``may_spin`` (what the pool allowed at start) after any other message but a RETURN. The op
+    to run (CALL for ALONE) and whether its reads spin the longer way now."""
     if op == ALONE:
-        if not spinning:
+        if not alone:
             allow_spin(True, SPIN_ALONE)
         return CALL, True
     if op == RETURN:
-        return op, spinning
+        return op, alone
     allow_spin(may_spin)
-    return op, may_spin
+    return op, False
 
 
 def _recycle_if_large(ctx: ChildContext, max_rss: int) -> None:
