@@ -469,6 +469,32 @@ def test_close_escalates_to_sigkill_after_grace(groups, kind, tmp_path):
     assert not no_zombie_children()
 
 
+def test_close_returns_once_a_killed_command_has_ended(groups, tmp_path):
+    # The escalation's SIGKILL reaches a command's launcher and the command at once; the
+    # launcher dies before it can wait for its command, which the kernel is still tearing
+    # down (here 256 MB of touched memory: milliseconds at least). close() waits for the
+    # command itself, so no rank's process is still running when it returns.
+    mark = tmp_path / "ignoring"
+    program = (
+        "import pathlib, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "b = bytearray(256 << 20)\n"
+        "b[::4096] = b'x' * len(b[::4096])\n"
+        "pathlib.Path(sys.argv[1]).touch()\n"
+        "time.sleep(600)\n"
+    )
+    group = groups.make([sys.executable, "-c", program, str(mark)], 1)
+    group.start()
+    end = time.monotonic() + TIMEOUT
+    while not mark.exists() and time.monotonic() < end:
+        time.sleep(0.01)
+    assert mark.exists()
+    pids = list(group.pids.values())
+    group.close(grace=0.2)
+    assert group.poll().outcomes[0].exitcode == -signal.SIGKILL
+    assert not wait_dead(pids, 0.0)  # gone, or a zombie: not running any more
+
+
 def test_a_failure_stops_the_others_at_once(groups):
     t0 = time.time() + 0.5
     group = groups.make(

@@ -215,6 +215,7 @@ class Supervisor:
             code, _, message = text[1:].partition(" ")
             raise OSError(int(code), f"{message} (rank {r.rank})", program)
         r.pid = int(text)
+        r.watch_command()
 
     def _launch_all(self) -> None:
         for r in self.ranks:
@@ -344,6 +345,7 @@ class Supervisor:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(r.pgid, signal.SIGKILL)  # type: ignore[arg-type] # what it left behind
         code = r.reap()
+        r.wait_command_gone()  # a launcher SIGKILLed before its command was gone
         if r.exitcode is None:
             r.exitcode = code
         self._check_launched()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+import select
 import signal
 import sys
 from collections.abc import Callable
@@ -27,6 +28,11 @@ from . import _launch
 from ._child import Boot
 from ._lifecycle import Lifecycle, State
 from ._stderr import OutputPipe
+
+#: how long a dead launcher's group waits for its command to end after the SIGKILL (see
+#: Rank.wait_command_gone): a SIGKILLed process is gone within milliseconds unless the kernel
+#: holds it (an uninterruptible sleep), and then the group does not wait for it forever
+COMMAND_GONE_WAIT = 2.0
 
 __all__ = ["Rank", "RankBoot", "Std", "flush_std"]
 
@@ -140,6 +146,7 @@ class Rank(Lifecycle):
         self.rank = rank
         self.process: Any = None  # multiprocessing.Process, or the launcher's Popen
         self.pid: int | None = None  # the worker's own pid (the command's, not the launcher's)
+        self.command_fd: int | None = None  # a command's pidfd (see watch_command)
         self.pgid: int | None = None
         self.liveness: Liveness | None = None
         self.death_fd: int | None = None
@@ -185,6 +192,29 @@ class Rank(Lifecycle):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(self.pgid, sig)  # in case it has not made its group yet
 
+    def watch_command(self) -> None:
+        """A command rank, its pid reported: a pidfd on the command itself (the launcher's
+        child), for ``wait_command_gone``; none where it has ended already."""
+        if self.pid is not None and hasattr(os, "pidfd_open"):
+            with contextlib.suppress(OSError):
+                self.command_fd = os.pidfd_open(self.pid)
+
+    def wait_command_gone(self, timeout: float = COMMAND_GONE_WAIT) -> None:
+        """A command rank whose launcher is dead and whose process group was SIGKILLed: wait
+        (up to ``timeout`` seconds) until the command itself has ended. A launcher killed by
+        that SIGKILL dies before it can wait for its command, which the kernel may still be
+        tearing down: without this a group's ``close()`` could return while the command still
+        showed as running."""
+        fd, self.command_fd = self.command_fd, None
+        if fd is None:
+            return
+        try:
+            select.select([fd], [], [], timeout)  # readable once it has exited
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
     def reap(self) -> int | None:
         """Wait for its process; its exit status."""
         if hasattr(self.process, "join"):
@@ -196,7 +226,7 @@ class Rank(Lifecycle):
         return code
 
     def close_in_child(self) -> None:
-        fds = [self.death_fd if self.liveness is None else None, self.report_fd]
+        fds = [self.death_fd if self.liveness is None else None, self.report_fd, self.command_fd]
         for fd in fds:
             if fd is not None:
                 with contextlib.suppress(OSError):
@@ -217,10 +247,12 @@ class Rank(Lifecycle):
         if self.conn is not None:
             self.conn.close()
             self.conn_open = False
-        if self.report_fd is not None:
-            fd, self.report_fd = self.report_fd, None
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        for name in ("report_fd", "command_fd"):
+            fd = getattr(self, name)
+            if fd is not None:
+                setattr(self, name, None)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         if self.liveness is not None:
             self.liveness.close()
         if self.ended and hasattr(self.process, "close"):  # a multiprocessing.Process

@@ -362,8 +362,9 @@ class WorkerGroup:
 
     def close(self, death_sig: int = signal.SIGTERM, grace: float = 30.0) -> None:
         """Stop the ranks still running (``death_sig`` to each process group, ``grace``
-        seconds, SIGKILL), reap them and release every descriptor. Idempotent; never raises
-        the group's failure (``wait`` or ``poll`` do)."""
+        seconds, SIGKILL), reap them and release every descriptor; it returns once each rank's
+        own process (a command's too) has ended. Idempotent; never raises the group's failure
+        (``wait`` or ``poll`` do)."""
         thread = self._thread
         if thread is not None and not self._sup.done.done():
             self._sup.control.request(int(death_sig), float(grace), "close() was called")
