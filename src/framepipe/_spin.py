@@ -123,7 +123,7 @@ def spin_window() -> float:
 def workers_may_spin(workers: int) -> bool:
     """Whether ``workers`` worker processes and this one fit on this process's CPUs: a loader
     lets its workers spin (see allow_spin) only then."""
-    return workers + 1 <= usable_cpus()
+    return workers <= spinners()
 
 
 def spinners() -> int:

@@ -17,6 +17,7 @@ import os
 import select
 import signal
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn
@@ -146,7 +147,7 @@ class Rank(Lifecycle):
         self.rank = rank
         self.process: Any = None  # multiprocessing.Process, or the launcher's Popen
         self.pid: int | None = None  # the worker's own pid (the command's, not the launcher's)
-        self.command_fd: int | None = None  # a command's pidfd (see watch_command)
+        self.command: Liveness | None = None  # the command itself (see watch_command)
         self.pgid: int | None = None
         self.liveness: Liveness | None = None
         self.death_fd: int | None = None
@@ -193,11 +194,10 @@ class Rank(Lifecycle):
             os.kill(self.pgid, sig)  # in case it has not made its group yet
 
     def watch_command(self) -> None:
-        """A command rank, its pid reported: a pidfd on the command itself (the launcher's
-        child), for ``wait_command_gone``; none where it has ended already."""
-        if self.pid is not None and hasattr(os, "pidfd_open"):
-            with contextlib.suppress(OSError):
-                self.command_fd = os.pidfd_open(self.pid)
+        """A command rank, its pid reported: watch the command itself (the launcher's child)
+        for ``wait_command_gone``."""
+        if self.pid is not None:
+            self.command = Liveness(self.pid)
 
     def wait_command_gone(self, timeout: float = COMMAND_GONE_WAIT) -> None:
         """A command rank whose launcher is dead and whose process group was SIGKILLed: wait
@@ -205,15 +205,20 @@ class Rank(Lifecycle):
         that SIGKILL dies before it can wait for its command, which the kernel may still be
         tearing down: without this a group's ``close()`` could return while the command still
         showed as running."""
-        fd, self.command_fd = self.command_fd, None
-        if fd is None:
+        watch, self.command = self.command, None
+        if watch is None:
             return
         try:
-            select.select([fd], [], [], timeout)  # readable once it has exited
-        except OSError:
-            pass
+            end = time.monotonic() + timeout
+            while not watch.poll_dead() and time.monotonic() < end:
+                if watch.fd is None:
+                    time.sleep(0.005)  # no pidfds here: poll_dead looks by start time
+                    continue
+                poller = select.poll()
+                poller.register(watch.fd, select.POLLIN)
+                poller.poll(max(0.0, end - time.monotonic()) * 1000.0)
         finally:
-            os.close(fd)
+            watch.close()
 
     def reap(self) -> int | None:
         """Wait for its process; its exit status."""
@@ -226,16 +231,17 @@ class Rank(Lifecycle):
         return code
 
     def close_in_child(self) -> None:
-        fds = [self.death_fd if self.liveness is None else None, self.report_fd, self.command_fd]
+        fds = [self.death_fd if self.liveness is None else None, self.report_fd]
         for fd in fds:
             if fd is not None:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         for pipe in self.pipes:
             pipe.close_in_child()
-        if self.liveness is not None:
-            with contextlib.suppress(OSError):
-                self.liveness.close()
+        for watch in (self.liveness, self.command):
+            if watch is not None:
+                with contextlib.suppress(OSError):
+                    watch.close()
         if self.conn is not None:
             with contextlib.suppress(Exception):
                 self.conn.close()
@@ -247,14 +253,13 @@ class Rank(Lifecycle):
         if self.conn is not None:
             self.conn.close()
             self.conn_open = False
-        for name in ("report_fd", "command_fd"):
-            fd = getattr(self, name)
-            if fd is not None:
-                setattr(self, name, None)
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        if self.liveness is not None:
-            self.liveness.close()
+        if self.report_fd is not None:
+            fd, self.report_fd = self.report_fd, None
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        for watch in (self.liveness, self.command):
+            if watch is not None:
+                watch.close()
         if self.ended and hasattr(self.process, "close"):  # a multiprocessing.Process
             with contextlib.suppress(ValueError):
                 self.process.close()  # its sentinel pipes

@@ -134,7 +134,7 @@ class Scheduling(CoreBase):
             # one that holds no fewer than the best so far cannot be better
             if n and (n >= slot.cap or (best is not None and n >= fewest)):
                 continue
-            if n and slot.sent_bytes - slot.done_bytes + size > PIPE_ROOM:
+            if n and slot.out_bytes + size > PIPE_ROOM:
                 continue
             if not slot.usable or slot.revoking:
                 continue
