@@ -268,6 +268,13 @@ def spin_state(_=None):
     return os.getpid(), spin_allowed(), window()
 
 
+def spin_state_after(path):
+    """``spin_state()`` once ``path`` exists: tasks held until the test lets them go, so that
+    the dispatch spreads them over every worker."""
+    assert wait_for_file(path)
+    return spin_state()
+
+
 def spin_window(_=None):
     """How long this worker's reads may spin now, in seconds (see framepipe._spin.SPIN_ALONE)."""
     from framepipe._spin import spin_window as window

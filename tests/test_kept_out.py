@@ -161,7 +161,11 @@ def test_a_future_nobody_looks_at_completes_all_the_same(engine):
         slot = _kept_out_after_round_trips(pool)
         fut = pool.submit(add, 1, 2)
         assert eventually(lambda: fut._state == "FINISHED", GUARD)
-        assert not slot.kept_out
+        # Mostly put back, but not always: an event the manager took for this channel before
+        # the last caller was lent it may be acted on only now, and the manager then reads the
+        # new answer without putting the channel back (which may stay out: its worker holds
+        # nothing). Either way the manager's set agrees with the slot.
+        assert slot.kept_out != _in_set(pool, slot)
         assert fut.result(0) == 3
 
 
