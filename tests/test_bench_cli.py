@@ -426,9 +426,7 @@ def test_workers_scaling_table(tmp_path: Path) -> None:
         "no-op submit/s vs the fastest peer, 1 workers",
         "mixed durations efficiency, 3 workers",
     }
-    proc = run_bench("workers", "--quick", "--rows", "framepipe,ProcessPool", "--workers", "1,3")
-    assert proc.returncode == 0, proc.stderr
-    assert_fits(proc.stdout)
+    assert_fits(proc.stdout)  # the table too, beside the JSON file
     lines = proc.stdout.splitlines()
     assert "mixed durations efficiency" in lines
     header = lines[lines.index("submit/s") + 1]

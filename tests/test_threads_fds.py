@@ -236,6 +236,7 @@ def test_a_signal_handler_raising_while_a_read_waits_for_the_lock_leaks_no_close
             r.recv_bytes(timeout=TIMEOUT)
             time.sleep(TIMEOUT)  # the handler runs here if the read returned first
         assert first.join() == b"one"
+        sender.join(TIMEOUT)  # its second send too, before the ends close under it
         r.close()
         with pytest.raises(OSError):
             fcntl.fcntl(fd, fcntl.F_GETFD)  # closed: no call was left counted as under way
@@ -243,6 +244,7 @@ def test_a_signal_handler_raising_while_a_read_waits_for_the_lock_leaks_no_close
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
         sender.cancel()
+        sender.join(TIMEOUT)
         r.close()
         w.close()
 
