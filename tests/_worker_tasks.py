@@ -85,6 +85,23 @@ def sleep_for(seconds):
     return seconds
 
 
+def miss_a_cancel_then_sleep(ready_path, seconds):
+    """Let the first cancel signal go by unseen, as one that lands just before a blocking call
+    begins does, then sleep ``seconds``: only a signal sent again interrupts the sleep."""
+    from framepipe.workers._child import CANCEL_SIGNAL
+
+    missed = []
+    handler = signal.signal(CANCEL_SIGNAL, lambda signum, frame: missed.append(signum))
+    try:
+        open(ready_path, "w").close()
+        while not missed:
+            time.sleep(0.001)
+    finally:
+        signal.signal(CANCEL_SIGNAL, handler)
+    time.sleep(seconds)
+    return len(missed)
+
+
 def hang_in_sleep_loop():
     while True:
         time.sleep(0.01)

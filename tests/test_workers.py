@@ -30,6 +30,7 @@ from _worker_tasks import (
     hang_in_sleep_loop,
     identity,
     kill_self_if,
+    miss_a_cancel_then_sleep,
     print_to_stderr,
     raise_key,
     raise_system_exit,
@@ -166,6 +167,22 @@ def test_worker_cancel_running_and_queued(engine):
         assert "hang_in_sleep_loop" in text
         assert w.call(add, 5, 5) == 10
         assert w.call(getpid) == pid  # the same process: cancelling kills nothing
+
+
+def test_worker_cancel_interrupts_a_task_that_missed_the_first_signal(engine, tmp_path):
+    # A cancel signal can land after the task released the GIL to block and before the call
+    # blocks (NOTE [ A cancel signal sent again ]); the task here misses the first one on
+    # purpose: only the signal the worker sends again interrupts its sleep.
+    ready = tmp_path / "ready"
+    with Worker(start_method="fork") as w:
+        fut = w.submit(miss_a_cancel_then_sleep, str(ready), 60)
+        assert eventually(ready.exists, WAIT)
+        assert w.cancel() == 1
+        with pytest.raises(WorkerCancelled) as info:
+            fut.result(WAIT)
+        text = "".join(__import__("traceback").format_exception(info.value))
+        assert "miss_a_cancel_then_sleep" in text  # raised in the task, in its sleep
+        assert w.call(add, 2, 3) == 5  # the worker serves on
 
 
 def test_worker_stack_even_when_stuck_in_c_holding_the_gil(engine):

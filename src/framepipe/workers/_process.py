@@ -95,7 +95,8 @@ class WorkerBoot(Boot):
 
         def on_cancel(signum: int, frame: Any) -> None:
             tid = ctx.current
-            if tid is not None and tid in ctx.cancelled:
+            if tid is not None and tid in ctx.cancelled and ctx.interrupted != tid:
+                ctx.interrupted = tid  # once: see NOTE [ A cancel signal sent again ]
                 raise WorkerCancelled(f"task {tid} was cancelled")
 
         signal.signal(CANCEL_SIGNAL, on_cancel)
@@ -132,6 +133,9 @@ class ChildContext:
         self.namespace: dict[str, Any] = {"__name__": "__worker__"}
         self.current: int | None = None
         self.cancelled: set[int] = set()
+        self.interrupted: int | None = None  # the cancelled task WorkerCancelled was raised in
+        self.again_at: float | None = None  # when to signal the main thread again, if so
+        self._again_every = CANCEL_AGAIN
         # Tasks are numbered in the order they were sent (0, 1, ...): ``started`` of them were
         # taken to run; ``revoked`` ranges [lo, hi) are the parent's to run elsewhere.
         self.started = 0
@@ -188,6 +192,21 @@ class ChildContext:
 
     # -- called from the health thread --
 
+    def interrupt(self) -> None:
+        """Signal the main thread if the task it runs is cancelled and WorkerCancelled has not
+        been raised in it yet, and say when to do it again (``again_at``): see NOTE [ A cancel
+        signal sent again ]."""
+        tid = self.current
+        if tid is None or tid not in self.cancelled or self.interrupted == tid:
+            self.again_at = None
+            return
+        signal.pthread_kill(self._main, CANCEL_SIGNAL)  # type: ignore[arg-type]
+        if self.again_at is None:
+            self._again_every = CANCEL_AGAIN
+        else:
+            self._again_every = min(self._again_every * 2, 1.0)
+        self.again_at = time.monotonic() + self._again_every
+
     def _on_health(self, msg: Any) -> Any:
         """One request ``(op, token, *args)``; the reply is ``(op, token, value)`` or None."""
         op, token, args = msg[0], msg[1], msg[2:]
@@ -199,8 +218,7 @@ class ChildContext:
             with self._cond:
                 self.cancelled.update(args[0])
                 self._cond.notify_all()
-            if self.current in self.cancelled:
-                signal.pthread_kill(self._main, CANCEL_SIGNAL)  # type: ignore[arg-type]
+            self.interrupt()
             return None
         if op == "revoke":
             # Tasks [lo, hi) that are not taken yet are not run here: the reply says from
@@ -265,6 +283,22 @@ def peak_rss(pid: int) -> int | None:
         return None
 
 
+# NOTE [ A cancel signal sent again ]
+#
+# ``Worker.cancel`` interrupts the running task with a signal from the worker's health thread
+# to its main thread, whose handler raises WorkerCancelled there. A signal can be lost for
+# that purpose: one that lands after the main thread released the GIL to block (time.sleep,
+# a read) but before the blocking call itself began runs the C handler at once, and the call
+# then blocks all the same; Python runs the handler only once it returns. The health thread
+# gets the GIL exactly when the main thread lets it go to block, so that window is where its
+# signal tends to land: beside two busy CPUs, a cancelled 30 s sleep ran to its end in 5 of 60
+# runs. So the health thread sends the signal again, CANCEL_AGAIN later and then at doubling
+# intervals (at most a second apart), until the handler raised in that task or the task ended;
+# the handler raises once a task (``ChildContext.interrupted``), so a signal that comes again
+# while WorkerCancelled unwinds the task cannot raise a second one in the loop's handler.
+CANCEL_AGAIN = 0.01
+
+
 def _serve_health(ctx: ChildContext, parent_pid: int) -> None:
     """The worker's health thread: answers the parent at once, and takes the whole worker
     down (its process group) the moment the parent is gone."""
@@ -280,7 +314,13 @@ def _serve_health(ctx: ChildContext, parent_pid: int) -> None:
     watched: list[Any] = [ctx.health] + ([pidfd] if pidfd is not None else [])
     while True:
         try:
-            ready = _connection.wait(watched, None if pidfd is not None else 1.0)
+            timeout = None if pidfd is not None else 1.0
+            if ctx.again_at is not None:  # see NOTE [ A cancel signal sent again ]
+                left = max(0.0, ctx.again_at - time.monotonic())
+                timeout = left if timeout is None else min(timeout, left)
+            ready = _connection.wait(watched, timeout)
+            if ctx.again_at is not None and time.monotonic() >= ctx.again_at:
+                ctx.interrupt()
             if pidfd is not None and pidfd in ready:
                 _die_with_group()
             if pidfd is None and not _alive(parent_pid):

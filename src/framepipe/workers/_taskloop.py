@@ -91,6 +91,7 @@ def task_loop(ctx: ChildContext) -> None:
         ctx.current = tid
         try:
             if tid in ctx.cancelled:
+                ctx.interrupted = tid  # raised in it: no signal raises again
                 raise WorkerCancelled(f"task {tid} was cancelled before it started")
             value = fn(*args, **kwargs)
             ctx.current = None
