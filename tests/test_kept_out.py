@@ -83,6 +83,17 @@ def test_a_round_trip_keeps_the_channel_out_and_a_queued_batch_puts_it_back(engi
         assert _kept_out_after_round_trips(pool) is slot
 
 
+def test_tasks_queued_behind_a_kept_out_channel_go_out_without_the_periodic_look(engine, no_net):
+    # Sent directly while nothing is queued, tasks go to the worker whose channel stays out;
+    # once it holds LOW_WATER of them the rest are queued, to be handed out as its answers
+    # are read: the manager must read them, though nobody waits for the tasks it holds.
+    with Pool(1, start_method="fork") as pool:
+        _kept_out_after_round_trips(pool)
+        futures = [pool.submit(add, i, 1) for i in range(_scheduling.LOW_WATER + 4)]
+        assert futures[-1].result(GUARD) == len(futures)
+        assert [f.result(GUARD) for f in futures] == [i + 1 for i in range(len(futures))]
+
+
 WAYS = [
     "wait",
     "as_completed",
