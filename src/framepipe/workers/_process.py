@@ -94,8 +94,8 @@ class WorkerBoot(Boot):
         ctx = self.ctx = ChildContext(self)
 
         def on_cancel(signum: int, frame: Any) -> None:
-            tid = ctx.current
-            if tid is not None and tid in ctx.cancelled and ctx.interrupted != tid:
+            tid = ctx.cancel_due()
+            if tid is not None:
                 ctx.interrupted = tid  # once: see NOTE [ A cancel signal sent again ]
                 raise WorkerCancelled(f"task {tid} was cancelled")
 
@@ -190,14 +190,20 @@ class ChildContext:
             self.revoked.append((self.started, 1 << 62))
             return self.started
 
+    def cancel_due(self) -> int | None:
+        """The task the main thread runs, if it is cancelled and WorkerCancelled has not been
+        raised in it yet; else None."""
+        tid = self.current
+        if tid is None or tid not in self.cancelled or self.interrupted == tid:
+            return None
+        return tid
+
     # -- called from the health thread --
 
     def interrupt(self) -> None:
-        """Signal the main thread if the task it runs is cancelled and WorkerCancelled has not
-        been raised in it yet, and say when to do it again (``again_at``): see NOTE [ A cancel
-        signal sent again ]."""
-        tid = self.current
-        if tid is None or tid not in self.cancelled or self.interrupted == tid:
+        """Signal the main thread if a cancel is due (:meth:`cancel_due`), and say when to do
+        it again (``again_at``): see NOTE [ A cancel signal sent again ]."""
+        if self.cancel_due() is None:
             self.again_at = None
             return
         signal.pthread_kill(self._main, CANCEL_SIGNAL)  # type: ignore[arg-type]
