@@ -3,6 +3,7 @@ spawned workers: pytest puts this directory on sys.path and multiprocessing pass
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 import time
@@ -50,6 +51,13 @@ class LoadsBadly:
 
     def __reduce__(self) -> tuple[object, tuple[()]]:
         return fail_to_load, ()
+
+
+class NeedsAMissingModule:
+    """Pickles fine; unpickling it imports a module that does not exist."""
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return importlib.import_module, ("framepipe_no_such_module",)
 
 
 class ExitsOnLoad:

@@ -161,26 +161,35 @@ def test_without_cloudpickle_the_error_names_the_extra():
         """
         import sys
         sys.modules["cloudpickle"] = None  # as if it were not installed
-        from framepipe.workers import Pool
+        from framepipe.workers import Pool, TaskPicklingError
         if __name__ == "__main__":
             with Pool(1, start_method="fork") as pool:
                 print(pool.submit(abs, -2).result(60))
                 try:
                     pool.submit(lambda: 1).result(60)
-                except TypeError as exc:
+                except TaskPicklingError as exc:
                     print("submit:", exc)
+                # every form of map, a few items or many (chunked on its own), fails as submit
+                for n, kw in [(1, {}), (5000, {}), (9, {"chunksize": 3}), (9, {"buffersize": 4})]:
+                    try:
+                        list(pool.map(lambda x: x, range(n), **kw))
+                    except TaskPicklingError as exc:
+                        print("map:", exc)
                 try:
-                    list(pool.map(lambda x: x, [1]))
-                except TypeError as exc:
-                    print("map:", exc)
+                    list(pool.imap(lambda x: x, range(3)))
+                except TaskPicklingError as exc:
+                    print("imap:", exc)
         """
     )
     out = _run(code)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == "2"
-    assert lines[1].startswith("submit: cannot send") and "framepipe[cloudpickle]" in lines[1]
-    assert lines[2].startswith("map: cannot send") and "framepipe[cloudpickle]" in lines[2]
+    assert [line.split(":")[0] for line in lines[1:]] == ["submit", *["map"] * 4, "imap"], lines
+    for line in lines[1:]:
+        what = line.split(": ", 1)[1]
+        assert what.startswith("cannot send the function <lambda> to a worker process"), line
+        assert "framepipe[cloudpickle]" in line, line
 
 
 def test_a_definition_the_worker_cannot_load_fails_its_tasks_not_the_worker():

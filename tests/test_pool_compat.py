@@ -24,6 +24,7 @@ import pytest
 from _compat_tasks import (
     ExitsOnLoad,
     LoadsBadly,
+    NeedsAMissingModule,
     Payload,
     exit_hard,
     exit_with,
@@ -100,6 +101,11 @@ def test_what_cannot_be_unpickled_fails_its_task_as_a_broken_pool(engine, method
             pool.submit(size_of, LoadsBadly()).result(WAIT)
         assert isinstance(info.value, TaskUnpicklingError)
         assert isinstance(info.value.__cause__, KeyError)
+        # raised as the argument was rebuilt: said so, not blamed on an import
+        assert "KeyError" in str(info.value) and "__reduce__" in str(info.value)
+        assert "importable" not in str(info.value)
+        with pytest.raises(TaskUnpicklingError, match="must be importable in the worker"):
+            pool.submit(size_of, NeedsAMissingModule()).result(WAIT)
         with pytest.raises(BrokenProcessPool) as back:  # in this process
             pool.submit(make_bad_result).result(WAIT)
         assert isinstance(back.value, TaskUnpicklingError)

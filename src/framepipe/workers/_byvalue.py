@@ -348,7 +348,8 @@ def stand_in(core: Any, fn: Any, exc: BaseException | None = None) -> Any:
 
 def prepare(core: Any, fn: Any) -> Any:
     """``fn`` as items of a map carry it (``map(..., chunksize=n)``): its stand-in when it
-    must go by value; ``fn`` itself when it need not, or cannot (each item then says why)."""
+    must go by value, else ``fn`` itself. Raises what its plain pickle raised when it can go
+    neither way (the caller names ``fn`` in the error every item fails with)."""
     try:
         if getattr(fn, "__module__", None) == "__main__":
             fn = stand_in(core, fn)
@@ -357,8 +358,8 @@ def prepare(core: Any, fn: Any) -> Any:
     except Exception as exc:  # noqa: BLE001 - by value
         try:
             return stand_in(core, fn, exc)
-        except Exception:  # noqa: BLE001 - each item fails with the reason
-            return fn
+        except Exception:  # noqa: BLE001 - not by value either
+            raise exc from None
     return fn
 
 

@@ -201,9 +201,10 @@ class Submitting(CoreBase):
                 dumps(fn, protocol=5)  # sent once per frame of items, not with each
             except Exception as exc:  # noqa: BLE001 - by value, once per worker
                 fn = _byvalue.stand_in(self, fn, exc)
-        except Exception as exc:  # noqa: BLE001 - every item fails with it
+        except Exception as exc:  # noqa: BLE001 - every item fails with it, naming fn
+            err = _unpicklable(fn, exc)
             for i in range(len(items)):
-                results.store(i, _Failure(exc))
+                results.store(i, _Failure(err))
             return results
         # Queued a few hundred at a time, so the workers start while the rest is pickled.
         for start in range(0, len(items), _MAP_STEP):

@@ -523,10 +523,15 @@ def unloadable_error(tid: int, exc: BaseException) -> TaskUnpicklingError:
         )
         err.__suppress_context__ = True
         return err
+    if isinstance(exc, (ImportError, AttributeError)):
+        why = "the function, its arguments and what they refer to must be importable in the worker"
+    else:
+        why = (
+            "raised there as the function or its arguments were rebuilt, e.g. by an object's "
+            "__reduce__ or __setstate__: its traceback is the cause"
+        )
     err = TaskUnpicklingError(
-        f"task {tid} could not be unpickled in the worker: {type(exc).__name__}: {exc} "
-        "(the function, its arguments and what they refer to must be importable in the "
-        "worker)"
+        f"task {tid} could not be unpickled in the worker: {type(exc).__name__}: {exc} ({why})"
     )
     err.__cause__ = exc
     return err

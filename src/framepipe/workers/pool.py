@@ -17,7 +17,7 @@ from . import _byvalue, _progress
 from . import _dispatch as D
 from ._options import ProcessOptions
 from ._policy import PoolPolicy
-from ._tasks import _task_name
+from ._tasks import _task_name, _unpicklable
 from .errors import PoolBroken, revive
 from .worker import _check_timeout
 
@@ -246,7 +246,10 @@ class Pool(concurrent.futures.Executor):
             return _progress.track(out, progress, len(every), core.name)
         chunksize = chunksize or 1
         if chunksize > 1:
-            each = _byvalue.prepare(core, fn)  # by value if it must, once per worker
+            try:
+                each = _byvalue.prepare(core, fn)  # by value if it must, once per worker
+            except Exception as exc:  # noqa: BLE001 - raised at the first item, naming fn
+                return _progress.track(_unsendable(fn, exc), progress, total, core.name)
             it = items
             items = ((each, c) for c in iter(lambda: list(itertools.islice(it, chunksize)), []))
             run = _run_chunk
@@ -422,7 +425,10 @@ def _auto_map(
         results = core.submit_many(fn, items, None)
         return _ordered(results, n, deadline)
     probe_n = _AUTO_PROBE * workers
-    each = _byvalue.prepare(core, fn)  # by value if it must, once per worker
+    try:
+        each = _byvalue.prepare(core, fn)  # by value if it must, once per worker
+    except Exception as exc:  # noqa: BLE001 - raised at the first item, naming fn
+        return _unsendable(fn, exc)
     probe = core.submit_many(_Timed(each, fn), items[:probe_n], None)
     size = _chunk_size(core, probe, n - probe_n, workers, deadline)
     rest = items[probe_n:]
@@ -627,6 +633,14 @@ def _length(iterables: tuple[Iterable[Any], ...]) -> int | None:
 def _check_positive(label: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{label} must be a positive int, not {value!r}")
+
+
+def _unsendable(fn: Callable[..., Any], exc: BaseException) -> Iterator[Any]:
+    """The results of a map whose function cannot be sent to a worker, by reference nor by
+    value: its first raises the TaskPicklingError that names the function (as each item of an
+    unchunked map does)."""
+    raise _unpicklable(fn, exc)
+    yield  # a generator: raised at the first next(), as a failed item is
 
 
 def _lazy(
