@@ -556,6 +556,16 @@ def test_the_demo_fits_the_width_and_writes_whole_lines(tmp_path, columns):
     assert not long, long
     assert "WorkerCrashed: worker 'demo-" in out.stdout
     assert "TaskTimeout after 1 s" in out.stdout
+    # the raised exception's cause is the worker's traceback, down to the task's own frame
+    # (read with the wrapping undone: a line wrapped at 70 columns goes on after "   | ")
+    text = " ".join(re.sub(r"\n\s*\|", "\n", out.stdout).split())
+    quota = text.split("2. Six resize tasks")[0]
+    assert "its cause, the worker's traceback:" in quota, quota
+    assert re.search(r'_demo\.py", line \d+, in check_quota', quota), quota
+    # the hung task's stack: its own frame, the worker loop's below it folded into one line
+    hang = text.split("3. A task hangs")[1]
+    assert re.search(r'_demo\.py", line \d+ in wait_for_lock', hang), hang
+    assert "more frames below (framepipe's and Python's own" in hang, hang
     # the worker's stderr line arrived whole
     assert "resize: image 3 is huge, allocating..." in out.stderr.splitlines()
 

@@ -368,7 +368,6 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
                 "workers.pool",
                 "workers.worker",
             },
-            "workers._demo": {"_width", "workers"},
             "workers.elastic": {"guard", "workers._process", "workers._stderr", "workers.group"},
         },
     ),
@@ -434,7 +433,8 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
             },
             "bench": set(),
             "bench.__main__": {"bench.cli"},
-            "__main__": {"_impl", "_version", "bench.cli", "workers._demo"},
+            "_demo": {"_width", "remote", "workers"},
+            "__main__": {"_demo", "_impl", "_version", "bench.cli"},
             "run": {"workers.elastic"},  # deferred, see DEFERRED
         },
     ),
@@ -585,11 +585,11 @@ def test_the_import_reader_sees_every_kind_of_import() -> None:
         ("_impl", True),
         ("_version", True),
         ("bench.cli", True),
-        ("workers._demo", True),
+        ("_demo", True),
     }
     assert ("_aio", False) in {(n, top) for n, _, top in _framepipe_imports("_connection")}
     assert ("_core", True) in {(n, top) for n, _, top in _framepipe_imports("_connection")}
-    assert {n for n, _, _ in _framepipe_imports("workers._demo")} == {"_width", "workers"}
+    assert {n for n, _, _ in _framepipe_imports("_demo")} == {"_width", "remote", "workers"}
     assert ("workers.elastic", False) in {(n, top) for n, _, top in _framepipe_imports("run")}
     assert {n for n, _, _ in _framepipe_imports("bench.machine")} == {"_impl", "_version"}
     assert {n for n, _, _ in _framepipe_imports("_faults")} == {"_fault_echo"}

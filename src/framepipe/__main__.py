@@ -8,10 +8,10 @@ import platform
 import sys
 from collections.abc import Sequence
 
+from . import _demo
 from ._impl import implementation
 from ._version import __version__
 from .bench import cli
-from .workers import _demo
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,8 +14,9 @@ import sys
 import time
 from typing import TextIO
 
-from .._width import DEFAULT_WIDTH, output_width, wrap_line
-from . import Pool, TaskTimeout, WorkerCrashed
+from ._width import DEFAULT_WIDTH, output_width, wrap_line
+from .remote import RemoteTraceback
+from .workers import Pool, TaskTimeout, WorkerCrashed
 
 
 class QuotaExceeded(Exception):
@@ -74,7 +75,10 @@ def main(args: argparse.Namespace) -> int:
             say(f"   caught {type(exc).__name__}: {exc}")
             say(f"   exc.user = {exc.user!r}, exc.limit = {exc.limit}")
             tb = exc.__cause__
-            say(f"   with the worker's traceback: {type(tb).__name__} (shown when it is printed)\n")
+            if isinstance(tb, RemoteTraceback):  # what a traceback of it prints above its own
+                say("   its cause, the worker's traceback:")
+                say(tb.text.strip("\n"), quote="   | ")
+            say()
 
         say("2. Six resize tasks; the worker running image 3 is SIGKILLed mid-task.\n")
         futures = [pool.submit(resize, i) for i in range(6)]
