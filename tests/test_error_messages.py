@@ -419,6 +419,26 @@ def test_tidy_dump_orders_threads_and_leaves_text_that_is_no_dump_alone():
     assert tidy_dump("no dump here\n") == "no dump here"
 
 
+def test_tidy_dump_folds_the_frames_a_forked_worker_has_of_its_parent():
+    # below the worker's entry (child_main), a forked worker's stack goes on with the frames
+    # the parent had when it forked, the parent's own code among them: not the worker's
+    pkg = os.path.dirname(framepipe.__file__)
+    dump = (
+        "Current thread 0x0000000000000001 (most recent call first):\n"
+        '  File "/app/data.py", line 9 in __getitem__\n'
+        f'  File "{pkg}/workers/loader/worker.py", line 2 in fetch\n'
+        f'  File "{pkg}/workers/_child.py", line 190 in child_main\n'
+        f'  File "{pkg}/workers/_child.py", line 298 in _launch\n'
+        f'  File "{pkg}/workers/loader/dataloader.py", line 293 in __iter__\n'
+        '  File "/app/train.py", line 16 in <module>\n'
+    )
+    assert tidy_dump(dump).splitlines() == [
+        "Current thread 0x0000000000000001 (most recent call first):",
+        '  File "/app/data.py", line 9 in __getitem__',
+        "  ... 5 more frames below (framepipe's and Python's own, and the forking parent's)",
+    ]
+
+
 def test_worker_output_is_copied_line_by_line(engine, capfd):
     with Worker(start_method="fork") as w:
         fut = w.submit(write_in_two_parts, "first half, ", "second half", 0.5)

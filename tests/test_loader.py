@@ -548,6 +548,32 @@ def test_hung_getitem_raises_task_timeout_with_the_stack(engine):
     assert all(gone(pid) for pid in pids)
 
 
+class HangingArrays(Hanging):
+    """Small arrays, whose replies a worker holds to write a group of them in one frame."""
+
+    def __getitem__(self, i: int) -> object:
+        return np.full(4, super().__getitem__(i), dtype=np.float32)
+
+
+def test_a_batch_that_hangs_holds_back_none_loaded_before_it(engine):
+    # Worker 1 is given batches 1 and 3 as one group; batch 3 hangs. Batch 1's reply, held to
+    # go out with batch 3's, is written once the load of 3 has run a few ms (NOTE [ A group
+    # that waits for a slow batch ]): the caller gets 0, 1 and 2, and the timeout names batch 3.
+    # Held until the group's end, batch 1 would time out instead, with batch 3's stack.
+    loader = DataLoader(HangingArrays(), batch_size=1, num_workers=2, timeout=GUARD / 3)
+    got = []
+    with pytest.raises(TaskTimeout) as info:
+        for batch in loader:
+            got.append(int(batch[0][0]))
+    assert got == [0, 1, 2]
+    err = info.value
+    assert "did not finish batch 3 (indices [3])" in str(err), str(err)
+    # the stack is the loading thread's, not the thread that writes held replies
+    current = str(err).split("Current thread", 1)[1].splitlines()
+    assert "in hang_here" in current[1], str(err)
+    loader.close()
+
+
 def test_a_crash_mid_chunk_names_the_batch_it_was_loading_and_what_was_queued(engine):
     loader = DataLoader(KillAt(1000, 37), batch_size=None, num_workers=2, timeout=GUARD)
     got = []

@@ -70,6 +70,8 @@ _STDLIB = (
 _LOOP = (os.path.dirname(os.path.abspath(__file__)) + os.sep, *_STDLIB)
 # the frames of framepipe's own threads in a worker (the health thread)
 _OWN = (_PKG, *_STDLIB)
+# the frame where a worker process begins (framepipe.workers._child.child_main)
+_ENTRY = re.compile(r'_child\.py", line \d+ in child_main$')
 
 
 def _internal(frame: str, where: tuple[str, ...] = _LOOP) -> bool:
@@ -107,12 +109,17 @@ def tidy_dump(text: str) -> str:
         out.append("")
     for block in current + [b for b in others if b not in own]:
         frames = [f for f in block[1:] if f.strip()]
-        user = [i for i, f in enumerate(frames) if not _internal(f)]
+        # below the worker's entry, a forked worker's stack goes on with the frames the parent
+        # had when it forked (its own code among them): not this process's, folded too
+        entry = next((i for i, f in enumerate(frames) if _ENTRY.search(f) and _internal(f)), None)
+        scope = frames if entry is None else frames[: entry + 1]
+        user = [i for i, f in enumerate(scope) if not _internal(f)]
         if user and user[-1] < len(frames) - 1:
             n = len(frames) - 1 - user[-1]
-            frames = frames[: user[-1] + 1] + [
-                f"  ... {n} more frames below (framepipe's and Python's own)"
-            ]
+            whose = "framepipe's and Python's own"
+            if entry is not None and entry < len(frames) - 1:
+                whose += ", and the forking parent's"
+            frames = frames[: user[-1] + 1] + [f"  ... {n} more frames below ({whose})"]
         out += [block[0], *frames, ""]
     if own:
         out.append(f"(framepipe's own threads left out: {len(own)})")

@@ -36,6 +36,9 @@ SLOW_BATCH, FAST_BATCH = 20e-6, 10e-6
 # only ever adds time (a fast batch it interrupted is not a slow batch), while batches that
 # really are slow are slow every time.
 PACE_BATCHES = 4
+# Replies held to go out in one frame wait at most about GROUP_HOLD seconds for a batch that
+# turned slow (see NOTE [ A group that waits for a slow batch ], in .worker).
+GROUP_HOLD = 0.005
 # A worker whose batches are fast and small (each one array under INLINE_MAX, sent inline)
 # may load up to DEEP_AHEAD of them ahead (at least prefetch_factor), and gets its credits
 # back in groups of half that: one wake-up loads half of what it may hold while the parent

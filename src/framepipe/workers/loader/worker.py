@@ -9,8 +9,10 @@ import mmap
 import os
 import pickle
 import random
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ from typing import Any
 
 from ...remote import add_note, dumps_exception
 from .. import _pin, _shm
-from .._process import ChildContext
+from .._process import STACK_SIGNAL, ChildContext
 from ..errors import WorkerError
 from . import collate
 from .collate import _TENSOR_CHARS, _stack, _torch_installed, default_collate, default_convert
@@ -32,6 +34,7 @@ from .wire import (
     FAIL,
     FAST_BATCH,
     FETCH,
+    GROUP_HOLD,
     INIT_FAILED,
     OK,
     PACE,
@@ -221,14 +224,16 @@ def _answer(
     indices: Any,
     pending: list[Any],
     state_of: Callable[[], Any] | None = None,
+    fetch: Callable[[Any], Any] | None = None,
 ) -> bool:
     """Load batch ``bid`` and answer it. A small array's reply (see :data:`INLINE_MAX`) is
     added to ``pending``, to go out with the replies around it in one frame (:func:`_flush`);
     any other reply is written at once, after what is pending. With ``state_of`` (an
     iterable dataset's ``state_dict``), the reply carries the dataset's state after the batch
-    (see NOTE [ Resuming an epoch ]). True when the reply was such a small array."""
+    (see NOTE [ Resuming an epoch ]). ``fetch``: what loads the batch (default: the fetcher's).
+    True when the reply was such a small array."""
     try:
-        data = fetcher.fetch(indices)
+        data = (fetch or fetcher.fetch)(indices)
         state = None if state_of is None else state_of()
     except StopIteration:
         _flush(conn, pending)
@@ -361,6 +366,74 @@ class _Loop:
         self.slow = False
         self.small = False  # its last batches were small arrays, sent inline (INLINE_MAX)
         self.pending: list[Any] = []
+        # See NOTE [ A group that waits for a slow batch ]
+        self.lock = threading.Lock()
+        self.lock.acquire()  # this thread's, but while it loads a batch with replies pending
+        self.since = 0.0  # when that load began; 0 while there is none
+        self.wake = threading.Event()
+        self.flusher: threading.Thread | None = None
+
+    # NOTE [ A group that waits for a slow batch ]
+    #
+    # Fast batches with small replies are loaded a group at a time and their replies written in
+    # one frame after the last (``load``). A batch that turns slow in the middle of a group
+    # would hold the replies before it for as long as it takes: its neighbours' batches reach
+    # the parent seconds late, and a timeout there blames a batch that had long been loaded
+    # (it names the first batch it waits for). So a load that begins with replies pending
+    # hands the channel to a flusher thread (it releases ``lock``, which the loop holds at all
+    # other times, and says when it began in ``since``); the flusher, woken by ``wake`` once
+    # per such stretch of loads, writes what is pending once the load has run GROUP_HOLD
+    # seconds. The loop takes the lock back before it touches the channel or the pending
+    # replies again. What it costs the fast path: a lock released and taken, and a clock read,
+    # a batch with replies pending; the flusher wakes at most once per GROUP_HOLD while the loop
+    # loads groups (the loads during its sleep find ``wake`` set), and not at all otherwise.
+
+    def fetch(self, indices: Any) -> Any:
+        """Load a batch: with replies pending, where the flusher may write them."""
+        if not self.pending:
+            return self.fetcher.fetch(indices)
+        self.since = time.monotonic()
+        if not self.wake.is_set():
+            if self.flusher is None:
+                self.flusher = threading.Thread(
+                    target=self._flush_held, name="framepipe-loader-flush", daemon=True
+                )
+                self.flusher.start()
+            self.wake.set()
+        self.lock.release()
+        try:
+            return self.fetcher.fetch(indices)
+        finally:
+            self.lock.acquire()
+            self.since = 0.0
+
+    def _flush_held(self) -> None:
+        """The flusher thread: writes the pending replies of a load that runs long."""
+        # stack requests go to the loop's thread (see _serve_health), the one they are about
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {STACK_SIGNAL})
+        wake, lock, pending, conn = self.wake, self.lock, self.pending, self.conn
+        while True:
+            wake.wait()
+            time.sleep(GROUP_HOLD)  # loads begin and end meanwhile: none of them wakes it
+            wake.clear()  # before ``since`` is read: a load that begins later sets it again
+            while True:
+                since = self.since
+                if not since:
+                    break  # no load with replies pending: wait for the next one
+                left = since + GROUP_HOLD - time.monotonic()
+                if left > 0:
+                    time.sleep(left)
+                    continue
+                if lock.acquire(blocking=False):  # else the loop has it back: nothing to do
+                    try:
+                        if self.since == since and pending:
+                            _flush(conn, pending)
+                    except OSError:
+                        return  # the parent is gone: the loop finds out as it writes
+                    finally:
+                        lock.release()
+                break
 
     def run(self) -> None:
         conn, queue = self.conn, self.queue
@@ -393,7 +466,9 @@ class _Loop:
             bid, indices = queue.popleft()
             if beacon is not None:
                 _BEACON.pack_into(beacon, 0, bid)
-            small &= _answer(conn, self.fetcher, self.wire, bid, indices, pending, self.state_of)
+            small &= _answer(
+                conn, self.fetcher, self.wire, bid, indices, pending, self.state_of, self.fetch
+            )
         # the loading only: the write below costs what the engine costs, whatever the
         # batches are
         self.recent.append((clock() - start) / count)
