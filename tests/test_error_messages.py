@@ -37,6 +37,7 @@ from framepipe._width import output_width, wrap_line
 from framepipe.bench import load as bench_load
 from framepipe.bench import table
 from framepipe.workers import (
+    DataLoader,
     MainGuardError,
     Pool,
     PoolBroken,
@@ -492,6 +493,87 @@ def test_pool_size_of_the_wrong_type_is_a_type_error(bad):
         Pool(bad)
     with pytest.raises(ValueError, match="positive"):
         Pool(0)
+
+
+def _noop(*args):
+    return None
+
+
+# Each refused at the call, before any process starts: a value of the wrong type is a TypeError,
+# one out of range a ValueError, and the message names the argument and what it takes.
+BAD_SETTINGS = [
+    (lambda: Pool(1, max_task_crashes="2"), TypeError, r"^max_task_crashes must be an int >= 1 "),
+    (lambda: Pool(1, max_task_crashes=None), TypeError, r"^max_task_crashes must be an int"),
+    (lambda: Pool(1, max_rss="1G"), TypeError, r"^max_rss must be an int >= 1 or None \(bytes\)"),
+    (lambda: Pool(1, max_tasks_per_worker=0), ValueError, r"^max_tasks_per_worker must be an int"),
+    (lambda: Pool(1, max_restarts="3"), TypeError, r"^max_restarts must be an int >= 0 or None"),
+    (lambda: Pool(1, kill_grace="1"), TypeError, r"^kill_grace must be a number of seconds >= 0"),
+    (lambda: Pool(1, restart_window="x"), TypeError, r"^restart_window must be a number of sec"),
+    (lambda: Pool(1, task_timeout="1"), TypeError, r"^task_timeout must be a number of seconds"),
+    (lambda: Pool(1, start_method=5), TypeError, r"^start_method must be a str, not int"),
+    (lambda: Pool(1, start_method=""), ValueError, r"^unknown start_method ''; this platform has"),
+    (lambda: Pool(1, initializer=_noop, initargs="ab"), TypeError, r"initargs=\(value,\)"),
+    (lambda: Pool(1, env=5), TypeError, r"^env must be a Mapping or None, not int"),
+    (lambda: Pool(1, cwd="/nonexistent/dir"), FileNotFoundError, r"^cwd '/nonexistent/dir' is not"),
+    (lambda: Pool(1, tee="yes"), TypeError, r"^tee must be a bool, not str"),
+    (lambda: Pool(1, name=5), TypeError, r"^name must be a str, not int"),
+    (lambda: Worker(cwd=__file__), NotADirectoryError, r"is not a directory: the worker processes"),
+    (lambda: DataLoader([1, 2], batch_size=2.5), ValueError, r"^batch_size must be None \(items"),
+    (lambda: DataLoader([1, 2], batch_size="2"), ValueError, r"^batch_size must be None"),
+    (lambda: DataLoader([1], num_workers=2, start_method="forks"), ValueError, r"start_method"),
+    (
+        lambda: DataLoader([1], num_workers=2, multiprocessing_context=5),
+        TypeError,
+        r"^multiprocessing_context must be a start method",
+    ),
+    (lambda: DataLoader([1], num_workers="2"), TypeError, r"^num_workers must be an int >= 0"),
+    (lambda: framepipe.Pipe(timeout_callback=5), TypeError, r"^timeout_callback must be a call"),
+    (
+        lambda: framepipe.Pipe(timeout="1"),
+        TypeError,
+        r"^timeout must be a number of seconds, not str",
+    ),
+    (lambda: framepipe.Pipe(read_handle="x"), TypeError, r"^read_handle must be an int >= 0"),
+]
+
+
+@pytest.mark.parametrize("make, kind, message", BAD_SETTINGS)
+def test_a_bad_setting_is_refused_at_the_call_naming_it(make, kind, message):
+    with pytest.raises(kind, match=message):
+        made = make()
+        made.close()  # (not reached: a test that gets here fails, its object closed)
+
+
+def test_bad_arguments_of_calls_are_refused_at_the_call(engine):
+    with Pool(1, start_method="fork") as pool:
+        for kw in ({"chunksize": "2"}, {"chunksize": 2.0}, {"buffersize": "2"}):
+            with pytest.raises(TypeError, match=r"^(chunksize|buffersize) must be an int >= 1"):
+                pool.map(identity, [1], **kw)
+        with pytest.raises(TypeError, match=r"^buffersize must be an int >= 1"):
+            pool.imap_unordered(identity, [1], buffersize="2")
+        # a chunk with an item that cannot be sent names the function and the argument
+        items = pool.map(identity, [1, threading.Lock(), 3], chunksize=2)
+        with pytest.raises(TypeError, match=r"^cannot send argument 0 of .*identity .*_thread"):
+            next(items)
+    with Worker(start_method="fork") as w:
+        for call in (w.call, w.submit, w.stream):
+            with pytest.raises(TypeError, match=r"^fn must be a callable \(the function to run"):
+                call(5)
+        with pytest.raises(TypeError, match=r"^window must be an int >= 1"):
+            w.stream(identity, window="2")
+        with pytest.raises(TypeError, match=r"^timeout must be a number of seconds"):
+            w.call(identity, 1, timeout="1")
+        with pytest.raises(ValueError, match=r"^timeout must be a number of seconds > 0, not -1"):
+            w.ping(timeout=-1)
+        assert w.call(identity, 7) == 7  # refused before anything was sent
+    # a poll timeout that is a string: a TypeError in both engines, as in the stdlib
+    a, b = connection.Pipe()
+    try:
+        with pytest.raises(TypeError, match="must be real number, not str"):
+            a.poll("1")
+    finally:
+        a.close()
+        b.close()
 
 
 def test_pool_pids_are_known_right_after_construction(engine):

@@ -77,7 +77,7 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
     (
         "the connection over either engine, and the switch",
         {
-            "_pipes": {"_closing"},
+            "_pipes": {"_args", "_closing"},
             "_aio": {"_args", "_lazy", "_pickling", "_stream_errors", "_wire", "errors"},
             "_control": {"_unpickle", "_wire", "errors", "remote", "watch"},
             "_connection": {
@@ -111,7 +111,7 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
         {
             "workers.errors": {"errors", "remote"},
             "workers._launch": set(),
-            "workers._options": set(),
+            "workers._options": {"_args"},
             "workers._atexit": set(),
             "workers._lifecycle": set(),
             "workers._mainguard": {"workers.errors"},
@@ -154,7 +154,7 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
                 "workers._shm",
                 "workers._tasks",
             },
-            "workers._policy": {"workers.errors"},
+            "workers._policy": {"_args", "workers.errors"},
             "workers._corebase": {
                 "_spin",
                 "errors",
@@ -231,6 +231,7 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
                 "workers.errors",
             },
             "workers.worker": {
+                "_args",
                 "_closing",
                 "_lazy",
                 "workers._dispatch",
@@ -241,6 +242,7 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
                 "workers.errors",
             },
             "workers.pool": {
+                "_args",
                 "_lazy",
                 "remote",
                 "workers._byvalue",
@@ -301,6 +303,8 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
                 "workers.loader.worker",
             },
             "workers.loader.dataloader": {
+                "_args",
+                "workers._options",
                 "workers._mainguard",
                 "workers._pin",
                 "workers._progress",
@@ -350,6 +354,7 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
                 "workers.errors",
             },
             "workers.group": {
+                "_args",
                 "_lazy",
                 "guard",
                 "workers._atexit",

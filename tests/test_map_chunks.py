@@ -42,10 +42,10 @@ def _tasks_for(pool: Pool, run) -> int:
     queued = []
     submit_many = core.submit_many
 
-    def counting(fn, items, timeout=None):
+    def counting(fn, items, timeout=None, blame=None):
         items = list(items)
         queued.append(len(items))
-        return submit_many(fn, items, timeout)
+        return submit_many(fn, items, timeout, blame)
 
     core.submit_many = counting
     try:

@@ -210,6 +210,41 @@ def test_lazy_map_with_chunks_and_errors(engine):
             pool.map(identity, [1], buffersize=0)
 
 
+def _raises_at(n):
+    for i in range(n + 3):
+        if i == n:
+            raise KeyError(i)
+        yield i
+
+
+def test_a_lazy_map_runs_every_item_taken_before_its_iterable_raised(engine):
+    # the items taken before the iterable raised all run and their results come first, then
+    # its exception, whichever the form (as multiprocessing.Pool.imap does); none is lost
+    with Pool(2, start_method="fork") as pool:
+        forms = {
+            "imap": lambda: pool.imap(identity, _raises_at(9)),
+            "imap, chunks of 4": lambda: pool.imap(identity, _raises_at(9), chunksize=4),
+            "map, buffersize 3": lambda: pool.map(identity, _raises_at(9), buffersize=3),
+            "imap_unordered": lambda: pool.imap_unordered(identity, _raises_at(9)),
+            "imap_unordered, 2": lambda: pool.imap_unordered(identity, _raises_at(9), buffersize=2),
+        }
+        for name, make in forms.items():
+            got = []
+            with pytest.raises(KeyError):
+                for value in make():
+                    got.append(value)
+            assert sorted(got) == list(range(9)), name
+        assert list(pool.imap(identity, range(3))) == [0, 1, 2]  # the pool goes on
+    # after shutdown they refuse at the call, as map and submit do, not at the first next()
+    for make in (
+        lambda: pool.imap(identity, [1]),
+        lambda: pool.imap_unordered(identity, [1]),
+        lambda: pool.map(identity, [1], buffersize=2),
+    ):
+        with pytest.raises(RuntimeError, match="shut down"):
+            make()
+
+
 def test_taking_tasks_over_without_epoll(engine, monkeypatch):
     """Where callers never read a worker's channel (no epoll or eventfd), tasks are taken over
     all the same (nobody is reading a channel to be told)."""

@@ -616,9 +616,44 @@ def test_arguments_are_checked():
         WorkerGroup(kids.identity, 2, redirects=Std.ALL)
     with pytest.raises(ValueError, match="start_method"):
         WorkerGroup(kids.identity, 2, start_method="teleport")
-    for grace in (-1.0, float("inf"), float("nan"), "30"):
-        with pytest.raises(ValueError, match="grace must be a finite number of seconds >= 0"):
+    for grace in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="grace must be a number of seconds >= 0"):
             WorkerGroup(kids.identity, 2, grace=grace)
+    # a value of the wrong type is a TypeError that names the argument and what it takes
+    wrong = [
+        ({"nprocs": "2"}, "nprocs must be an int >= 1"),
+        ({"nprocs": 2.0}, "nprocs must be an int >= 1"),
+        ({"grace": "30"}, "grace must be a number of seconds >= 0"),
+        ({"args": 5}, r"args must be a tuple of each rank's arguments, not int \(5\)"),
+        ({"args": {1: "ab"}}, r"args\[1\] must be a tuple of rank 1's arguments"),
+        ({"envs": {0: 5}}, r"envs\[0\] must be a Mapping"),
+        ({"entrypoint": 5}, "entrypoint must be a function each rank calls, or a command"),
+        ({"entrypoint": None}, "entrypoint must be a function each rank calls, or a command"),
+    ]
+    for change, message in wrong:
+        kw = {"entrypoint": kids.identity, "nprocs": 2, **change}
+        with pytest.raises(TypeError, match=message):
+            WorkerGroup(kw.pop("entrypoint"), kw.pop("nprocs"), **kw)
+    with pytest.raises(ValueError, match="death_sig 999 is not a signal of this platform"):
+        WorkerGroup(kids.identity, 2, death_sig=999)
     group = WorkerGroup(kids.identity, 1)
     with pytest.raises(RuntimeError, match="start"):
+        group.wait()
+
+
+def test_a_start_that_fails_in_with_releases_what_it_opened(tmp_path):
+    # with-statement: __exit__ never runs when start() raises in __enter__, so start() itself
+    # lets go of what it opened (the wake-up pipe), and wait() says it never ran
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("")
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with pytest.raises(NotADirectoryError):
+            with WorkerGroup(kids.identity, 2, log_dir=str(not_a_dir)):
+                pass
+    assert len(os.listdir("/proc/self/fd")) == fds
+    group = WorkerGroup(kids.identity, 2, log_dir=str(not_a_dir))
+    with pytest.raises(NotADirectoryError):
+        group.start()
+    with pytest.raises(RuntimeError, match=r"never ran: it was closed, or its start\(\) raised"):
         group.wait()

@@ -1,18 +1,102 @@
-"""The argument checks of a Connection's calls, in one place: misuse is refused with the
-stdlib's error (the same class, and its words where it has them) before anything is read or
-written, whichever engine runs."""
+"""Argument checks, in one place. A Connection's calls refuse misuse with the stdlib's error
+(the same class, and its words where it has them) before anything is read or written, whichever
+engine runs. The settings of the workers' classes (counts, seconds, callables) are checked as
+they are given: a value of the wrong type is a TypeError, one out of range a ValueError, each
+naming the argument and what it takes (:func:`check_int`, :func:`check_seconds`,
+:func:`check_callable`, :func:`check_type`)."""
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any
 
 
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_int(name: str, value: Any, low: int = 1, *, none_ok: bool = False, why: str = "") -> Any:
+    """``value`` as an int of at least ``low`` (anything with ``__index__``, such as a NumPy
+    integer; not a bool), or None where ``none_ok``. ``why``: what the argument means, said
+    in the error."""
+    if value is None and none_ok:
+        return None
+    takes = f"an int >= {low}" + (" or None" if none_ok else "") + (f" ({why})" if why else "")
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be {takes}, not a bool ({value!r})")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be {takes}, not {type(value).__name__} ({_shown(value)})"
+        ) from None
+    if number < low:
+        raise ValueError(f"{name} must be {takes}, not {number!r}")
+    return number
+
+
+def check_seconds(
+    name: str, value: Any, *, none_ok: bool = True, zero_ok: bool = False, why: str = ""
+) -> float | None:
+    """``value`` as a finite number of seconds, above 0 (or at least 0 where ``zero_ok``), or
+    None where ``none_ok``. A string is refused, not converted."""
+    if value is None and none_ok:
+        return None
+    takes = "a number of seconds " + (">= 0" if zero_ok else "> 0")
+    takes += (" or None" if none_ok else "") + (f" ({why})" if why else "")
+    if isinstance(value, (bool, str, bytes, bytearray)):
+        raise TypeError(f"{name} must be {takes}, not {type(value).__name__} ({_shown(value)})")
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{name} must be {takes}, not {type(value).__name__} ({_shown(value)})"
+        ) from None
+    if not math.isfinite(seconds) or not (seconds >= 0 if zero_ok else seconds > 0):
+        raise ValueError(f"{name} must be {takes}, not {_shown(value)}")
+    return seconds
+
+
+def check_callable(name: str, value: Any, *, none_ok: bool = False, why: str = "") -> Any:
+    """``value``, which must be callable (or None where ``none_ok``)."""
+    if (value is None and none_ok) or callable(value):
+        return value
+    takes = "a callable" + (" or None" if none_ok else "") + (f" ({why})" if why else "")
+    raise TypeError(f"{name} must be {takes}, not {type(value).__name__} ({_shown(value)})")
+
+
+def check_type(
+    name: str,
+    value: Any,
+    types: type | tuple[type, ...],
+    *,
+    none_ok: bool = False,
+    takes: str | None = None,
+) -> Any:
+    """``value``, which must be an instance of ``types`` (or None where ``none_ok``), not a
+    bool unless ``types`` is. ``takes``: what the error says it must be (default: the type)."""
+    bool_ok = types is bool or (isinstance(types, tuple) and bool in types)
+    if (value is None and none_ok) or (
+        isinstance(value, types) and (bool_ok or not isinstance(value, bool))
+    ):
+        return value
+    kinds = types if isinstance(types, tuple) else (types,)
+    takes = takes or "a " + " or ".join(t.__name__ for t in kinds)
+    takes += " or None" if none_ok else ""
+    raise TypeError(f"{name} must be {takes}, not {type(value).__name__} ({_shown(value)})")
+
+
 def check_timeout(timeout: Any) -> float | None:
     """A read or poll timeout as seconds (None: no deadline); NaN is refused like the stdlib
-    refuses it, a negative timeout means "do not wait", as in the stdlib's ``poll()``."""
+    refuses it, a negative timeout means "do not wait", as in the stdlib's ``poll()``. A
+    string is refused (the stdlib's ``poll("1")`` raises TypeError), in the compiled engine's
+    words."""
     if timeout is None:
         return None
+    if isinstance(timeout, (str, bytes, bytearray)):
+        raise TypeError(f"must be real number, not {type(timeout).__name__}")
     t = float(timeout)
     if t != t:
         raise ValueError(

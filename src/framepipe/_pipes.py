@@ -4,12 +4,14 @@ them to its own Connection."""
 
 from __future__ import annotations
 
+import numbers
 import os
 import socket
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from ._args import check_callable, check_int, check_timeout, check_type
 from ._closing import Closing
 
 _BUFFER_SIZE = 1 << 20  # pipe and socket buffers: fewer wake-ups for large frames
@@ -184,6 +186,12 @@ class Pipe(Closing):
         timeout: float | None = None,
         timeout_callback: Callable[[], Any] = lambda: None,
     ) -> None:
+        check_int("read_handle", read_handle, 0, none_ok=True, why="a file descriptor")
+        check_int("write_handle", write_handle, 0, none_ok=True, why="a file descriptor")
+        if timeout is not None:
+            check_type("timeout", timeout, numbers.Real, takes="a number of seconds")
+            check_timeout(timeout)  # (NaN)
+        check_callable("timeout_callback", timeout_callback, why="called when a read times out")
         self._owns_pipe = read_handle is None and write_handle is None
         self.read_fd: int | None
         self.write_fd: int | None

@@ -91,6 +91,11 @@ def have_cloudpickle() -> bool:
     return True
 
 
+def dumps_by_value(obj: Any) -> bytes:
+    """``obj`` pickled with cloudpickle (which must be installed): raises what it raises."""
+    return _import_cloudpickle().dumps(obj, protocol=5)  # type: ignore[no-any-return]
+
+
 def _describe(obj: Any) -> str:
     name = getattr(obj, "__qualname__", None) or type(obj).__qualname__
     return f"{getattr(obj, '__module__', None) or '?'}.{name}"
@@ -385,10 +390,11 @@ class _Portable:
     """An object pickled when a worker is spawned: by reference when the worker can import
     what it refers to, else by value."""
 
-    __slots__ = ("obj",)
+    __slots__ = ("obj", "what")
 
-    def __init__(self, obj: Any) -> None:
+    def __init__(self, obj: Any, what: str | None = None) -> None:
         self.obj = obj
+        self.what = what  # what the object is to the user, said when it cannot be sent
 
     def __reduce__(self) -> tuple[Any, ...]:
         from multiprocessing.reduction import ForkingPickler
@@ -405,18 +411,21 @@ class _Portable:
         try:
             return _loads, (cloudpickle.dumps(obj, protocol=5),)
         except Exception as exc2:
+            what = self.what or _describe(obj)
             raise TypeError(
-                f"cannot send {_describe(obj)} to a spawned worker, by reference "
-                f"({type(exc).__name__}: {exc}) or by value ({type(exc2).__name__}: {exc2})"
+                f"cannot send {what} to a spawned worker: it cannot be pickled, by reference "
+                f"({type(exc).__name__}: {exc}) or by value ({type(exc2).__name__}: {exc2}); "
+                "pass something picklable (a path, a number, a module-level function) and "
+                "build the object in the worker, or start workers with fork"
             ) from exc2
 
 
-def portable(mp_context: Any, obj: Any) -> Any:
+def portable(mp_context: Any, obj: Any, what: str | None = None) -> Any:
     """``obj`` as a spawned worker will receive it (see :class:`_Portable`); ``obj`` itself
-    where nothing is pickled (fork)."""
+    where nothing is pickled (fork). ``what``: its name in an error (default: its type)."""
     if obj is None or not main_by_value(mp_context):
         return obj
-    return _Portable(obj)
+    return _Portable(obj, what)
 
 
 # -- the worker's table ----------------------------------------------------------------------

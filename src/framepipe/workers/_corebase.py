@@ -63,7 +63,7 @@ class CoreBase:
         self.byvalue: _byvalue.Registry | None = None  # functions sent by value (_byvalue)
         self._main_by_value = _byvalue.main_by_value(mp_context)
         # the initializer by value where it must be (see _byvalue)
-        initializer = _byvalue.portable(mp_context, options.initializer)
+        initializer = _byvalue.portable(mp_context, options.initializer, "the initializer")
         self._start_options = options.sending(initializer)
         self._loop_options: dict[str, Any] = {
             "max_rss": max_rss,

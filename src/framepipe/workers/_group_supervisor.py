@@ -144,8 +144,8 @@ class Supervisor:
             env=group._env(r.rank),
             line_buffered_stdout=bool(group.tee[r.rank] & Std.OUT),  # tee shows each line
             rank=r.rank,
-            fn=_byvalue.portable(ctx, group.entrypoint),  # by value if it must
-            args=_byvalue.portable(ctx, group.args[r.rank]),
+            fn=_byvalue.portable(ctx, group.entrypoint, "the entrypoint"),  # by value if it must
+            args=_byvalue.portable(ctx, group.args[r.rank], f"rank {r.rank}'s args"),
             result=writer,
         )
         try:

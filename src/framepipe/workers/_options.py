@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import multiprocessing
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from .._args import check_seconds, check_type
 
 __all__ = ["ProcessOptions", "get_context"]
 
@@ -23,7 +24,7 @@ __all__ = ["ProcessOptions", "get_context"]
 def get_context(start_method: str | None) -> Any:
     """The ``multiprocessing`` context for ``start_method`` (None: spawn), with a clear error
     for a method this platform does not have."""
-    method = start_method or "spawn"
+    method = "spawn" if start_method is None else check_type("start_method", start_method, str)
     try:
         return multiprocessing.get_context(method)
     except ValueError:
@@ -55,13 +56,23 @@ class ProcessOptions:
     kill_grace: float = 1.0
 
     def __post_init__(self) -> None:
+        check_type("name", self.name, str)
+        get_context(self.start_method)  # an unknown method is refused now, not at the start
+        check_type("tee", self.tee, bool)
         if self.initializer is not None and not callable(self.initializer):
             raise TypeError(
                 f"initializer must be callable, not {type(self.initializer).__name__}; pass a "
                 f"function (its arguments go in initargs)"
             )
         if not isinstance(self.initargs, tuple):
+            if not isinstance(self.initargs, list):
+                raise TypeError(
+                    f"initargs must be a tuple of the initializer's arguments, not "
+                    f"{type(self.initargs).__name__} ({self.initargs!r:.60}); for one "
+                    "argument write initargs=(value,)"
+                )
             object.__setattr__(self, "initargs", tuple(self.initargs))
+        check_type("env", self.env, Mapping, none_ok=True)
         if self.env is not None:
             bad = [
                 k for k, v in self.env.items() if not isinstance(k, str) or not isinstance(v, str)
@@ -76,12 +87,13 @@ class ProcessOptions:
             value = getattr(self, label)
             if value is not None:
                 object.__setattr__(self, label, os.fspath(value))
-        if not isinstance(self.kill_grace, (int, float)) or not (
-            self.kill_grace >= 0 and math.isfinite(self.kill_grace)
-        ):
-            raise ValueError(
-                f"kill_grace must be a number of seconds >= 0, not {self.kill_grace!r}"
+        if self.cwd is not None and not os.path.isdir(self.cwd):
+            kind = NotADirectoryError if os.path.exists(self.cwd) else FileNotFoundError
+            raise kind(
+                f"cwd {self.cwd!r} is not a directory: the worker processes start in it; pass "
+                "an existing directory, or None for this process's"
             )
+        check_seconds("kill_grace", self.kill_grace, none_ok=False, zero_ok=True)
 
     def context(self) -> Any:
         """The multiprocessing context of ``start_method`` (refused, with the methods this

@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from .._args import check_int, check_seconds
 from .errors import PoolBroken
 
 __all__ = ["ActorPolicy", "GroupPolicy", "LoaderPolicy", "Policy", "PoolPolicy"]
@@ -80,17 +81,13 @@ class Policy:
     max_task_crashes: int = 1
 
     def __post_init__(self) -> None:
-        r = self.max_restarts
-        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
-            raise ValueError(f"max_restarts must be an int >= 0 or None, not {r!r}")
-        n = self.max_task_crashes
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(
-                f"max_task_crashes must be an int >= 1 (the workers a task may kill before it "
-                f"fails), not {n!r}"
-            )
-        if not self.restart_window > 0:
-            raise ValueError(f"restart_window must be positive, not {self.restart_window!r}")
+        check_int("max_restarts", self.max_restarts, 0, none_ok=True)
+        check_int(
+            "max_task_crashes",
+            self.max_task_crashes,
+            why="the workers a task may kill before it fails",
+        )
+        check_seconds("restart_window", self.restart_window, none_ok=False)
 
     def crash_loop(self, crashes_in_a_row: int) -> bool:
         """Whether that many crashes in a row break the core."""

@@ -185,9 +185,15 @@ class Submitting(CoreBase):
                     self._unseen_crash = None
 
     def submit_many(
-        self, fn: Callable[..., Any], items: Iterable[tuple[Any, ...]], timeout: float | None = None
+        self,
+        fn: Callable[..., Any],
+        items: Iterable[tuple[Any, ...]],
+        timeout: float | None = None,
+        blame: Callable[[BaseException, tuple[Any, ...]], BaseException] | None = None,
     ) -> MapResults:
-        """Queue ``fn(*args)`` for every ``args`` of ``items`` at once (``map``)."""
+        """Queue ``fn(*args)`` for every ``args`` of ``items`` at once (``map``). ``blame``:
+        the error of an item that cannot be pickled, where ``fn`` is framepipe's own (a chunk
+        of a map names the user's function and argument, not the chunk)."""
         self._check_open()
         items = list(items)
         results = MapResults(len(items))
@@ -217,7 +223,11 @@ class Submitting(CoreBase):
                     try:
                         payload = _byvalue.dumps(self, (tid, items[i]), fn, exc)
                     except Exception:  # noqa: BLE001 - the others run
-                        results.store(i, _Failure(_unpicklable(fn, exc, tuple(items[i]))))
+                        args = tuple(items[i])
+                        failed: BaseException = (
+                            _unpicklable(fn, exc, args) if blame is None else blame(exc, args)
+                        )
+                        results.store(i, _Failure(failed))
                         continue
                 tasks.append(MapTask(tid, results, i, name, payload, timeout, fn))
             with self._submit_lock:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import math
 import os
 import shutil
 import signal
@@ -31,6 +30,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .._args import check_int, check_seconds, check_type
 from .._lazy import asyncio  # imported on first use (see _lazy)
 from ..guard import ERROR_FILE_ENV
 from . import _atexit
@@ -60,6 +60,25 @@ def _per_rank(
         fill = default if missing is None else missing
         return {r: value.get(r, fill) for r in range(nprocs)}
     return dict.fromkeys(range(nprocs), value)
+
+
+def _empty_command() -> list[str]:
+    raise ValueError("the command line is empty; pass a program name or an argv list")
+
+
+def _rank_args(args: Any, nprocs: int) -> dict[int, tuple[Any, ...]]:
+    """``args`` as ``{rank: tuple}``: each rank's arguments must be a tuple or a list."""
+    out = {}
+    for r, a in _per_rank(args, nprocs, "args", ()).items():
+        if not isinstance(a, (tuple, list)):
+            where = "args" if not isinstance(args, Mapping) else f"args[{r}]"
+            whose = "each rank's" if not isinstance(args, Mapping) else f"rank {r}'s"
+            raise TypeError(
+                f"{where} must be a tuple of {whose} arguments, not {type(a).__name__} "
+                f"({a!r:.60}); for one argument write ({a!r:.20},)"
+            )
+        out[r] = tuple(a)
+    return out
 
 
 class WorkerGroup:
@@ -104,13 +123,16 @@ class WorkerGroup:
         death_sig: int = signal.SIGTERM,
         grace: float = 30.0,
     ) -> None:
-        if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-            raise ValueError(f"nprocs must be a positive int, not {nprocs!r}")
+        nprocs = check_int("nprocs", nprocs, why="the number of ranks")
         self.is_command = not callable(entrypoint)
         self._argv = self._command_line(entrypoint) if self.is_command else []
-        number = isinstance(grace, (int, float)) and not isinstance(grace, bool)
-        if not (number and grace >= 0 and math.isfinite(grace)):
-            raise ValueError(f"grace must be a finite number of seconds >= 0, not {grace!r}")
+        check_seconds("grace", grace, none_ok=False, zero_ok=True)
+        death_sig = check_int("death_sig", death_sig, why="a signal number")
+        if death_sig not in set(signal.valid_signals()):
+            raise ValueError(
+                f"death_sig {death_sig} is not a signal of this platform; pass one such as "
+                "signal.SIGTERM"
+            )
         self.options = ProcessOptions(
             name=name or self._default_name(entrypoint),
             start_method=start_method,
@@ -120,9 +142,9 @@ class WorkerGroup:
         self._ctx = None if self.is_command else self.options.context()
         self.entrypoint = entrypoint
         self.nprocs = nprocs
-        self.args = {r: tuple(a) for r, a in _per_rank(args, nprocs, "args", ()).items()}
+        self.args = _rank_args(args, nprocs)
         self.envs = {
-            r: {str(k): str(v) for k, v in e.items()}
+            r: {str(k): str(v) for k, v in check_type(f"envs[{r}]", e, Mapping).items()}
             for r, e in _per_rank(envs, nprocs, "envs", {}).items()
         }
         default = Std.ALL if self.log_dir else Std.NONE
@@ -144,10 +166,15 @@ class WorkerGroup:
     @staticmethod
     def _command_line(entrypoint: Any) -> list[str]:
         one = isinstance(entrypoint, (str, bytes, os.PathLike))
-        argv: list[Any] = [entrypoint] if one else list(entrypoint)
-        if not argv:
-            raise ValueError("the command line is empty")
-        return [os.fsdecode(a) for a in argv]
+        try:
+            argv: list[Any] = [entrypoint] if one else list(entrypoint)
+            return [os.fsdecode(a) for a in argv] or _empty_command()
+        except TypeError:
+            raise TypeError(
+                f"entrypoint must be a function each rank calls, or a command (a program "
+                f"name or an argv list of str), not {type(entrypoint).__name__} "
+                f"({entrypoint!r:.60})"
+            ) from None
 
     def _default_name(self, entrypoint: Any) -> str:
         if self.is_command:
@@ -202,6 +229,14 @@ class WorkerGroup:
     def _begin(self) -> None:
         if not self.is_command:
             refuse_during_main_import(f"a WorkerGroup {self.name!r}")
+        try:
+            self._open()
+        except BaseException:
+            if self._thread is None and self._sup.control.wake_r is not None:
+                self._release()  # what it opened before it failed (start() raises, not __exit__)
+            raise
+
+    def _open(self) -> None:
         with self._lock:
             if self._closed:
                 raise RuntimeError("this WorkerGroup is closed")
@@ -303,6 +338,11 @@ class WorkerGroup:
 
     def _started(self) -> concurrent.futures.Future[Any]:
         if self._thread is None:
+            if self._closed:
+                raise RuntimeError(
+                    "this WorkerGroup never ran: it was closed, or its start() raised, before "
+                    "any rank started"
+                )
             raise RuntimeError("this WorkerGroup has not been started; call start() first")
         return self._sup.done
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import itertools
 import os
+import pickle
 import queue
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ParamSpec, TypeVar, overload
 
+from .._args import check_int
 from .._lazy import asyncio  # imported on first use (see _lazy)
 from ..remote import dumps_exception
 from . import _byvalue, _progress
@@ -100,9 +103,8 @@ class Pool(concurrent.futures.Executor):
         name: str = "pool",
     ) -> None:
         max_workers = _worker_count(max_workers)
-        for label, value in (("max_tasks_per_worker", max_tasks_per_worker), ("max_rss", max_rss)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{label} must be a positive int or None, not {value!r}")
+        check_int("max_tasks_per_worker", max_tasks_per_worker, none_ok=True)
+        check_int("max_rss", max_rss, none_ok=True, why="bytes")
         self._max_workers = max_workers
         options = ProcessOptions(
             name=name,
@@ -139,8 +141,9 @@ class Pool(concurrent.futures.Executor):
         self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
     ) -> concurrent.futures.Future[T]:
         """Schedule ``fn(*args, **kwargs)``; returns a :class:`concurrent.futures.Future`.
-        A call that cannot be pickled (the function, or an argument) raises TypeError here,
-        naming what could not be sent."""
+        A call that cannot be pickled (the function, or an argument) fails its future with
+        :class:`TaskPicklingError` (a TypeError), naming what could not be sent, as
+        ``concurrent.futures`` fails it at ``result()``."""
         return self._core.submit(D.CALL, fn, args, kwargs, timeout=self._core.task_timeout).future
 
     async def acall(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
@@ -244,6 +247,10 @@ class Pool(concurrent.futures.Executor):
             every = list(items)
             out = _auto_map(core, self._max_workers, fn, every, deadline)
             return _progress.track(out, progress, len(every), core.name)
+        source = None
+        if buffersize is not None:
+            core._check_open()  # at the call, as map without it and submit raise
+            source = items = _Source(items)
         chunksize = chunksize or 1
         if chunksize > 1:
             try:
@@ -253,13 +260,16 @@ class Pool(concurrent.futures.Executor):
             it = items
             items = ((each, c) for c in iter(lambda: list(itertools.islice(it, chunksize)), []))
             run = _run_chunk
+            blame = functools.partial(_chunk_unpicklable, fn)
+        else:
+            blame = None
         if buffersize is None:
-            results = core.submit_many(run, items, core.task_timeout)
+            results = core.submit_many(run, items, core.task_timeout, blame)
             out = _ordered(results, len(results.values), deadline)
             if chunksize == 1:
                 total = len(results.values)
         else:
-            out = _lazy(core, run, items, buffersize, deadline)
+            out = _lazy(core, run, items, buffersize, deadline, source, blame)
         if chunksize > 1:
             out = _chain_lists(out)
         return _progress.track(out, progress, total, core.name)
@@ -295,7 +305,8 @@ class Pool(concurrent.futures.Executor):
             buffersize = D._MAP_STEP * self._max_workers
         _check_positive("buffersize", buffersize)
         _progress.check(progress)
-        out = _unordered(self, fn, iter(iterable), buffersize)
+        self._core._check_open()  # at the call, as map and submit raise
+        out = _unordered(self, fn, _Source(iter(iterable)), buffersize)
         return _progress.track(out, progress, _length((iterable,)), self._core.name)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -631,8 +642,27 @@ def _length(iterables: tuple[Iterable[Any], ...]) -> int | None:
 
 
 def _check_positive(label: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{label} must be a positive int, not {value!r}")
+    check_int(label, value)
+
+
+def _chunk_unpicklable(
+    fn: Callable[..., Any], exc: BaseException, args: tuple[Any, ...]
+) -> BaseException:
+    """The error of a chunk of ``map(fn, ..., chunksize=n)`` that cannot be pickled
+    (``args``: the stand-in of ``fn`` and the chunk's items): it names ``fn`` and the argument
+    of the first item that cannot be sent, as an unchunked map's item does."""
+    for item in args[1]:
+        try:
+            pickle.dumps(item, protocol=5)
+            continue
+        except Exception as found:  # noqa: BLE001 - this item's, unless it goes by value
+            if not _byvalue.have_cloudpickle():
+                return _unpicklable(fn, found, tuple(item))
+        try:
+            _byvalue.dumps_by_value(item)
+        except Exception as found:  # noqa: BLE001 - this item's argument is named
+            return _unpicklable(fn, found, tuple(item))
+    return _unpicklable(fn, exc, ())
 
 
 def _unsendable(fn: Callable[..., Any], exc: BaseException) -> Iterator[Any]:
@@ -649,10 +679,13 @@ def _lazy(
     items: Iterator[tuple[Any, ...]],
     buffersize: int,
     deadline: float | None,
+    source: _Source | None = None,
+    blame: Any = None,
 ) -> Iterator[Any]:
     """``map`` with a ``buffersize``: items are submitted in blocks of a quarter of it (so
     small tasks still share frames) while at most ``buffersize`` are submitted and not yet
-    yielded; closing the iterator cancels what has not started."""
+    yielded; closing the iterator cancels what has not started. What the items' ``source``
+    raised is raised after the results of the items taken before it."""
     step = max(1, buffersize // 4)
     blocks: collections.deque[D.MapResults] = collections.deque()
     unyielded = 0
@@ -662,10 +695,12 @@ def _lazy(
                 chunk = list(itertools.islice(items, min(step, buffersize - unyielded) or 1))
                 if not chunk:
                     break
-                blocks.append(core.submit_many(fn, chunk, core.task_timeout))
+                blocks.append(core.submit_many(fn, chunk, core.task_timeout, blame))
                 unyielded += len(chunk)
                 del chunk  # the items' objects: not held here while they run
             if not blocks:
+                if source is not None:
+                    source.raise_error()
                 return
             results = blocks.popleft()
             ordered = _ordered(results, len(results.values), deadline)
@@ -677,10 +712,40 @@ def _lazy(
             results.cancelled = True  # (the block being read cancels itself)
 
 
+class _Source:
+    """The items of a map that takes them as results are consumed. An exception the iterable
+    raises ends the items and is kept (``raise_error``), so that the items taken before it
+    still run and their results are handed out first, as ``multiprocessing.Pool.imap`` does."""
+
+    def __init__(self, items: Iterator[Any]) -> None:
+        self.items = items
+        self.error: Exception | None = None
+
+    def __iter__(self) -> _Source:
+        return self
+
+    def __next__(self) -> Any:
+        if self.error is not None:
+            raise StopIteration
+        try:
+            return next(self.items)
+        except StopIteration:
+            raise
+        except Exception as exc:  # noqa: BLE001 - raised after the results before it
+            self.error = exc
+            raise StopIteration from None
+
+    def raise_error(self) -> None:
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+
+
 def _unordered(
-    pool: Pool, fn: Callable[..., Any], items: Iterator[Any], buffersize: int
+    pool: Pool, fn: Callable[..., Any], items: _Source, buffersize: int
 ) -> Iterator[Any]:
-    """Results as they come; no item, future or result is held here once handed out."""
+    """Results as they come; no item, future or result is held here once handed out. What
+    the items raised comes last (see :class:`_Source`)."""
     done: queue.SimpleQueue[concurrent.futures.Future[Any]] = queue.SimpleQueue()
     running: set[concurrent.futures.Future[Any]] = set()
 
@@ -696,6 +761,7 @@ def _unordered(
             running.discard(finished[0])
             collections.deque(map(launch, itertools.islice(items, 1)), maxlen=0)
             yield finished.pop().result()
+        items.raise_error()
     finally:
         for fut in running:
             fut.cancel()

@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, ParamSpec, TypeVar, overload
 
+from .._args import check_callable, check_int, check_seconds
 from .._closing import Closing
 from .._lazy import asyncio  # imported on first use (see _lazy)
 from . import _dispatch as D
@@ -24,12 +25,12 @@ P = ParamSpec("P")
 
 
 def _check_timeout(name: str, value: float | None) -> float | None:
-    if value is None:
-        return None
-    value = float(value)
-    if not value > 0:  # also refuses nan
-        raise ValueError(f"{name} must be a positive number of seconds or None, not {value!r}")
-    return value
+    return check_seconds(name, value)
+
+
+def _check_fn(fn: Any) -> None:
+    """A Worker's calls take the function itself: anything else is refused at the call."""
+    check_callable("fn", fn, why="the function to run in the worker, then its arguments")
 
 
 class Stream(Closing, Iterator[Any], AsyncIterator[Any]):
@@ -206,7 +207,9 @@ class Worker:
         self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
     ) -> concurrent.futures.Future[T]:
         """Queue ``fn(*args, **kwargs)``; the future holds its result or exception. A call
-        that cannot be pickled raises TypeError here, naming what could not be sent."""
+        that cannot be pickled fails its future with :class:`TaskPicklingError` (a
+        TypeError), naming what could not be sent."""
+        _check_fn(fn)
         return self._core.submit(D.CALL, fn, args, kwargs).future
 
     # Type checkers check a call's arguments against ``fn``'s parameters when no ``timeout``
@@ -228,6 +231,7 @@ class Worker:
         With ``timeout``, a call still running that many seconds after it started raises
         :class:`TaskTimeout` holding the worker's stack, and the worker is stopped (the next
         call gets a new one)."""
+        _check_fn(fn)
         timeout = _check_timeout("timeout", timeout)
         task = self._core.submit(D.CALL, fn, args, kwargs, timeout=timeout)
         return task.future.result()  # type: ignore[no-any-return]
@@ -244,6 +248,7 @@ class Worker:
         self, fn: Callable[..., T], /, *args: Any, timeout: float | None = None, **kwargs: Any
     ) -> T:
         """``call`` for asyncio: awaits the result without blocking the loop."""
+        _check_fn(fn)
         timeout = _check_timeout("timeout", timeout)
         task = self._core.submit(D.CALL, fn, args, kwargs, timeout=timeout)
         return await asyncio.wrap_future(task.future)
@@ -261,8 +266,8 @@ class Worker:
         items as they are produced, the worker at most ``window`` items ahead of the
         consumer. An item that does not come within ``item_timeout`` seconds raises
         :class:`TaskTimeout` (with the worker's stack; the worker is stopped)."""
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise ValueError(f"window must be a positive int, not {window!r}")
+        _check_fn(fn)
+        window = check_int("window", window, why="items the worker may produce ahead")
         item_timeout = _check_timeout("item_timeout", item_timeout)
         task = self._core.submit(D.STREAM, fn, args, kwargs, window=window)
         if task.future.done() and task.future.exception() is not None:
@@ -307,6 +312,7 @@ class Worker:
     def ping(self, timeout: float = 5.0) -> float:
         """Round-trip time in seconds through the worker's health thread, answered even while
         a long call runs. Raises TimeoutError when no answer comes within ``timeout``."""
+        check_seconds("timeout", timeout, none_ok=False)
         start = time.perf_counter()
         slot = self._slot(timeout)
         fut = self._core.health_request(slot, "ping")
@@ -319,6 +325,7 @@ class Worker:
         return time.perf_counter() - start
 
     async def aping(self, timeout: float = 5.0) -> float:
+        check_seconds("timeout", timeout, none_ok=False)
         start = time.perf_counter()
         slot = await self._aslot(timeout)
         fut = self._core.health_request(slot, "ping")
@@ -333,6 +340,7 @@ class Worker:
     def stack(self, timeout: float = 1.0) -> str:
         """Every thread's stack in the worker, as faulthandler prints it; taken with a signal,
         so it works even while the worker is stuck in C code holding the GIL."""
+        check_seconds("timeout", timeout, none_ok=False)
         slot = self._slot(timeout)
         text = slot.proc.stack(timeout)
         if text is None:
@@ -343,6 +351,7 @@ class Worker:
 
     async def astack(self, timeout: float = 1.0) -> str:
         """``stack`` for asyncio: the dump is read by the event loop's own reader."""
+        check_seconds("timeout", timeout, none_ok=False)
         slot = await self._aslot(timeout)
         fd = slot.proc.request_stack()
         loop = asyncio.get_running_loop()

@@ -10,8 +10,10 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Generic
 
+from ..._args import check_int, check_seconds
 from .. import _pin, _progress, _resume
 from .._mainguard import refuse_during_main_import
+from .._options import get_context
 from .epoch import _Epoch, _LocalEpoch, _worker_resume
 from .manager import _Workers
 from .samplers import _batches, _draw_seed, _RandomSampler, _SequentialSampler
@@ -42,6 +44,12 @@ def _start_method(start_method: str | None, multiprocessing_context: Any) -> str
         raise ValueError("give start_method or multiprocessing_context, not both")
     if isinstance(multiprocessing_context, str):
         return multiprocessing_context
+    if not callable(getattr(multiprocessing_context, "get_start_method", None)):
+        raise TypeError(
+            "multiprocessing_context must be a start method ('fork', 'spawn', 'forkserver') "
+            f"or a multiprocessing context, not {type(multiprocessing_context).__name__} "
+            f"({multiprocessing_context!r:.60})"
+        )
     return str(multiprocessing_context.get_start_method())
 
 
@@ -63,10 +71,8 @@ def _check_workers(
             f"worker_crash_retries must be an int, 0 or more (how many fresh workers a "
             f"batch whose worker died is loaded on again), not {worker_crash_retries!r}"
         )
-    if num_workers < 0:
-        raise ValueError("num_workers must be 0 or more")
-    if timeout < 0:
-        raise ValueError("timeout must be 0 or more")
+    check_int("num_workers", num_workers, 0, why="0 loads in this process")
+    check_seconds("timeout", timeout, none_ok=False, zero_ok=True, why="0: no timeout")
     if persistent_workers and num_workers == 0:
         raise ValueError("persistent_workers needs num_workers > 0")
     if num_workers == 0 and prefetch_factor is not None:
@@ -111,8 +117,14 @@ def _check_batching(
         )
     if sampler is not None and shuffle:
         raise ValueError("sampler excludes shuffle")
-    if batch_size is not None and batch_size < 1:
-        raise ValueError("batch_size must be None or 1 or more")
+    if batch_size is not None and (
+        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+    ):
+        # a ValueError whatever is wrong with it, as torch's
+        raise ValueError(
+            f"batch_size must be None (items one by one) or an int >= 1, not "
+            f"{type(batch_size).__name__} ({batch_size!r:.60})"
+        )
     return batch_size
 
 
@@ -174,6 +186,8 @@ class DataLoader(Generic[BatchT]):
         progress: Any = None,
     ) -> None:
         start_method = _start_method(start_method, multiprocessing_context)
+        if start_method is not None:
+            get_context(start_method)  # an unknown method is refused now, as torch does
         prefetch_factor = _check_workers(
             num_workers, timeout, prefetch_factor, persistent_workers, worker_crash_retries
         )

@@ -271,7 +271,9 @@ class _Workers:
             "pin": loader._pinner is not None,
         }
         for key in ("dataset", "collate_fn", "worker_init_fn"):  # by value if they must
-            self.common[key] = _byvalue.portable(self._ctx, self.common[key])
+            value = self.common[key]
+            what = f"the {key} ({type(value).__module__}.{type(value).__qualname__})"
+            self.common[key] = _byvalue.portable(self._ctx, value, what)
         _atexit.register(self)  # stopped at exit, also in a multiprocessing child
         try:
             for wid in range(loader.num_workers):
