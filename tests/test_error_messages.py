@@ -8,6 +8,7 @@ Programs a user would write run for real in a fresh interpreter (a file, ``pytho
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing
 import os
 import pickle
 import re
@@ -438,6 +439,29 @@ def test_tidy_dump_folds_the_frames_a_forked_worker_has_of_its_parent():
         '  File "/app/data.py", line 9 in __getitem__',
         "  ... 5 more frames below (framepipe's and Python's own, and the forking parent's)",
     ]
+    # a forked worker idle in its loop: no frame of its own is the user's, the parent's folded
+    idle = dump.replace('  File "/app/data.py", line 9 in __getitem__\n', "")
+    assert tidy_dump(idle).splitlines() == [
+        "Current thread 0x0000000000000001 (most recent call first):",
+        f'  File "{pkg}/workers/loader/worker.py", line 2 in fetch',
+        f'  File "{pkg}/workers/_child.py", line 190 in child_main',
+        "  ... 3 more frames below (framepipe's and Python's own, and the forking parent's)",
+    ]
+    # a spawned worker: below its entry, multiprocessing's own frames only, and no parent
+    stdlib = os.path.dirname(multiprocessing.__file__)
+    spawned = (
+        "Current thread 0x0000000000000001 (most recent call first):\n"
+        '  File "/app/data.py", line 9 in __getitem__\n'
+        f'  File "{pkg}/workers/_child.py", line 190 in child_main\n'
+        f'  File "{stdlib}/process.py", line 108 in run\n'
+        f'  File "{stdlib}/spawn.py", line 120 in spawn_main\n'
+        '  File "<string>", line 1 in <module>\n'
+    )
+    assert tidy_dump(spawned).splitlines() == [
+        "Current thread 0x0000000000000001 (most recent call first):",
+        '  File "/app/data.py", line 9 in __getitem__',
+        "  ... 4 more frames below (framepipe's and Python's own)",
+    ]
 
 
 def test_worker_output_is_copied_line_by_line(engine, capfd):
@@ -507,7 +531,11 @@ BAD_SETTINGS = [
     (lambda: Pool(1, max_rss="1G"), TypeError, r"^max_rss must be an int >= 1 or None \(bytes\)"),
     (lambda: Pool(1, max_tasks_per_worker=0), ValueError, r"^max_tasks_per_worker must be an int"),
     (lambda: Pool(1, max_restarts="3"), TypeError, r"^max_restarts must be an int >= 0 or None"),
-    (lambda: Pool(1, kill_grace="1"), TypeError, r"^kill_grace must be a number of seconds >= 0"),
+    (
+        lambda: Pool(1, kill_grace="1"),
+        TypeError,
+        r"^kill_grace must be a finite number of seconds >= 0",
+    ),
     (lambda: Pool(1, restart_window="x"), TypeError, r"^restart_window must be a number of sec"),
     (lambda: Pool(1, task_timeout="1"), TypeError, r"^task_timeout must be a number of seconds"),
     (lambda: Pool(1, start_method=5), TypeError, r"^start_method must be a str, not int"),
@@ -518,8 +546,8 @@ BAD_SETTINGS = [
     (lambda: Pool(1, tee="yes"), TypeError, r"^tee must be a bool, not str"),
     (lambda: Pool(1, name=5), TypeError, r"^name must be a str, not int"),
     (lambda: Worker(cwd=__file__), NotADirectoryError, r"is not a directory: the worker processes"),
-    (lambda: DataLoader([1, 2], batch_size=2.5), ValueError, r"^batch_size must be None \(items"),
-    (lambda: DataLoader([1, 2], batch_size="2"), ValueError, r"^batch_size must be None"),
+    (lambda: DataLoader([1, 2], batch_size=2.5), ValueError, r"^batch_size must be an int >= 1 "),
+    (lambda: DataLoader([1, 2], batch_size="2"), ValueError, r"\(None: items one by one\)"),
     (lambda: DataLoader([1], num_workers=2, start_method="forks"), ValueError, r"start_method"),
     (
         lambda: DataLoader([1], num_workers=2, multiprocessing_context=5),
@@ -542,6 +570,27 @@ def test_a_bad_setting_is_refused_at_the_call_naming_it(make, kind, message):
     with pytest.raises(kind, match=message):
         made = make()
         made.close()  # (not reached: a test that gets here fails, its object closed)
+
+
+def test_the_settings_that_were_accepted_still_are(engine):
+    # what the checks above must not refuse: NumPy numbers, any iterable of initargs but a
+    # string, an infinite restart window or timeout, a Path, os.environ
+    np = pytest.importorskip("numpy")
+    with Pool(
+        np.int64(1),
+        start_method="fork",
+        initializer=_noop,
+        initargs=(x for x in [1, 2]),
+        task_timeout=np.float64(30),
+        restart_window=float("inf"),
+        max_rss=np.int64(2**40),
+        cwd=Path(__file__).parent,
+        env=os.environ,
+    ) as pool:
+        assert pool.submit(identity, 3).result(WAIT) == 3
+        assert list(pool.map(identity, range(3), chunksize=np.int64(2))) == [0, 1, 2]
+    loader = DataLoader(list(range(4)), batch_size=np.int64(2), timeout=float("inf"))
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
 
 
 def test_bad_arguments_of_calls_are_refused_at_the_call(engine):
@@ -659,15 +708,16 @@ def test_the_demo_fits_the_width_and_writes_whole_lines(tmp_path, columns):
     assert "WorkerCrashed: worker 'demo-" in out.stdout
     assert "TaskTimeout after 1 s" in out.stdout
     # the raised exception's cause is the worker's traceback, down to the task's own frame
-    # (read with the wrapping undone: a line wrapped at 70 columns goes on after "   | ")
-    text = " ".join(re.sub(r"\n\s*\|", "\n", out.stdout).split())
-    quota = text.split("2. Six resize tasks")[0]
-    assert "its cause, the worker's traceback:" in quota, quota
-    assert re.search(r'_demo\.py", line \d+, in check_quota', quota), quota
+    # (read without the quotes' bars and without white space: a line wrapped at 70 columns
+    # goes on after "   | ", broken between words or, a long path, anywhere in it)
+    text = "".join(re.sub(r"\n\s*\|", "\n", out.stdout).split())
+    quota = text.split("2.Sixresizetasks")[0]
+    assert "itscause,theworker'straceback:" in quota, out.stdout
+    assert re.search(r'_demo\.py",line\d+,incheck_quota', quota), out.stdout
     # the hung task's stack: its own frame, the worker loop's below it folded into one line
-    hang = text.split("3. A task hangs")[1]
-    assert re.search(r'_demo\.py", line \d+ in wait_for_lock', hang), hang
-    assert "more frames below (framepipe's and Python's own" in hang, hang
+    hang = text.split("3.Ataskhangs")[1]
+    assert re.search(r'_demo\.py",line\d+inwait_for_lock', hang), out.stdout
+    assert "moreframesbelow(framepipe'sandPython'sown" in hang, out.stdout
     # the worker's stderr line arrived whole
     assert "resize: image 3 is huge, allocating..." in out.stderr.splitlines()
 

@@ -276,6 +276,7 @@ LAYERS: list[tuple[str, dict[str, set[str]]]] = [
                 "workers.loader.wire",
             },
             "workers.loader.manager": {
+                "workers.loader.collate",
                 "_spin",
                 "connection",
                 "errors",

@@ -240,6 +240,8 @@ def test_a_lazy_map_runs_every_item_taken_before_its_iterable_raised(engine):
         lambda: pool.imap(identity, [1]),
         lambda: pool.imap_unordered(identity, [1]),
         lambda: pool.map(identity, [1], buffersize=2),
+        lambda: pool.map(identity, [1], chunksize=2),
+        lambda: pool.map(identity, range(5000)),
     ):
         with pytest.raises(RuntimeError, match="shut down"):
             make()

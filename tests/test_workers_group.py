@@ -617,13 +617,13 @@ def test_arguments_are_checked():
     with pytest.raises(ValueError, match="start_method"):
         WorkerGroup(kids.identity, 2, start_method="teleport")
     for grace in (-1.0, float("inf"), float("nan")):
-        with pytest.raises(ValueError, match="grace must be a number of seconds >= 0"):
+        with pytest.raises(ValueError, match="grace must be a finite number of seconds >= 0"):
             WorkerGroup(kids.identity, 2, grace=grace)
     # a value of the wrong type is a TypeError that names the argument and what it takes
     wrong = [
         ({"nprocs": "2"}, "nprocs must be an int >= 1"),
         ({"nprocs": 2.0}, "nprocs must be an int >= 1"),
-        ({"grace": "30"}, "grace must be a number of seconds >= 0"),
+        ({"grace": "30"}, "grace must be a finite number of seconds >= 0"),
         ({"args": 5}, r"args must be a tuple of each rank's arguments, not int \(5\)"),
         ({"args": {1: "ab"}}, r"args\[1\] must be a tuple of rank 1's arguments"),
         ({"envs": {0: 5}}, r"envs\[0\] must be a Mapping"),

@@ -38,13 +38,22 @@ def check_int(name: str, value: Any, low: int = 1, *, none_ok: bool = False, why
 
 
 def check_seconds(
-    name: str, value: Any, *, none_ok: bool = True, zero_ok: bool = False, why: str = ""
+    name: str,
+    value: Any,
+    *,
+    none_ok: bool = True,
+    zero_ok: bool = False,
+    finite: bool = False,
+    why: str = "",
 ) -> float | None:
-    """``value`` as a finite number of seconds, above 0 (or at least 0 where ``zero_ok``), or
-    None where ``none_ok``. A string is refused, not converted."""
+    """``value`` as a number of seconds, above 0 (or at least 0 where ``zero_ok``; infinity
+    only where not ``finite``), or None where ``none_ok``. A string is refused, not
+    converted; NaN too."""
     if value is None and none_ok:
         return None
-    takes = "a number of seconds " + (">= 0" if zero_ok else "> 0")
+    takes = (
+        ("a finite " if finite else "a ") + "number of seconds " + (">= 0" if zero_ok else "> 0")
+    )
     takes += (" or None" if none_ok else "") + (f" ({why})" if why else "")
     if isinstance(value, (bool, str, bytes, bytearray)):
         raise TypeError(f"{name} must be {takes}, not {type(value).__name__} ({_shown(value)})")
@@ -54,7 +63,7 @@ def check_seconds(
         raise TypeError(
             f"{name} must be {takes}, not {type(value).__name__} ({_shown(value)})"
         ) from None
-    if not math.isfinite(seconds) or not (seconds >= 0 if zero_ok else seconds > 0):
+    if (finite and not math.isfinite(seconds)) or not (seconds >= 0 if zero_ok else seconds > 0):
         raise ValueError(f"{name} must be {takes}, not {_shown(value)}")
     return seconds
 

@@ -65,13 +65,16 @@ class ProcessOptions:
                 f"function (its arguments go in initargs)"
             )
         if not isinstance(self.initargs, tuple):
-            if not isinstance(self.initargs, list):
+            try:
+                if isinstance(self.initargs, (str, bytes)):
+                    raise TypeError  # iterable, but a string is one argument, not many
+                object.__setattr__(self, "initargs", tuple(self.initargs))
+            except TypeError:
                 raise TypeError(
                     f"initargs must be a tuple of the initializer's arguments, not "
                     f"{type(self.initargs).__name__} ({self.initargs!r:.60}); for one "
                     "argument write initargs=(value,)"
-                )
-            object.__setattr__(self, "initargs", tuple(self.initargs))
+                ) from None
         check_type("env", self.env, Mapping, none_ok=True)
         if self.env is not None:
             bad = [
@@ -93,7 +96,7 @@ class ProcessOptions:
                 f"cwd {self.cwd!r} is not a directory: the worker processes start in it; pass "
                 "an existing directory, or None for this process's"
             )
-        check_seconds("kill_grace", self.kill_grace, none_ok=False, zero_ok=True)
+        check_seconds("kill_grace", self.kill_grace, none_ok=False, zero_ok=True, finite=True)
 
     def context(self) -> Any:
         """The multiprocessing context of ``start_method`` (refused, with the methods this

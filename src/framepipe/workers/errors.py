@@ -111,15 +111,17 @@ def tidy_dump(text: str) -> str:
         frames = [f for f in block[1:] if f.strip()]
         # below the worker's entry, a forked worker's stack goes on with the frames the parent
         # had when it forked (its own code among them): not this process's, folded too
+        # (a spawned worker's has multiprocessing's own there: folded, and said as such)
         entry = next((i for i, f in enumerate(frames) if _ENTRY.search(f) and _internal(f)), None)
         scope = frames if entry is None else frames[: entry + 1]
+        parent = entry is not None and any(not _internal(f) for f in frames[entry + 1 :])
         user = [i for i, f in enumerate(scope) if not _internal(f)]
-        if user and user[-1] < len(frames) - 1:
-            n = len(frames) - 1 - user[-1]
-            whose = "framepipe's and Python's own"
-            if entry is not None and entry < len(frames) - 1:
-                whose += ", and the forking parent's"
-            frames = frames[: user[-1] + 1] + [f"  ... {n} more frames below ({whose})"]
+        cut = user[-1] + 1 if user else (entry + 1 if parent and entry is not None else None)
+        if cut is not None and cut < len(frames):
+            whose = "framepipe's and Python's own" + (
+                ", and the forking parent's" if parent else ""
+            )
+            frames = frames[:cut] + [f"  ... {len(frames) - cut} more frames below ({whose})"]
         out += [block[0], *frames, ""]
     if own:
         out.append(f"(framepipe's own threads left out: {len(own)})")
@@ -530,7 +532,7 @@ def unloadable_error(tid: int, exc: BaseException) -> TaskUnpicklingError:
         )
         err.__suppress_context__ = True
         return err
-    if isinstance(exc, (ImportError, AttributeError)):
+    if isinstance(exc, ImportError) or "Can't get attribute" in str(exc):
         why = "the function, its arguments and what they refer to must be importable in the worker"
     else:
         why = (

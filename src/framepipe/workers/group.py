@@ -126,7 +126,7 @@ class WorkerGroup:
         nprocs = check_int("nprocs", nprocs, why="the number of ranks")
         self.is_command = not callable(entrypoint)
         self._argv = self._command_line(entrypoint) if self.is_command else []
-        check_seconds("grace", grace, none_ok=False, zero_ok=True)
+        check_seconds("grace", grace, none_ok=False, zero_ok=True, finite=True)
         death_sig = check_int("death_sig", death_sig, why="a signal number")
         if death_sig not in set(signal.valid_signals()):
             raise ValueError(
@@ -143,8 +143,9 @@ class WorkerGroup:
         self.entrypoint = entrypoint
         self.nprocs = nprocs
         self.args = _rank_args(args, nprocs)
+        where = "envs[{}]" if isinstance(envs, Mapping) else "envs"
         self.envs = {
-            r: {str(k): str(v) for k, v in check_type(f"envs[{r}]", e, Mapping).items()}
+            r: {str(k): str(v) for k, v in check_type(where.format(r), e, Mapping).items()}
             for r, e in _per_rank(envs, nprocs, "envs", {}).items()
         }
         default = Std.ALL if self.log_dir else Std.NONE
@@ -248,10 +249,11 @@ class WorkerGroup:
             _atexit.register(self)
             # The ranks are started from the supervisor thread, which lives as long as they
             # do: PR_SET_PDEATHSIG fires when the *thread* that started a process ends.
-            self._thread = threading.Thread(
+            thread = threading.Thread(
                 target=self._sup.run, daemon=True, name=f"framepipe-group-{self.name}"
             )
-            self._thread.start()
+            thread.start()
+            self._thread = thread  # (only once it runs: a start that failed releases, above)
 
     def _prepare_files(self) -> None:
         if self.log_dir:

@@ -6,6 +6,7 @@ import collections
 import concurrent.futures
 import functools
 import itertools
+import operator
 import os
 import pickle
 import queue
@@ -31,14 +32,18 @@ def _worker_count(max_workers: Any) -> int:
     """``max_workers`` checked (None: one per CPU)."""
     if max_workers is None:
         return os.cpu_count() or 1
-    if not isinstance(max_workers, int) or isinstance(max_workers, bool):
+    try:
+        if isinstance(max_workers, bool):
+            raise TypeError
+        count: int = operator.index(max_workers)  # an int, or one such as NumPy's
+    except TypeError:
         raise TypeError(
             f"max_workers must be an int, not {type(max_workers).__name__} "
             f"({max_workers!r}); pass a number such as Pool(4), or None for one per CPU"
-        )
-    if max_workers < 1:
+        ) from None
+    if count < 1:
         raise ValueError(f"max_workers must be a positive int, not {max_workers!r}")
-    return max_workers
+    return count
 
 
 T = TypeVar("T")
@@ -228,6 +233,7 @@ class Pool(concurrent.futures.Executor):
         consumed, so an endless generator runs in bounded memory. Without it, every item is
         taken at once, as ``concurrent.futures`` does. ``progress``: True, a callable, a tqdm
         or rich bar, to show the results handed out (see :mod:`._progress`)."""
+        self._core._check_open()  # at the call, whichever path the map takes below
         if chunksize is not None:
             _check_positive("chunksize", chunksize)
         if buffersize is not None:
@@ -249,7 +255,6 @@ class Pool(concurrent.futures.Executor):
             return _progress.track(out, progress, len(every), core.name)
         source = None
         if buffersize is not None:
-            core._check_open()  # at the call, as map without it and submit raise
             source = items = _Source(items)
         chunksize = chunksize or 1
         if chunksize > 1:

@@ -117,14 +117,11 @@ def _check_batching(
         )
     if sampler is not None and shuffle:
         raise ValueError("sampler excludes shuffle")
-    if batch_size is not None and (
-        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
-    ):
-        # a ValueError whatever is wrong with it, as torch's
-        raise ValueError(
-            f"batch_size must be None (items one by one) or an int >= 1, not "
-            f"{type(batch_size).__name__} ({batch_size!r:.60})"
-        )
+    if batch_size is not None:
+        try:  # a ValueError whatever is wrong with it, as torch's
+            batch_size = check_int("batch_size", batch_size, why="None: items one by one")
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
     return batch_size
 
 

@@ -28,7 +28,7 @@ from .._options import ProcessOptions
 from .._policy import LoaderPolicy
 from .._process import WorkerProcess, register_parent_side
 from ..errors import WorkerError
-from . import recovery
+from . import collate, recovery
 from .credits import (
     _BEACON,
     ATTENTION,
@@ -249,6 +249,12 @@ class _Workers:
         self._last_pump = self._last_rss = 0.0  # the first reply samples the workers' peak RSS
         # how the workers start and stop (the start method's default: that of multiprocessing)
         ctx = multiprocessing.get_context(loader.start_method)
+        if ctx.get_start_method() == "fork" and loader.collate_fn is None:
+            # The default collate and convert are torch's where it is installed, so a worker
+            # imports it at its first batch: over a second of CPU each, the first batch that
+            # late. Imported here, once, the forked workers have it (and this process needs
+            # it for the tensors they send, as torch's own loader has it before it forks).
+            collate._import_torch()
         self.process = ProcessOptions(
             name="DataLoader-worker", start_method=ctx.get_start_method(), kill_grace=KILL_GRACE
         )

@@ -372,6 +372,7 @@ class _Loop:
         self.since = 0.0  # when that load began; 0 while there is none
         self.wake = threading.Event()
         self.flusher: threading.Thread | None = None
+        self.flush_error: BaseException | None = None
 
     # NOTE [ A group that waits for a slow batch ]
     #
@@ -395,10 +396,7 @@ class _Loop:
         self.since = time.monotonic()
         if not self.wake.is_set():
             if self.flusher is None:
-                self.flusher = threading.Thread(
-                    target=self._flush_held, name="framepipe-loader-flush", daemon=True
-                )
-                self.flusher.start()
+                self.flusher = self._start_flusher()
             self.wake.set()
         self.lock.release()
         try:
@@ -406,12 +404,28 @@ class _Loop:
         finally:
             self.lock.acquire()
             self.since = 0.0
+            if self.flush_error is not None:  # what the flusher met, raised in the loop
+                error, self.flush_error = self.flush_error, None
+                raise error
+
+    def _start_flusher(self) -> threading.Thread:
+        """The flusher thread, started with stack requests blocked (see _serve_health): they
+        go to the loop's thread, the one they are about, from the flusher's first moment."""
+        thread = threading.Thread(target=self._flush_held, name="framepipe-loader-flush")
+        thread.daemon = True
+        blocked = None
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {STACK_SIGNAL})
+        try:
+            thread.start()
+        finally:
+            if blocked is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        return thread
 
     def _flush_held(self) -> None:
-        """The flusher thread: writes the pending replies of a load that runs long."""
-        # stack requests go to the loop's thread (see _serve_health), the one they are about
-        with contextlib.suppress(AttributeError, OSError, ValueError):
-            signal.pthread_sigmask(signal.SIG_BLOCK, {STACK_SIGNAL})
+        """The flusher thread: writes the pending replies of a load that runs long. What a
+        write raises is the loop's to raise (``flush_error``), as it would have met it."""
         wake, lock, pending, conn = self.wake, self.lock, self.pending, self.conn
         while True:
             wake.wait()
@@ -429,8 +443,9 @@ class _Loop:
                     try:
                         if self.since == since and pending:
                             _flush(conn, pending)
-                    except OSError:
-                        return  # the parent is gone: the loop finds out as it writes
+                    except BaseException as exc:  # noqa: BLE001 - raised in the loop
+                        self.flush_error = exc
+                        return
                     finally:
                         lock.release()
                 break
