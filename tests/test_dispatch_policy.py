@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from _helpers import gone
+from _helpers import gone, run_python
 from _worker_tasks import getpid, identity, kill_self_if
 
 from framepipe.workers import Pool, Worker, WorkerCrashed, _atexit
@@ -152,3 +152,36 @@ def test_a_core_is_registered_for_the_exit_hook_until_it_is_shut_down(engine):
     with Worker(start_method="fork") as w:
         assert w._core in _atexit._registered()
     assert w._core not in _atexit._registered()
+
+
+def test_a_finalizer_that_unregisters_while_the_registry_is_read_does_not_deadlock():
+    # The garbage collector may run a dropped supervisor's finalizer (which unregisters it) on
+    # a thread that is in the middle of going through the registry. Made to happen here: a
+    # collection at every allocation, whose callback unregisters an owner. In a child process
+    # with a deadline: a lock taken twice by one thread would hang it.
+    code = """
+import gc
+from framepipe.workers import _atexit
+
+class Owner:
+    def finish_at_exit(self): pass
+    def stop_at_exit(self): pass
+
+owners = [Owner() for _ in range(6)]
+for o in owners:
+    _atexit.register(o)
+victims = owners[3:]
+def unregister_one(phase, info):
+    if phase == "start" and victims:
+        _atexit.unregister(victims.pop())
+gc.callbacks.append(unregister_one)
+gc.set_threshold(1)
+_atexit.unregister(owners[0])
+left = _atexit._registered()
+gc.set_threshold(700)
+gc.callbacks.remove(unregister_one)
+print(sorted(owners.index(o) for o in left), len(victims))
+"""
+    out = run_python("-c", code, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == "[1, 2] 0", out.stdout

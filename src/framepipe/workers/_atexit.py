@@ -40,11 +40,15 @@ class Owner(Protocol):
     def stop_at_exit(self) -> None: ...
 
 
-_lock = threading.Lock()
+# Re-entrant: the garbage collector may run a dropped supervisor's finalizer, which
+# unregisters it, on a thread that holds the lock (in the middle of ``_owners.items()``).
+_lock = threading.RLock()
 # weak: a supervisor the program dropped is stopped by its own finalizer, not kept alive here
 _owners: weakref.WeakValueDictionary[int, Owner] = weakref.WeakValueDictionary()
 _order = 0
 _finalizer_pid = -1  # the process whose multiprocessing finalizers hold the hook
+_reading = False  # this module goes through _owners (under _lock)
+_later: list[Owner] = []  # owners unregistered meanwhile, by a finalizer (see unregister)
 
 
 def register(owner: Owner) -> None:
@@ -61,14 +65,42 @@ def register(owner: Owner) -> None:
 def unregister(owner: Owner) -> None:
     """``owner`` has stopped its processes itself; the hook leaves it alone."""
     with _lock:
-        for key, value in list(_owners.items()):
-            if value is owner:
-                del _owners[key]
+        if _reading:
+            # Called by a finalizer that the garbage collector ran while this thread goes
+            # through _owners: done once it has, not in the middle.
+            _later.append(owner)
+            return
+        _forget([owner])
+
+
+def _forget(owners: list[Owner]) -> None:
+    """Drop ``owners`` from the registry, and those a finalizer unregistered meanwhile."""
+    global _reading
+    _reading = True
+    try:
+        owners = [*owners, *_later]
+        _later.clear()
+        while owners:
+            gone = {id(o) for o in owners}
+            for key, value in list(_owners.items()):
+                if id(value) in gone:
+                    del _owners[key]
+            owners = _later[:]
+            _later.clear()
+    finally:
+        _reading = False
 
 
 def _registered() -> list[Owner]:
+    global _reading
     with _lock:
-        return [o for _, o in sorted(_owners.items())]
+        _reading = True  # (see unregister)
+        try:
+            return [o for _, o in sorted(_owners.items())]
+        finally:
+            _reading = False
+            if _later:
+                _forget([])
 
 
 @atexit.register
@@ -87,9 +119,11 @@ def _stop_all_at_exit() -> None:
 def _forget_in_child() -> None:
     """A forked child owns none of its parent's workers: the supervisors it inherited (copies,
     whose records name its siblings' pids) are never stopped from it."""
-    global _lock, _owners
-    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    global _lock, _owners, _reading, _later
+    _lock = threading.RLock()  # another thread of the parent may have held it at the fork
     _owners = weakref.WeakValueDictionary()
+    _reading = False
+    _later = []
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
