@@ -91,11 +91,6 @@ def have_cloudpickle() -> bool:
     return True
 
 
-def dumps_by_value(obj: Any) -> bytes:
-    """``obj`` pickled with cloudpickle (which must be installed): raises what it raises."""
-    return _import_cloudpickle().dumps(obj, protocol=5)  # type: ignore[no-any-return]
-
-
 def _describe(obj: Any) -> str:
     name = getattr(obj, "__qualname__", None) or type(obj).__qualname__
     return f"{getattr(obj, '__module__', None) or '?'}.{name}"

@@ -425,6 +425,23 @@ def _cloudpickle_or_none() -> Any:
     return cloudpickle
 
 
+def pickling_error(obj: Any, cloud: Any) -> BaseException | None:
+    """What pickling ``obj`` raises, by reference and then by value with ``cloud`` (the
+    cloudpickle module, or None where it is missing); None when either way works."""
+    try:
+        pickle.dumps(obj, protocol=5)
+        return None
+    except Exception as e:  # noqa: BLE001 - the culprit, unless it goes by value
+        found: BaseException = e
+    if cloud is not None:
+        try:
+            cloud.dumps(obj, protocol=5)
+            return None
+        except Exception as e:  # noqa: BLE001 - not by value either
+            found = e
+    return found
+
+
 def unpicklable_error(
     name: str,
     fn: Any,
@@ -441,19 +458,10 @@ def unpicklable_error(
     parts += [(f"keyword argument {k!r}", v) for k, v in (kwargs or {}).items()]
     label, value = "", None
     for part, obj in parts:
-        try:
-            pickle.dumps(obj, protocol=5)
-            continue
-        except Exception as e:  # noqa: BLE001 - the culprit, unless it goes by value
-            found: BaseException = e
-        if cloud is not None:
-            try:
-                cloud.dumps(obj, protocol=5)
-                continue
-            except Exception as e:  # noqa: BLE001 - not by value either
-                found = e
-        label, value, exc = part, obj, found
-        break
+        found = pickling_error(obj, cloud)
+        if found is not None:
+            label, value, exc = part, obj, found
+            break
     why = f"{type(exc).__name__}: {exc}"
     even = ", even by value" if cloud is not None else ""
     if label == "the function":

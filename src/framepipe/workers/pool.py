@@ -8,7 +8,6 @@ import functools
 import itertools
 import operator
 import os
-import pickle
 import queue
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -22,7 +21,7 @@ from . import _dispatch as D
 from ._options import ProcessOptions
 from ._policy import PoolPolicy
 from ._tasks import _task_name, _unpicklable
-from .errors import PoolBroken, revive
+from .errors import PoolBroken, _cloudpickle_or_none, pickling_error, revive
 from .worker import _check_timeout
 
 __all__ = ["Pool"]
@@ -235,9 +234,9 @@ class Pool(concurrent.futures.Executor):
         or rich bar, to show the results handed out (see :mod:`._progress`)."""
         self._core._check_open()  # at the call, whichever path the map takes below
         if chunksize is not None:
-            _check_positive("chunksize", chunksize)
+            check_int("chunksize", chunksize)
         if buffersize is not None:
-            _check_positive("buffersize", buffersize)
+            check_int("buffersize", buffersize)
         _progress.check(progress)
         deadline = None if timeout is None else time.monotonic() + timeout
         items: Iterator[tuple[Any, ...]] = zip(*iterables)
@@ -308,7 +307,7 @@ class Pool(concurrent.futures.Executor):
         worker, submitted and not yet yielded)."""
         if buffersize is None:
             buffersize = D._MAP_STEP * self._max_workers
-        _check_positive("buffersize", buffersize)
+        check_int("buffersize", buffersize)
         _progress.check(progress)
         self._core._check_open()  # at the call, as map and submit raise
         out = _unordered(self, fn, _Source(iter(iterable)), buffersize)
@@ -646,26 +645,16 @@ def _length(iterables: tuple[Iterable[Any], ...]) -> int | None:
         return None
 
 
-def _check_positive(label: str, value: Any) -> None:
-    check_int(label, value)
-
-
 def _chunk_unpicklable(
     fn: Callable[..., Any], exc: BaseException, args: tuple[Any, ...]
 ) -> BaseException:
     """The error of a chunk of ``map(fn, ..., chunksize=n)`` that cannot be pickled
     (``args``: the stand-in of ``fn`` and the chunk's items): it names ``fn`` and the argument
     of the first item that cannot be sent, as an unchunked map's item does."""
+    cloud = _cloudpickle_or_none()
     for item in args[1]:
-        try:
-            pickle.dumps(item, protocol=5)
-            continue
-        except Exception as found:  # noqa: BLE001 - this item's, unless it goes by value
-            if not _byvalue.have_cloudpickle():
-                return _unpicklable(fn, found, tuple(item))
-        try:
-            _byvalue.dumps_by_value(item)
-        except Exception as found:  # noqa: BLE001 - this item's argument is named
+        found = pickling_error(item, cloud)
+        if found is not None:
             return _unpicklable(fn, found, tuple(item))
     return _unpicklable(fn, exc, ())
 
